@@ -1,0 +1,115 @@
+# EPX - expert-parallel exchange for MoE. GNU make.
+#
+#   make            build/lib/libepx.so and libepx.a (sm_90)
+#   make test       build and run every test (host tests always; GPU tests on visible GPUs)
+#   make bench      build and run the benchmark on every visible GPU (BENCH_ARGS=... to pass flags)
+#   make format     clang-format the sources in place (make format-check: only check)
+#   make install    PREFIX=/usr/local: header, libraries, pkg-config file
+# Knobs: CUDA_HOME, NCCL_HOME, NVCC_GENCODE, DEBUG=1, ASAN=1 (host code only).
+
+include mk/toolchain.mk
+
+PREFIX ?= /usr/local
+BUILD ?= build
+NVCC_GENCODE ?= -gencode arch=compute_90,code=sm_90
+
+OPT := -O2
+ifeq ($(DEBUG),1)
+  OPT := -O0 -g3 -DEPX_DEBUG_BUILD=1
+endif
+SAN :=
+ifeq ($(ASAN),1)
+  SAN := -fsanitize=address,undefined -fno-omit-frame-pointer
+endif
+
+INCLUDES := -Iinclude -Isrc/include -Isrc -I$(NCCL_INCDIR) -I$(CUDA_HOME)/include
+CC ?= gcc
+CXX ?= g++
+CFLAGS := -std=c11 -D_GNU_SOURCE $(OPT) -g -Wall -Wextra -Werror=implicit-function-declaration \
+          -fPIC -fvisibility=hidden $(SAN) $(INCLUDES)
+NVCCFLAGS := -std=c++17 $(OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexpr \
+             -Xcompiler -fPIC,-fvisibility=hidden,-Wall $(INCLUDES)
+LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
+          -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
+
+LIB_C  := $(wildcard src/*.c src/transport/*.c)
+LIB_CU := $(wildcard src/kernels/*.cu src/transport/*.cu)
+LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(LIB_CU))
+
+TEST_C  := $(wildcard tests/common/*.c tests/ref/*.c tests/host/*.c tests/gpu/*.c)
+TEST_CU := $(wildcard tests/gpu/*.cu)
+TEST_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(TEST_CU))
+
+BENCH_C  := $(wildcard bench/*.c)
+BENCH_CU := $(wildcard bench/*.cu)
+BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(BENCH_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(BENCH_CU))
+
+SHARED_LIB := $(BUILD)/lib/libepx.so
+STATIC_LIB := $(BUILD)/lib/libepx.a
+TEST_BIN := $(BUILD)/bin/epx_test
+BENCH_BIN := $(BUILD)/bin/epx_bench
+
+HEADERS := $(wildcard include/*.h src/include/*.h src/kernels/*.h src/kernels/*.cuh tests/*/*.h bench/*.h)
+
+.PHONY: all lib test bench format format-check install clean header-check
+all: lib
+lib: $(SHARED_LIB) $(STATIC_LIB)
+
+$(BUILD)/obj/%.o: %.c $(HEADERS) mk/toolchain.mk
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cu $(HEADERS) mk/toolchain.mk
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Itests -c $< -o $@
+
+# Only epx_* symbols leave the shared library (src/epx.map).
+$(SHARED_LIB): $(LIB_OBJ) src/epx.map
+	@mkdir -p $(dir $@)
+	$(CXX) -shared -o $@ $(LIB_OBJ) -Wl,--version-script=src/epx.map -Wl,-soname,libepx.so.0 $(SAN) $(LDLIBS)
+
+$(STATIC_LIB): $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $(LIB_OBJ)
+
+# Tests and the benchmark link the static archive: they may use internal headers.
+$(TEST_BIN): $(TEST_OBJ) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $(TEST_OBJ) $(STATIC_LIB) $(SAN) $(LDLIBS)
+
+$(BENCH_BIN): $(BENCH_OBJ) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $(BENCH_OBJ) $(STATIC_LIB) $(SAN) $(LDLIBS)
+
+# The public header must stand alone as strict C11.
+header-check:
+	@mkdir -p $(BUILD)
+	printf '#include <epx.h>\nint main(void){epx_group_config_t c = EPX_GROUP_CONFIG_INIT; (void)c; return 0;}\n' > $(BUILD)/header_check.c
+	$(CC) -std=c11 -Wall -Wextra -pedantic -Werror -Iinclude -I$(NCCL_INCDIR) -I$(CUDA_HOME)/include -c $(BUILD)/header_check.c -o $(BUILD)/header_check.o
+
+test: lib header-check $(TEST_BIN)
+	$(TEST_BIN) $(TEST_ARGS)
+
+bench: $(BENCH_BIN)
+	$(BENCH_BIN) $(BENCH_ARGS)
+
+FORMAT_FILES := $(wildcard include/*.h src/*.c src/include/*.h src/*/*.c src/*/*.cu src/*/*.cuh src/*/*.h \
+                  tests/*/*.c tests/*/*.h tests/*/*.cu bench/*.c bench/*.cu bench/*.h)
+format:
+	clang-format -i $(FORMAT_FILES)
+format-check:
+	clang-format --dry-run --Werror $(FORMAT_FILES)
+
+install: lib
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 include/epx.h $(DESTDIR)$(PREFIX)/include/
+	install -m 755 $(SHARED_LIB) $(DESTDIR)$(PREFIX)/lib/libepx.so.0
+	ln -sf libepx.so.0 $(DESTDIR)$(PREFIX)/lib/libepx.so
+	install -m 644 $(STATIC_LIB) $(DESTDIR)$(PREFIX)/lib/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(shell sed -n 's/^#define EPX_VERSION_\(MAJOR\|MINOR\|PATCH\) //p' include/epx.h | paste -sd.)|' \
+	    -e 's|@CUDA_LIBDIR@|$(CUDA_LIBDIR)|g' -e 's|@NCCL_LIBDIR@|$(NCCL_LIBDIR)|g' -e 's|@NCCL_LINK@|$(NCCL_LINK)|g' \
+	    -e 's|@CUDA_INCDIR@|$(CUDA_HOME)/include|g' -e 's|@NCCL_INCDIR@|$(NCCL_INCDIR)|g' \
+	    mk/epx.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/epx.pc
+
+clean:
+	rm -rf $(BUILD)

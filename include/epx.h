@@ -1,0 +1,244 @@
+/*
+ * epx.h - the public C API of EPX, expert-parallel exchange for Mixture-of-Experts.
+ *
+ * EPX moves MoE tokens to the GPUs that hold their experts (dispatch) and brings the expert
+ * outputs back, reduced, to the tokens' home GPUs (combine). One process drives one GPU; a
+ * group of R processes shares a symmetric workspace registered with NCCL, and kernels write
+ * into peers' memory over NVLink.
+ *
+ * Conventions used throughout:
+ *  - Every function returns an epx_status_t; EPX_OK is 0. On failure epx_last_error() returns a
+ *    message (per thread) naming the argument or the condition.
+ *  - Structs passed in start with a `size` field; initialize them with their EPX_*_INIT macro so
+ *    that later versions can grow them. 0 in a field marked "0 = auto" selects the default.
+ *  - Device pointers are plain CUDA device pointers; operations are asynchronous on the
+ *    `cudaStream_t` given last and ordered with the caller's other work on that stream.
+ *  - "Collective" means every rank of the group must make the call, in the same order.
+ *
+ * This header is plain C11 and needs only <nccl.h> and <cuda_runtime_api.h>.
+ */
+#ifndef EPX_H_
+#define EPX_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Version
+ * ------------------------------------------------------------------------------------------- */
+#define EPX_VERSION_MAJOR 0
+#define EPX_VERSION_MINOR 1
+#define EPX_VERSION_PATCH 0
+#define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
+
+/* ---------------------------------------------------------------------------------------------
+ * Status codes: one list, expanded into the enum here and into the strings in src/status.c.
+ * ------------------------------------------------------------------------------------------- */
+#define EPX_STATUS_MAP(X)                                                                        \
+  X(OK, 0, "success")                                                                            \
+  X(ERR_CUDA, 1, "a CUDA call failed; run with EPX_DEBUG=INFO for details")                      \
+  X(ERR_NCCL, 2, "an NCCL call failed; run with NCCL_DEBUG=WARN and EPX_DEBUG=INFO for details") \
+  X(ERR_SYSTEM, 3, "a system call or allocation failed; check memory and limits")                \
+  X(ERR_INTERNAL, 4, "internal error in EPX; please report it with EPX_DEBUG=TRACE output")      \
+  X(ERR_INVALID_ARGUMENT, 5, "invalid argument; epx_last_error() names it")                      \
+  X(ERR_INVALID_USAGE, 6, "invalid usage (wrong order, destroyed handle, or mismatched ranks)")  \
+  X(ERR_TIMEOUT, 7, "a wait on a peer exceeded its time budget; see epx_group_get_async_error")  \
+  X(ERR_PEER_FAILED, 8, "a peer stopped responding and was masked; see epx_group_get_async_error") \
+  X(ERR_UNSUPPORTED, 9, "unsupported configuration or machine; epx_last_error() says which part")
+
+typedef enum epx_status {
+#define EPX_STATUS_ENUM_(name, value, text) EPX_##name = value,
+  EPX_STATUS_MAP(EPX_STATUS_ENUM_)
+#undef EPX_STATUS_ENUM_
+  EPX_NUM_STATUS
+} epx_status_t;
+
+/* epx_get_version - the EPX_VERSION_CODE the library was built with.
+ *   version - [OUT] e.g. 100 for 0.1.0.
+ * Returns EPX_OK, or EPX_ERR_INVALID_ARGUMENT if version is NULL. Not collective. */
+epx_status_t epx_get_version(int *version);
+
+/* epx_status_string - a static, human-readable string for a status (never NULL). */
+const char *epx_status_string(epx_status_t status);
+
+/* epx_last_error - the message of the last failed EPX call on this thread ("" if none). The
+ * pointer stays valid until the next EPX call on this thread. */
+const char *epx_last_error(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Data types and modes
+ * ------------------------------------------------------------------------------------------- */
+typedef enum epx_dtype {
+  EPX_DTYPE_BF16 = 1 << 0,     /* bfloat16 payload */
+  EPX_DTYPE_FP8_E4M3 = 1 << 1, /* float8 e4m3 payload with per-128-channel float32 scales */
+  EPX_DTYPE_INT32 = 1 << 2,    /* topk_idx as int32 */
+  EPX_DTYPE_INT64 = 1 << 3,    /* topk_idx as int64 */
+  EPX_DTYPE_FLOAT32 = 1 << 4   /* weights, scales */
+} epx_dtype_t;
+
+typedef enum epx_mode {
+  EPX_MODE_NORMAL = 1 << 0,     /* high-throughput dispatch/combine (prefill, training) */
+  EPX_MODE_LOW_LATENCY = 1 << 1 /* fixed-slot dispatch/combine (decode) */
+} epx_mode_t;
+
+/* Compiled limits. A config beyond them is refused with EPX_ERR_UNSUPPORTED. */
+#define EPX_MAX_RANKS 8
+#define EPX_MAX_TOP_K 16
+#define EPX_MAX_EXPERTS 1024
+#define EPX_MAX_HIDDEN 32768
+#define EPX_MAX_TOKENS_PER_RANK 65536
+
+/* 0 in a config field marked "0 = auto" selects the library default. */
+#define EPX_AUTO 0
+
+/* ---------------------------------------------------------------------------------------------
+ * Group configuration
+ * ------------------------------------------------------------------------------------------- */
+typedef struct epx_group_config {
+  size_t size;                 /* sizeof(epx_group_config_t); set by EPX_GROUP_CONFIG_INIT */
+  int version;                 /* EPX_VERSION_CODE the caller compiled against */
+  int max_tokens_per_rank;     /* required: most tokens any rank passes to one call, 1..65536 */
+  int hidden;                  /* required: elements per token; multiple of 8 (FP8: of 128) */
+  int num_experts;             /* required: E, a multiple of the rank count, up to 1024 */
+  int top_k;                   /* required: experts per token, 1..16 */
+  unsigned int dtypes;         /* payload dtypes to support (EPX_DTYPE_BF16 | ..._FP8_E4M3);
+                                  0 = auto: BF16 and FP8 */
+  unsigned int modes;          /* EPX_MODE_* to size the workspace for; 0 = auto: NORMAL */
+  int num_sms;                 /* SM budget of normal-mode kernels; 0 = auto (24) */
+  int timeout_ms;              /* budget of every wait on a peer; 0 = auto (EPX_TIMEOUT_MS or
+                                  5000) */
+} epx_group_config_t;
+
+#define EPX_GROUP_CONFIG_INIT \
+  { sizeof(epx_group_config_t), EPX_VERSION_CODE, 0, 0, 0, 0, 0u, 0u, EPX_AUTO, EPX_AUTO }
+
+/* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each
+ * GPU, before anything is allocated. Uses the same layout code as the kernels.
+ *   config    - [IN] a config; auto fields are resolved as epx_group_create would.
+ *   num_ranks - [IN] ranks of the group, 2..EPX_MAX_RANKS.
+ *   bytes     - [OUT] workspace bytes per GPU.
+ * Returns EPX_OK, EPX_ERR_INVALID_ARGUMENT (bad field, named in epx_last_error), or
+ * EPX_ERR_UNSUPPORTED (beyond the compiled limits). Not collective; touches no GPU. */
+epx_status_t epx_workspace_size(const epx_group_config_t *config, int num_ranks, size_t *bytes);
+
+/* epx_config_validate - the checks epx_group_create applies to a config, without a GPU.
+ * Returns as epx_workspace_size. Not collective. */
+epx_status_t epx_config_validate(const epx_group_config_t *config, int num_ranks);
+
+/* ---------------------------------------------------------------------------------------------
+ * Group
+ * ------------------------------------------------------------------------------------------- */
+typedef struct epx_group *epx_group_t;
+
+/* epx_group_create - create a group over an existing NCCL communicator. COLLECTIVE over comm.
+ * The current CUDA device must be the communicator's device. Checks that the NCCL runtime
+ * matches the headers EPX was built with, that every rank passed the same config, that every
+ * peer is reachable over NVLink/P2P, then allocates the workspace (ncclMemAlloc), registers it as
+ * a symmetric window and resolves peer pointers. The group keeps a reference to comm; destroy
+ * the group before the communicator.
+ *   comm   - [IN] an initialized NCCL communicator, 2..EPX_MAX_RANKS ranks on one host.
+ *   config - [IN] the group's maxima and options; must be identical on every rank.
+ *   group  - [OUT] the new group; NULL on failure.
+ * Returns EPX_OK; EPX_ERR_INVALID_ARGUMENT (bad config field); EPX_ERR_UNSUPPORTED (config
+ * beyond the compiled limits, peers not all on NVLink, NCCL version mismatch);
+ * EPX_ERR_INVALID_USAGE (configs differ across ranks); EPX_ERR_NCCL / EPX_ERR_CUDA. A failure
+ * caused by the config or the machine is seen by every rank alike, so no rank is left waiting. */
+epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config, epx_group_t *group);
+
+/* epx_group_destroy - release the workspace and everything the group holds. COLLECTIVE.
+ * Synchronizes the device first. destroy(NULL) returns EPX_OK; a destroyed handle passed to any
+ * call returns EPX_ERR_INVALID_USAGE (as long as its memory was not reused). */
+epx_status_t epx_group_destroy(epx_group_t group);
+
+/* Queries. Not collective; no GPU work.
+ *   epx_group_rank / epx_group_size - [OUT] this rank and the number of ranks.
+ *   epx_group_get_config - [OUT] the resolved config (auto fields filled in).
+ *   epx_group_workspace_bytes - [OUT] bytes of symmetric workspace on each GPU. */
+epx_status_t epx_group_rank(epx_group_t group, int *rank);
+epx_status_t epx_group_size(epx_group_t group, int *num_ranks);
+epx_status_t epx_group_get_config(epx_group_t group, epx_group_config_t *config);
+epx_status_t epx_group_workspace_bytes(epx_group_t group, size_t *bytes);
+
+/* epx_group_barrier - a device-side barrier across all ranks, on stream. COLLECTIVE. The kernel
+ * returns once every rank's barrier kernel has started; each wait is bounded by the group's
+ * timeout, and an expired wait is reported through epx_group_get_async_error (stage
+ * EPX_STAGE_BARRIER, naming the peer) instead of hanging. Capturable in a CUDA graph. */
+epx_status_t epx_group_barrier(epx_group_t group, cudaStream_t stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * Asynchronous errors: conditions that kernels detect (timeouts, bad expert ids) are recorded
+ * in host-visible memory as they happen; the first one is kept until cleared.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum epx_stage {
+  EPX_STAGE_NONE = 0,
+  EPX_STAGE_LAYOUT = 1,
+  EPX_STAGE_BARRIER = 2,
+  EPX_STAGE_NOTIFY = 3,
+  EPX_STAGE_DISPATCH = 4,
+  EPX_STAGE_COMBINE = 5,
+  EPX_STAGE_LL_DISPATCH = 6,
+  EPX_STAGE_LL_COMBINE = 7
+} epx_stage_t;
+
+typedef struct epx_async_error {
+  epx_status_t status;  /* EPX_OK when nothing was recorded */
+  epx_stage_t stage;    /* where it happened */
+  int peer;             /* the peer waited for, -1 if none */
+  long long position;   /* e.g. flat index t*top_k+k of the first bad expert id; -1 if none */
+  long long value;      /* e.g. the bad expert id, or the flag value waited for */
+  char message[256];    /* one line, ready to log */
+} epx_async_error_t;
+
+/* epx_group_get_async_error - the first asynchronous error recorded since the last clear. Does
+ * not synchronize with any stream: to see the errors of work already queued, synchronize that
+ * stream first. Not collective.
+ *   error - [OUT] error->status is EPX_OK when none was recorded.
+ * Returns EPX_OK (whether or not an error was recorded) or EPX_ERR_INVALID_ARGUMENT/USAGE. */
+epx_status_t epx_group_get_async_error(epx_group_t group, epx_async_error_t *error);
+
+/* epx_group_clear_async_error - forget the recorded error. Synchronizes the device. Not
+ * collective. */
+epx_status_t epx_group_clear_async_error(epx_group_t group);
+
+/* ---------------------------------------------------------------------------------------------
+ * Layout: from the router's choice, what each rank will send where.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct epx_layout_args {
+  size_t size;                /* sizeof(epx_layout_args_t); set by EPX_LAYOUT_ARGS_INIT */
+  const void *topk_idx;       /* [IN] [num_tokens, top_k] expert ids, -1 = empty slot */
+  epx_dtype_t topk_idx_dtype; /* EPX_DTYPE_INT64 or EPX_DTYPE_INT32 */
+  int num_tokens;             /* T, 0..max_tokens_per_rank */
+  /* Outputs, device memory, written in full; any may be NULL to skip it. */
+  int *num_tokens_per_rank;   /* [OUT] [R] tokens this rank sends to each rank (own included) */
+  int *num_tokens_per_expert; /* [OUT] [E] tokens choosing each expert (a token is counted
+                                 once per expert even if it lists it twice) */
+  uint8_t *is_token_in_rank;  /* [OUT] [T, R] 1 if token t goes to rank r, else 0 */
+  int *token_pos_in_rank;     /* [OUT] [T, R] position of token t among the tokens this rank
+                                 sends to rank r (source-token order), -1 if not sent */
+} epx_layout_args_t;
+
+#define EPX_LAYOUT_ARGS_INIT { sizeof(epx_layout_args_t), NULL, EPX_DTYPE_INT64, 0, NULL, NULL, NULL, NULL }
+
+/* epx_layout - compute the dispatch layout of this rank's tokens on the GPU, asynchronously on
+ * stream. Not collective. Expert ids outside [-1, E) are found on the GPU: they are treated as
+ * empty slots (nothing is written out of bounds) and the first one (lowest t*top_k+k) is
+ * recorded as an asynchronous error with status EPX_ERR_INVALID_ARGUMENT, stage
+ * EPX_STAGE_LAYOUT, its position and value; epx_group_get_async_error returns it once the
+ * stream has been synchronized.
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT for bad host-visible arguments (NULL or
+ * misaligned pointers, num_tokens out of range, bad dtype), naming the argument; nothing is
+ * launched then. */
+epx_status_t epx_layout(epx_group_t group, const epx_layout_args_t *args, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_H_ */

@@ -1,0 +1,323 @@
+/*
+ * group.c - group create/destroy, the live-group registry, queries, async errors and the
+ * barrier entry point.
+ *
+ * Creation is collective and never leaves a rank waiting on another that has already given
+ * up: every rank first runs its local checks (NCCL version, config, NVLink reachability),
+ * then all ranks all-gather a fingerprint of those results and of their configs, and every rank
+ * takes the same decision from the same data. Only then is memory allocated and registered.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checks.h"
+#include "config.h"
+#include "debug.h"
+#include "group.h"
+#include "kernels/api.h"
+#include "transport.h"
+
+/* ------------------------------------------------------------------------------------------
+ * Registry of live groups: a destroyed or foreign handle is refused without dereferencing it.
+ * ---------------------------------------------------------------------------------------- */
+typedef struct live_node {
+  epx_group_t group;
+  struct live_node *next;
+} live_node_t;
+
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static live_node_t *live_groups;
+
+static void live_add(epx_group_t g, live_node_t *node) {
+  pthread_mutex_lock(&live_lock);
+  node->group = g;
+  node->next = live_groups;
+  live_groups = node;
+  pthread_mutex_unlock(&live_lock);
+}
+
+static live_node_t *live_remove(epx_group_t g) {
+  pthread_mutex_lock(&live_lock);
+  live_node_t **pp = &live_groups, *found = NULL;
+  while (*pp && (*pp)->group != g) pp = &(*pp)->next;
+  if (*pp) {
+    found = *pp;
+    *pp = found->next;
+  }
+  pthread_mutex_unlock(&live_lock);
+  return found;
+}
+
+epx_status_t epx__group_check(epx_group_t g) {
+  if (!g) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "group is NULL");
+  pthread_mutex_lock(&live_lock);
+  live_node_t *n = live_groups;
+  while (n && n->group != g) n = n->next;
+  pthread_mutex_unlock(&live_lock);
+  if (!n)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "group %p is not a live EPX group (destroyed, or never created)", (void *)g);
+  return EPX_OK;
+}
+
+void epx__group_kernel_ctx(epx_group_t g, epx__kernel_ctx_t *ctx) {
+  memset(ctx, 0, sizeof *ctx);
+  memcpy(ctx->peer_base, g->peer_base, sizeof ctx->peer_base);
+  ctx->rank = g->rank;
+  ctx->num_ranks = g->num_ranks;
+  ctx->timeout_ns = (unsigned long long)g->config.timeout_ms * 1000000ull;
+  ctx->error = g->error_dev;
+  ctx->layout = g->layout;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Agreement across ranks before anything is allocated.
+ * ---------------------------------------------------------------------------------------- */
+enum {
+  FP_STATUS, FP_NCCL_VERSION, FP_EPX_VERSION, FP_NUM_RANKS, FP_LSA_SIZE, FP_MAX_TOKENS, FP_HIDDEN,
+  FP_EXPERTS, FP_TOP_K, FP_DTYPES, FP_MODES, FP_NUM_SMS, FP_TIMEOUT_MS, FP_COUNT
+};
+static const char *const fp_names[FP_COUNT] = {
+    "local status", "NCCL runtime version", "EPX version", "rank count", "NVLink (LSA) team size",
+    "config.max_tokens_per_rank", "config.hidden", "config.num_experts", "config.top_k",
+    "config.dtypes", "config.modes", "config.num_sms", "config.timeout_ms"};
+
+/* All-gather `mine` over comm into all[num_ranks][FP_COUNT] through a small device buffer. */
+static epx_status_t allgather_fingerprint(ncclComm_t comm, int num_ranks, const long long *mine,
+                                          long long *all) {
+  epx_status_t res = EPX_OK;
+  long long *dev = NULL;
+  cudaStream_t stream = NULL;
+  size_t one = FP_COUNT * sizeof(long long);
+  CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), res, exit);
+  CUDA_CHECK_GOTO(cudaMalloc((void **)&dev, one * (num_ranks + 1)), res, exit);
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(dev + (size_t)num_ranks * FP_COUNT, mine, one, cudaMemcpyHostToDevice, stream),
+                  res, exit);
+  NCCL_CHECK_GOTO(ncclAllGather(dev + (size_t)num_ranks * FP_COUNT, dev, FP_COUNT, ncclInt64, comm, stream),
+                  res, exit);
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(all, dev, one * num_ranks, cudaMemcpyDeviceToHost, stream), res, exit);
+  CUDA_CHECK_GOTO(cudaStreamSynchronize(stream), res, exit);
+exit:
+  if (dev) cudaFree(dev);
+  if (stream) cudaStreamDestroy(stream);
+  return res;
+}
+
+/* The same decision on every rank, from the same gathered data. */
+static epx_status_t agree(int rank, int num_ranks, epx_status_t local, const long long *all) {
+  for (int q = 0; q < num_ranks; q++) {
+    if (all[q * FP_COUNT + FP_STATUS] == EPX_OK) continue;
+    if (q == rank) return local; /* our own message is already in epx_last_error */
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "epx_group_create: rank %d failed its local checks (%s); see its log", q,
+                          epx_status_string((epx_status_t)all[q * FP_COUNT + FP_STATUS]));
+  }
+  for (int f = FP_NCCL_VERSION; f < FP_COUNT; f++)
+    for (int q = 1; q < num_ranks; q++)
+      if (all[q * FP_COUNT + f] != all[f])
+        return epx__set_error(EPX_ERR_INVALID_USAGE,
+                              "epx_group_create: %s differs across ranks: rank 0 has %lld, rank %d has "
+                              "%lld; every rank must pass the same config",
+                              fp_names[f], all[f], q, all[q * FP_COUNT + f]);
+  return EPX_OK;
+}
+
+/* Local checks of this rank; fills the resolved config. */
+static epx_status_t local_checks(ncclComm_t comm, int num_ranks, const epx_group_config_t *in,
+                                 epx_group_config_t *cfg, int *lsa_size, int *num_device_sms) {
+  int version = 0;
+  NCCL_CHECK(ncclGetVersion(&version));
+  if (version != NCCL_VERSION_CODE)
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "NCCL runtime is version %d but EPX was built with NCCL headers %d; the "
+                          "device API of this NCCL needs them equal (check LD_LIBRARY_PATH)",
+                          version, NCCL_VERSION_CODE);
+  EPX_CHECK(epx__config_resolve(in, num_ranks, cfg));
+  int comm_dev = -1, cur_dev = -1;
+  NCCL_CHECK(ncclCommCuDevice(comm, &comm_dev));
+  CUDA_CHECK(cudaGetDevice(&cur_dev));
+  if (comm_dev != cur_dev)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "the current CUDA device is %d but the communicator's is %d; call "
+                          "cudaSetDevice(%d) first",
+                          cur_dev, comm_dev, comm_dev);
+  CUDA_CHECK(cudaDeviceGetAttribute(num_device_sms, cudaDevAttrMultiProcessorCount, cur_dev));
+  if (cfg->num_sms > *num_device_sms)
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "config.num_sms = %d: the GPU has only %d SMs",
+                          cfg->num_sms, *num_device_sms);
+  EPX_CHECK(epx__transport_lsa_size(comm, lsa_size));
+  if (*lsa_size != num_ranks)
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "only %d of the %d ranks are reachable over NVLink/P2P from this rank; EPX "
+                          "needs every peer on NVLink (one host, CUDA P2P between all GPUs)",
+                          *lsa_size, num_ranks);
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config, epx_group_t *group) {
+  EPX_ARG_CHECK(comm != NULL, "epx_group_create: comm is NULL");
+  if (group) *group = NULL;
+  int num_ranks = 0, rank = 0;
+  NCCL_CHECK(ncclCommCount(comm, &num_ranks));
+  NCCL_CHECK(ncclCommUserRank(comm, &rank));
+  epx__log_set_rank(rank);
+
+  epx_group_config_t cfg;
+  memset(&cfg, 0, sizeof cfg);
+  int lsa_size = 0, num_device_sms = 0;
+  epx_status_t local = group ? local_checks(comm, num_ranks, config, &cfg, &lsa_size, &num_device_sms)
+                             : epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_group_create: group is NULL");
+  char local_msg[512];
+  snprintf(local_msg, sizeof local_msg, "%s", epx_last_error());
+
+  long long mine[FP_COUNT] = {local, NCCL_VERSION_CODE, EPX_VERSION_CODE, num_ranks, lsa_size,
+                              cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, cfg.top_k,
+                              cfg.dtypes, cfg.modes, cfg.num_sms, cfg.timeout_ms};
+  long long *all = (long long *)calloc((size_t)num_ranks * FP_COUNT, sizeof(long long));
+  if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
+  epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all);
+  if (res == EPX_OK) {
+    if (local != EPX_OK) epx__set_error(local, "%s", local_msg); /* restore the local reason */
+    res = agree(rank, num_ranks, local, all);
+  }
+  free(all);
+  if (res != EPX_OK) return res;
+
+  epx_group_t g = (epx_group_t)calloc(1, sizeof *g);
+  live_node_t *node = (live_node_t *)calloc(1, sizeof *node);
+  if (!g || !node) {
+    free(g);
+    free(node);
+    return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
+  }
+  g->rank = rank;
+  g->num_ranks = num_ranks;
+  g->comm = comm;
+  g->config = cfg;
+  g->num_device_sms = num_device_sms;
+  CUDA_CHECK_GOTO(cudaGetDevice(&g->cuda_device), res, fail);
+  epx__config_layout(&cfg, num_ranks, &g->layout);
+  CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&g->setup_stream, cudaStreamNonBlocking), res, fail);
+  CUDA_CHECK_GOTO(cudaHostAlloc((void **)&g->error_host, sizeof *g->error_host, cudaHostAllocMapped), res,
+                  fail);
+  memset((void *)g->error_host, 0, sizeof *g->error_host);
+  CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&g->error_dev, (void *)g->error_host, 0), res, fail);
+  g->transport = &epx__transport_nvlink;
+  EPX_CHECK_GOTO(g->transport->open(g), res, fail);
+  live_add(g, node);
+  EPX_INFO(EPX_SUBSYS_GROUP, "group created: rank %d of %d, workspace %zu bytes, transport %s", rank,
+           num_ranks, g->layout.total_bytes, g->transport->name);
+  *group = g;
+  return EPX_OK;
+fail:
+  if (g->transport) g->transport->close(g);
+  if (g->error_host) cudaFreeHost((void *)g->error_host);
+  if (g->setup_stream) cudaStreamDestroy(g->setup_stream);
+  free(g);
+  free(node);
+  return res;
+}
+
+EPX_EXPORT epx_status_t epx_group_destroy(epx_group_t g) {
+  if (!g) return EPX_OK;
+  EPX_CHECK(epx__group_check(g));
+  live_node_t *node = live_remove(g);
+  free(node);
+  epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
+  epx_status_t r2 = g->transport->close(g);
+  if (res == EPX_OK) res = r2;
+  if (g->error_host) cudaFreeHost((void *)g->error_host);
+  if (g->setup_stream) cudaStreamDestroy(g->setup_stream);
+  free(g);
+  return res;
+}
+
+EPX_EXPORT epx_status_t epx_group_rank(epx_group_t g, int *rank) {
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(rank != NULL, "epx_group_rank: rank is NULL");
+  *rank = g->rank;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_size(epx_group_t g, int *num_ranks) {
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(num_ranks != NULL, "epx_group_size: num_ranks is NULL");
+  *num_ranks = g->num_ranks;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_get_config(epx_group_t g, epx_group_config_t *config) {
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(config != NULL, "epx_group_get_config: config is NULL");
+  *config = g->config;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_workspace_bytes(epx_group_t g, size_t *bytes) {
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(bytes != NULL, "epx_group_workspace_bytes: bytes is NULL");
+  *bytes = g->layout.total_bytes;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_barrier(epx_group_t g, cudaStream_t stream) {
+  EPX_CHECK(epx__group_check(g));
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  return epx__barrier_launch(&ctx, stream);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Async errors
+ * ---------------------------------------------------------------------------------------- */
+static const char *stage_name(int stage) {
+  static const char *const names[] = {"none", "layout", "barrier", "notify", "dispatch", "combine",
+                                      "low-latency dispatch", "low-latency combine"};
+  return stage >= 0 && stage < (int)(sizeof names / sizeof names[0]) ? names[stage] : "unknown";
+}
+
+EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error_t *err) {
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(err != NULL, "epx_group_get_async_error: error is NULL");
+  memset(err, 0, sizeof *err);
+  err->peer = -1;
+  err->position = -1;
+  /* NOTE: status is written last by the kernel, after a system fence; read it first. */
+  int status = g->error_host->status;
+  if (status == 0) return EPX_OK;
+  __sync_synchronize();
+  err->status = (epx_status_t)status;
+  err->stage = (epx_stage_t)g->error_host->stage;
+  err->peer = g->error_host->peer;
+  err->position = g->error_host->position;
+  err->value = g->error_host->value;
+  if (err->stage == EPX_STAGE_LAYOUT && status == EPX_ERR_INVALID_ARGUMENT) {
+    int k = g->config.top_k;
+    snprintf(err->message, sizeof err->message,
+             "rank %d: topk_idx[%lld][%lld] = %lld is outside [-1, %d) (flat position %lld); that "
+             "slot was treated as empty",
+             g->rank, err->position / k, err->position % k, err->value, g->config.num_experts,
+             err->position);
+  } else if (status == EPX_ERR_TIMEOUT) {
+    snprintf(err->message, sizeof err->message,
+             "rank %d: %s timed out after %d ms waiting for peer %d (waited for value %lld)", g->rank,
+             stage_name(err->stage), g->config.timeout_ms, err->peer, err->value);
+  } else {
+    snprintf(err->message, sizeof err->message, "rank %d: %s in %s (peer %d, position %lld, value %lld)",
+             g->rank, epx_status_string(err->status), stage_name(err->stage), err->peer, err->position,
+             err->value);
+  }
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_clear_async_error(epx_group_t g) {
+  EPX_CHECK(epx__group_check(g));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  epx__control_t *ctrl = (epx__control_t *)(g->workspace + g->layout.control_offset);
+  CUDA_CHECK(cudaMemsetAsync(&ctrl->error_claim, 0, sizeof ctrl->error_claim, g->setup_stream));
+  CUDA_CHECK(cudaStreamSynchronize(g->setup_stream));
+  memset((void *)g->error_host, 0, sizeof *g->error_host);
+  return EPX_OK;
+}

@@ -1,0 +1,75 @@
+/*
+ * group.h - the group object behind epx_group_t, and what kernels receive from it.
+ *
+ * A group owns: the resolved config, the workspace layout, the transport state (symmetric
+ * window, device communicator), the table of peer base pointers, and the host-mapped async
+ * error record. Live groups are kept in a registry so that a destroyed or foreign handle is
+ * refused with EPX_ERR_INVALID_USAGE instead of being dereferenced.
+ */
+#ifndef EPX_GROUP_H_
+#define EPX_GROUP_H_
+
+#include "epx.h"
+#include "workspace.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Written by kernels through a host-mapped pointer, read by the host without synchronizing.
+ * `status` is written last (after a system fence), so a nonzero status means the rest is set. */
+typedef struct epx__error_record {
+  volatile int status; /* epx_status_t; 0 = none */
+  int stage;           /* epx_stage_t */
+  int peer;
+  int reserved;
+  long long position;
+  long long value;
+} epx__error_record_t;
+
+/* Everything a kernel needs from the group, passed by value at launch. */
+typedef struct epx__kernel_ctx {
+  char *peer_base[EPX_MAX_RANKS]; /* workspace base of every rank as mapped here; own included */
+  int rank, num_ranks;
+  unsigned long long timeout_ns;  /* budget of each wait on a peer */
+  epx__error_record_t *error;     /* device alias of the host-mapped error record */
+  epx__ws_layout_t layout;
+} epx__kernel_ctx_t;
+
+struct epx__transport_ops;
+
+struct epx_group {
+  int rank, num_ranks, cuda_device, num_device_sms;
+  ncclComm_t comm;
+  epx_group_config_t config; /* resolved: no auto fields */
+  epx__ws_layout_t layout;
+  const struct epx__transport_ops *transport;
+  void *transport_state;
+  char *workspace;                /* local base of the symmetric workspace */
+  char *peer_base[EPX_MAX_RANKS]; /* resolved by the transport */
+  epx__error_record_t *error_host, *error_dev;
+  cudaStream_t setup_stream;      /* internal work at create/destroy/clear */
+};
+
+/* Transports behind one table, chosen at group creation; common code never branches on it. */
+typedef struct epx__transport_ops {
+  const char *name;
+  /* Allocate g->layout.total_bytes of workspace on every rank, zeroed, register it and fill
+   * g->workspace and g->peer_base. Collective. */
+  epx_status_t (*open)(struct epx_group *g);
+  /* Release what open created; safe on a partially opened group. Collective. */
+  epx_status_t (*close)(struct epx_group *g);
+} epx__transport_ops_t;
+
+extern const epx__transport_ops_t epx__transport_nvlink;
+
+/* EPX_OK if g is a live group; EPX_ERR_INVALID_ARGUMENT if NULL; EPX_ERR_INVALID_USAGE if
+ * destroyed or never created. */
+epx_status_t epx__group_check(epx_group_t g);
+void epx__group_kernel_ctx(epx_group_t g, epx__kernel_ctx_t *ctx);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_GROUP_H_ */

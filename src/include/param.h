@@ -1,0 +1,35 @@
+/*
+ * param.h - environment knobs. Each knob is declared once with EPX_PARAM and listed in
+ * docs/env.md; its value is read from the environment on first use and cached.
+ */
+#ifndef EPX_PARAM_H_
+#define EPX_PARAM_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* Read env var `name` as an integer; `def` if unset or not a number. Not cached. */
+int64_t epx__param_env_int(const char *name, int64_t def);
+#ifdef __cplusplus
+}
+#endif
+
+/* EPX_PARAM(Name, "ENV", default) defines `int64_t epx__param_Name(void)`, read once. */
+#define EPX_PARAM(name, env, def)                                   \
+  static inline int64_t epx__param_##name(void) {                   \
+    static int64_t cached_;                                         \
+    static int loaded_;                                             \
+    if (!loaded_) {                                                 \
+      cached_ = epx__param_env_int("EPX_" env, (def));              \
+      loaded_ = 1;                                                  \
+    }                                                               \
+    return cached_;                                                 \
+  }
+
+/* Every knob of the library (docs/env.md). */
+EPX_PARAM(TimeoutMs, "TIMEOUT_MS", 5000)
+EPX_PARAM(NumSms, "NUM_SMS", 24)
+
+#endif /* EPX_PARAM_H_ */

@@ -1,0 +1,273 @@
+/*
+ * runner.c - the test runner's main: registry, process isolation, timeouts, GPU rank trees.
+ *
+ * Usage: epx_test [--filter SUBSTR] [--ranks 2,4] [--seed N] [--list]
+ * Process tree of a GPU test: runner -> leader (own process group) -> R rank processes. The
+ * runner kills the whole group when the test's timeout expires, so a hung kernel or a stuck
+ * NCCL call ends as a failure, never as a hang of the suite.
+ */
+#include "common/runner.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_TESTS 256
+
+typedef struct {
+  const char *name;
+  epx_host_test_fn host_fn;
+  epx_gpu_test_fn gpu_fn;
+  int timeout_s;
+} test_entry_t;
+
+static test_entry_t tests[MAX_TESTS];
+static int num_tests;
+static uint64_t current_seed;
+
+static void add_test(const char *name, epx_host_test_fn h, epx_gpu_test_fn g, int timeout_s) {
+  if (num_tests == MAX_TESTS) {
+    fprintf(stderr, "runner: more than %d tests; raise MAX_TESTS\n", MAX_TESTS);
+    exit(2);
+  }
+  tests[num_tests++] = (test_entry_t){name, h, g, timeout_s > 0 ? timeout_s : 60};
+}
+void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s) {
+  add_test(name, fn, NULL, timeout_s);
+}
+void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s) {
+  add_test(name, NULL, fn, timeout_s);
+}
+uint64_t epx_test_seed(void) { return current_seed; }
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Wait for pid up to timeout_s; kill its process group on expiry. Returns the exit code, or -1
+ * for a timeout, or 128+signal. */
+static int wait_with_timeout(pid_t pid, int timeout_s) {
+  double deadline = now_s() + timeout_s;
+  for (;;) {
+    int status;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) {
+      if (WIFEXITED(status)) return WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+      return TEST_FAIL;
+    }
+    if (r < 0 && errno != EINTR) return TEST_FAIL;
+    if (now_s() > deadline) {
+      kill(-pid, SIGKILL);
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return -1;
+    }
+    usleep(2000);
+  }
+}
+
+/* Visible GPUs, counted in a child so that this process never initializes CUDA. */
+static int count_gpus(void) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+    _exit(n > 200 ? 200 : n);
+  }
+  if (pid < 0) return 0;
+  int code = wait_with_timeout(pid, 60);
+  return code < 0 || code > 200 ? 0 : code;
+}
+
+static int write_all(int fd, const void *buf, size_t n) {
+  const char *p = (const char *)buf;
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return -1;
+    p += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+static int read_all(int fd, void *buf, size_t n) {
+  char *p = (char *)buf;
+  while (n > 0) {
+    ssize_t r = read(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+/* One rank process: NCCL bootstrap, the test, teardown. */
+static int run_rank(const test_entry_t *t, int rank, int num_ranks, int id_to_leader, int id_from_leader) {
+  ncclUniqueId id;
+  if (rank == 0) {
+    if (ncclGetUniqueId(&id) != ncclSuccess) return TEST_FAIL;
+    if (write_all(id_to_leader, &id, sizeof id)) return TEST_FAIL;
+  } else {
+    if (read_all(id_from_leader, &id, sizeof id)) return TEST_FAIL;
+  }
+  epx_test_rank_t ctx = {rank, num_ranks, NULL, NULL, current_seed};
+  if (cudaSetDevice(rank) != cudaSuccess) return TEST_FAIL;
+  ncclResult_t nr = ncclCommInitRank(&ctx.comm, num_ranks, id, rank);
+  if (nr != ncclSuccess) {
+    fprintf(stderr, "  rank %d: ncclCommInitRank: %s\n", rank, ncclGetErrorString(nr));
+    return TEST_FAIL;
+  }
+  if (cudaStreamCreateWithFlags(&ctx.stream, cudaStreamNonBlocking) != cudaSuccess) return TEST_FAIL;
+  int code = t->gpu_fn(&ctx);
+  if (code != TEST_PASS) fprintf(stderr, "  rank %d: %s\n", rank, code == TEST_SKIP ? "skipped" : "failed");
+  cudaStreamSynchronize(ctx.stream);
+  cudaStreamDestroy(ctx.stream);
+  ncclCommDestroy(ctx.comm);
+  return code;
+}
+
+/* The leader: forks the ranks, relays the unique id, folds their exit codes. */
+static int run_leader(const test_entry_t *t, int num_ranks) {
+  int up[2], down[EPX_MAX_RANKS][2];
+  if (pipe(up)) return TEST_FAIL;
+  for (int r = 0; r < num_ranks; r++)
+    if (pipe(down[r])) return TEST_FAIL;
+  pid_t pids[EPX_MAX_RANKS];
+  for (int r = 0; r < num_ranks; r++) {
+    pids[r] = fork();
+    if (pids[r] < 0) return TEST_FAIL;
+    if (pids[r] == 0) {
+      fflush(stdout);
+      _exit(run_rank(t, r, num_ranks, up[1], down[r][0]));
+    }
+  }
+  ncclUniqueId id;
+  if (read_all(up[0], &id, sizeof id) == 0) {
+    for (int r = 1; r < num_ranks; r++) write_all(down[r][1], &id, sizeof id);
+  }
+  int any_fail = 0, any_skip = 0;
+  for (int r = 0; r < num_ranks; r++) {
+    int status;
+    if (waitpid(pids[r], &status, 0) < 0 || !WIFEXITED(status)) {
+      any_fail = 1;
+      if (WIFSIGNALED(status)) fprintf(stderr, "  rank %d: killed by signal %d\n", r, WTERMSIG(status));
+      continue;
+    }
+    int code = WEXITSTATUS(status);
+    if (code == TEST_SKIP) any_skip = 1;
+    else if (code != TEST_PASS) any_fail = 1;
+  }
+  return any_fail ? TEST_FAIL : any_skip ? TEST_SKIP : TEST_PASS;
+}
+
+static int run_isolated(const test_entry_t *t, int num_ranks) {
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid < 0) return TEST_FAIL;
+  if (pid == 0) {
+    setpgid(0, 0);
+    _exit(t->host_fn ? t->host_fn() : run_leader(t, num_ranks));
+  }
+  setpgid(pid, pid);
+  return wait_with_timeout(pid, t->timeout_s);
+}
+
+static uint64_t initial_seed(uint64_t given, int have_given) {
+  if (have_given) return given;
+  const char *env = getenv("EPX_TEST_SEED");
+  if (env && *env) return strtoull(env, NULL, 0);
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (uint64_t)ts.tv_sec * 1000003u ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 32);
+}
+
+int main(int argc, char **argv) {
+  const char *filter = NULL;
+  int rank_list[8] = {2, 4}, num_rank_list = 2, list_only = 0, have_seed = 0;
+  uint64_t seed = 0;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--filter") && i + 1 < argc) {
+      filter = argv[++i];
+    } else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
+      seed = strtoull(argv[++i], NULL, 0);
+      have_seed = 1;
+    } else if (!strcmp(argv[i], "--ranks") && i + 1 < argc) {
+      num_rank_list = 0;
+      for (char *tok = strtok(argv[++i], ","); tok && num_rank_list < 8; tok = strtok(NULL, ","))
+        rank_list[num_rank_list++] = atoi(tok);
+    } else if (!strcmp(argv[i], "--list")) {
+      list_only = 1;
+    } else {
+      fprintf(stderr, "usage: %s [--filter SUBSTR] [--ranks 2,4] [--seed N] [--list]\n", argv[0]);
+      return 2;
+    }
+  }
+  /* NVLink multicast stays off on our machines, whatever the caller's environment says. */
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+
+  seed = initial_seed(seed, have_seed);
+  int num_gpus = -1; /* counted on first GPU test */
+  int passed = 0, failed = 0, skipped = 0;
+  printf("epx_test: seed %llu (rerun with --seed %llu)\n", (unsigned long long)seed,
+         (unsigned long long)seed);
+  for (int i = 0; i < num_tests; i++) {
+    const test_entry_t *t = &tests[i];
+    if (filter && !strstr(t->name, filter)) continue;
+    int variants = t->host_fn ? 1 : num_rank_list;
+    for (int v = 0; v < variants; v++) {
+      int ranks = t->host_fn ? 0 : rank_list[v];
+      char label[160];
+      if (t->host_fn) snprintf(label, sizeof label, "%s", t->name);
+      else snprintf(label, sizeof label, "%s [%d ranks]", t->name, ranks);
+      if (list_only) {
+        printf("%s\n", label);
+        continue;
+      }
+      /* Each test gets its own seed derived from the run's seed, printed with the result. */
+      uint64_t s = seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(i * 16 + v + 1));
+      current_seed = s;
+      if (!t->host_fn) {
+        if (num_gpus < 0) num_gpus = count_gpus();
+        if (ranks < 2 || ranks > EPX_MAX_RANKS || ranks > num_gpus) {
+          printf("[ SKIP ] %s: needs %d GPUs, %d visible\n", label, ranks, num_gpus);
+          skipped++;
+          continue;
+        }
+      }
+      printf("[ RUN  ] %s (seed %llu)\n", label, (unsigned long long)s);
+      fflush(stdout);
+      double t0 = now_s();
+      int code = run_isolated(t, ranks);
+      double dt = now_s() - t0;
+      if (code == TEST_PASS) {
+        printf("[ PASS ] %s (%.2f s)\n", label, dt);
+        passed++;
+      } else if (code == TEST_SKIP) {
+        printf("[ SKIP ] %s (%.2f s)\n", label, dt);
+        skipped++;
+      } else if (code == -1) {
+        printf("[ FAIL ] %s: timed out after %d s (seed %llu)\n", label, t->timeout_s,
+               (unsigned long long)s);
+        failed++;
+      } else {
+        printf("[ FAIL ] %s: exit code %d (seed %llu)\n", label, code, (unsigned long long)s);
+        failed++;
+      }
+      fflush(stdout);
+    }
+  }
+  if (list_only) return 0;
+  printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+  return failed ? 1 : 0;
+}

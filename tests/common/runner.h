@@ -1,0 +1,126 @@
+/*
+ * runner.h - EPX's test runner: every test runs in its own process tree under a timeout.
+ *
+ * Host tests are plain functions. GPU tests run once per rank in R forked processes (one per
+ * GPU), each with its own NCCL communicator bootstrapped from a unique id that rank 0 creates
+ * and the runner relays through pipes; CUDA is never touched before fork. A GPU test runs at
+ * every rank count of --ranks (default 2,4) that the machine has GPUs for; otherwise it is
+ * reported as skipped, never as passed. The last line is "N passed, N failed, N skipped".
+ *
+ * A test returns TEST_PASS, TEST_FAIL or TEST_SKIP; the EXPECT macros print both sides and
+ * return TEST_FAIL, and stay on in every build.
+ */
+#ifndef EPX_TESTS_RUNNER_H_
+#define EPX_TESTS_RUNNER_H_
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "epx.h"
+
+#define TEST_PASS 0
+#define TEST_FAIL 1
+#define TEST_SKIP 77
+
+typedef struct epx_test_rank {
+  int rank, num_ranks;
+  ncclComm_t comm;
+  cudaStream_t stream;
+  uint64_t seed; /* the same on every rank of a run; printed by the runner */
+} epx_test_rank_t;
+
+typedef int (*epx_host_test_fn)(void);
+typedef int (*epx_gpu_test_fn)(epx_test_rank_t *t);
+
+void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s);
+void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s);
+/* Seed of the current test (host tests too). */
+uint64_t epx_test_seed(void);
+
+#define EPX_HOST_TEST(name, timeout_s)                                                \
+  static int name(void);                                                              \
+  __attribute__((constructor)) static void register_##name(void) {                    \
+    epx_test_register_host(#name, name, (timeout_s));                                 \
+  }                                                                                   \
+  static int name(void)
+
+#define EPX_GPU_TEST(name, timeout_s)                                                 \
+  static int name(epx_test_rank_t *t);                                                \
+  __attribute__((constructor)) static void register_##name(void) {                    \
+    epx_test_register_gpu(#name, name, (timeout_s));                                  \
+  }                                                                                   \
+  static int name(epx_test_rank_t *t)
+
+#define EXPECT(cond)                                                                  \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
+      fprintf(stderr, "  FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond);             \
+      return TEST_FAIL;                                                               \
+    }                                                                                 \
+  } while (0)
+
+#define EXPECTF(cond, ...)                                                            \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
+      fprintf(stderr, "  FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond);             \
+      fprintf(stderr, __VA_ARGS__);                                                   \
+      fputc('\n', stderr);                                                            \
+      return TEST_FAIL;                                                               \
+    }                                                                                 \
+  } while (0)
+
+#define EXPECT_EQ_INT(a, b)                                                           \
+  do {                                                                                \
+    long long a_ = (long long)(a), b_ = (long long)(b);                               \
+    if (a_ != b_) {                                                                   \
+      fprintf(stderr, "  FAILED %s:%d: %s == %s: %lld vs %lld\n", __FILE__, __LINE__, #a, \
+              #b, a_, b_);                                                            \
+      return TEST_FAIL;                                                               \
+    }                                                                                 \
+  } while (0)
+
+/* An EPX call must return `want`; prints the status names and epx_last_error() if not. */
+#define EXPECT_STATUS(call, want)                                                     \
+  do {                                                                                \
+    epx_status_t got_ = (call);                                                       \
+    if (got_ != (want)) {                                                             \
+      fprintf(stderr, "  FAILED %s:%d: %s returned %d (%s), want %d; last error: %s\n", \
+              __FILE__, __LINE__, #call, (int)got_, epx_status_string(got_), (int)(want), \
+              epx_last_error());                                                      \
+      return TEST_FAIL;                                                               \
+    }                                                                                 \
+  } while (0)
+#define EXPECT_OK(call) EXPECT_STATUS(call, EPX_OK)
+
+#define EXPECT_CUDA(call)                                                             \
+  do {                                                                                \
+    cudaError_t e_ = (call);                                                          \
+    if (e_ != cudaSuccess) {                                                          \
+      fprintf(stderr, "  FAILED %s:%d: %s: %s\n", __FILE__, __LINE__, #call,          \
+              cudaGetErrorString(e_));                                                \
+      return TEST_FAIL;                                                               \
+    }                                                                                 \
+  } while (0)
+
+#define EXPECT_NCCL(call)                                                             \
+  do {                                                                                \
+    ncclResult_t r_ = (call);                                                         \
+    if (r_ != ncclSuccess) {                                                          \
+      fprintf(stderr, "  FAILED %s:%d: %s: %s\n", __FILE__, __LINE__, #call,          \
+              ncclGetErrorString(r_));                                                \
+      return TEST_FAIL;                                                               \
+    }                                                                                 \
+  } while (0)
+
+/* Deterministic random numbers for tests (splitmix64). */
+static inline uint64_t epx_test_rand(uint64_t *state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+static inline int epx_test_rand_int(uint64_t *state, int n) {
+  return (int)(epx_test_rand(state) % (uint64_t)n);
+}
+
+#endif /* EPX_TESTS_RUNNER_H_ */
