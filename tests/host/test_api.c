@@ -1,0 +1,181 @@
+/*
+ * test_api.c - host tests of the public API that need no GPU: status strings, version, config
+ * validation and workspace sizing, and argument checks that must refuse before touching a GPU.
+ */
+#include <stddef.h>
+#include <string.h>
+
+#include "common/runner.h"
+#include "epx.h"
+#include "workspace.h"
+
+static epx_group_config_t small_config(void) {
+  epx_group_config_t c = EPX_GROUP_CONFIG_INIT;
+  c.max_tokens_per_rank = 128;
+  c.hidden = 1024;
+  c.num_experts = 16;
+  c.top_k = 4;
+  return c;
+}
+
+EPX_HOST_TEST(status_strings_are_distinct_and_total, 10) {
+  for (int s = 0; s < EPX_NUM_STATUS; s++) {
+    const char *a = epx_status_string((epx_status_t)s);
+    EXPECTF(a && *a, "status %d has no string", s);
+    for (int u = 0; u < s; u++) EXPECTF(strcmp(a, epx_status_string((epx_status_t)u)) != 0, "%d and %d", s, u);
+  }
+  EXPECT(strcmp(epx_status_string(EPX_OK), "success") == 0);
+  EXPECT(strstr(epx_status_string(EPX_ERR_TIMEOUT), "epx_group_get_async_error") != NULL);
+  EXPECT(strcmp(epx_status_string((epx_status_t)-1), "unknown status code") == 0);
+  EXPECT(strcmp(epx_status_string(EPX_NUM_STATUS), "unknown status code") == 0);
+  return TEST_PASS;
+}
+
+EPX_HOST_TEST(version_matches_header, 10) {
+  int v = -1;
+  EXPECT_OK(epx_get_version(&v));
+  EXPECT_EQ_INT(v, EPX_VERSION_CODE);
+  EXPECT_STATUS(epx_get_version(NULL), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "version") != NULL);
+  return TEST_PASS;
+}
+
+/* Each bad field is refused with the expected status and a message naming the field. */
+typedef struct {
+  const char *field; /* what the message must name */
+  int num_ranks;
+  size_t offset; /* which int field of the config to set, or (size_t)-1 for none */
+  long long value;
+  size_t offset2; /* a second field, or (size_t)-1 */
+  long long value2;
+  epx_status_t want;
+} config_case_t;
+
+static void set_field(epx_group_config_t *c, size_t offset, long long value) {
+  if (offset == (size_t)-1) return;
+  if (offset == offsetof(epx_group_config_t, size)) c->size = (size_t)value;
+  else if (offset == offsetof(epx_group_config_t, dtypes) || offset == offsetof(epx_group_config_t, modes))
+    *(unsigned *)((char *)c + offset) = (unsigned)value;
+  else *(int *)((char *)c + offset) = (int)value;
+}
+
+EPX_HOST_TEST(config_validation_names_the_field, 10) {
+#define F(name) offsetof(epx_group_config_t, name)
+#define NONE ((size_t)-1)
+  const config_case_t cases[] = {
+      {"max_tokens_per_rank", 4, F(max_tokens_per_rank), 0, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"max_tokens_per_rank", 4, F(max_tokens_per_rank), EPX_MAX_TOKENS_PER_RANK + 1, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"hidden", 4, F(hidden), 1001, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"hidden", 4, F(hidden), -8, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"hidden", 4, F(hidden), EPX_MAX_HIDDEN + 8, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"hidden", 4, F(hidden), 1000, F(dtypes), EPX_DTYPE_FP8_E4M3, EPX_ERR_INVALID_ARGUMENT},
+      {"num_experts", 4, F(num_experts), 18, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"num_experts", 4, F(num_experts), 0, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"num_experts", 4, F(num_experts), 2048, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"top_k", 4, F(top_k), 0, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"top_k", 4, F(top_k), 17, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"top_k", 4, F(num_experts), 8, F(top_k), 9, EPX_ERR_INVALID_ARGUMENT},
+      {"dtypes", 4, F(dtypes), 1 << 7, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"modes", 4, F(modes), 1 << 5, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"num_sms", 4, F(num_sms), -1, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"timeout_ms", 4, F(timeout_ms), -5, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"num_ranks", 1, NONE, 0, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"num_ranks", EPX_MAX_RANKS + 1, F(num_experts), 18, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"config.size", 4, F(size), 4, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"config.size", 4, F(size), sizeof(epx_group_config_t) + 8, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"config.version", 4, F(version), (EPX_VERSION_MAJOR + 1) * 10000, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+  };
+#undef F
+#undef NONE
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    epx_group_config_t c = small_config();
+    set_field(&c, cases[i].offset, cases[i].value);
+    set_field(&c, cases[i].offset2, cases[i].value2);
+    epx_status_t s = epx_config_validate(&c, cases[i].num_ranks);
+    EXPECTF(s == cases[i].want, "case %zu (%s): got %s, want %s; message: %s", i, cases[i].field,
+            epx_status_string(s), epx_status_string(cases[i].want), epx_last_error());
+    EXPECTF(strstr(epx_last_error(), cases[i].field) != NULL, "case %zu: message '%s' does not name %s", i,
+            epx_last_error(), cases[i].field);
+    size_t bytes = 12345;
+    EXPECT_STATUS(epx_workspace_size(&c, cases[i].num_ranks, &bytes), cases[i].want);
+  }
+  EXPECT_STATUS(epx_config_validate(NULL, 4), EPX_ERR_INVALID_ARGUMENT);
+  epx_group_config_t ok = small_config();
+  EXPECT_OK(epx_config_validate(&ok, 2));
+  EXPECT_OK(epx_config_validate(&ok, 4));
+  EXPECT_OK(epx_config_validate(&ok, 8));
+  return TEST_PASS;
+}
+
+/* Workspace size: hand-computed for a small config, 4 KiB multiples, growing with the maxima. */
+EPX_HOST_TEST(workspace_size_matches_layout, 10) {
+  epx_group_config_t c = small_config();
+  c.dtypes = EPX_DTYPE_BF16;
+  c.modes = EPX_MODE_NORMAL;
+  size_t bytes = 0;
+  EXPECT_OK(epx_workspace_size(&c, 4, &bytes));
+  /* control: 4096; notify: 2*4*(4+16)*4 = 640 -> 4096;
+   * normal: msg = align16(1024*2 + 4*8) = 2080; 4*128*2080 = 1064960 = 260 * 4096 exactly. */
+  EXPECT_EQ_INT(bytes, 4096 + 4096 + 1064960);
+  EXPECT_STATUS(epx_workspace_size(&c, 4, NULL), EPX_ERR_INVALID_ARGUMENT);
+
+  /* FP8 payload (1 byte + scales) is narrower than BF16: adding it changes nothing. */
+  c.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
+  size_t both = 0;
+  EXPECT_OK(epx_workspace_size(&c, 4, &both));
+  EXPECT_EQ_INT(both, bytes);
+
+  /* Low-latency adds 2 x (E*T*row + T*K*H*2 + E*8), row = align16(16 + 2H). */
+  c.modes = EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY;
+  size_t with_ll = 0;
+  EXPECT_OK(epx_workspace_size(&c, 4, &with_ll));
+  size_t ll = 2 * ((size_t)16 * 128 * 2064 + (size_t)128 * 4 * 1024 * 2 + 16 * 8);
+  ll = (ll + 4095) / 4096 * 4096;
+  EXPECT_EQ_INT(with_ll, bytes + ll);
+
+  /* Doubling the tokens grows the normal slab; the size is always a 4 KiB multiple. */
+  c.modes = EPX_MODE_NORMAL;
+  c.max_tokens_per_rank = 256;
+  size_t bigger = 0;
+  EXPECT_OK(epx_workspace_size(&c, 4, &bigger));
+  EXPECT(bigger > bytes);
+  EXPECT_EQ_INT(bigger % 4096, 0);
+
+  /* The host layout agrees with the size query for a DeepEP-sized config. */
+  epx_group_config_t d = EPX_GROUP_CONFIG_INIT;
+  d.max_tokens_per_rank = 4096;
+  d.hidden = 7168;
+  d.num_experts = 256;
+  d.top_k = 8;
+  EXPECT_OK(epx_workspace_size(&d, 4, &bytes));
+  epx__ws_layout_t l;
+  epx__ws_layout_init(&l, 4, 4096, 7168, 256, 8, EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3, EPX_MODE_NORMAL);
+  EXPECT_EQ_INT(bytes, l.total_bytes);
+  EXPECT_EQ_INT(l.normal_offset % 4096, 0);
+  EXPECT_EQ_INT(l.notify_offset % 4096, 0);
+  EXPECT(l.normal_offset + l.normal_bytes <= l.total_bytes);
+  return TEST_PASS;
+}
+
+/* Calls that must be refused without a GPU: NULL and foreign handles, NULL arguments. */
+EPX_HOST_TEST(argument_checks_without_gpu, 10) {
+  EXPECT_OK(epx_group_destroy(NULL));
+  int rank = -1;
+  EXPECT_STATUS(epx_group_rank(NULL, &rank), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "group") != NULL);
+  /* A pointer that was never a group: refused by the live-group registry, not dereferenced. */
+  epx_group_t bogus = (epx_group_t)(void *)&rank;
+  EXPECT_STATUS(epx_group_rank(bogus, &rank), EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_group_destroy(bogus), EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_group_barrier(bogus, NULL), EPX_ERR_INVALID_USAGE);
+  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
+  EXPECT_STATUS(epx_layout(bogus, &la, NULL), EPX_ERR_INVALID_USAGE);
+  epx_async_error_t err;
+  EXPECT_STATUS(epx_group_get_async_error(bogus, &err), EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_group_clear_async_error(NULL), EPX_ERR_INVALID_ARGUMENT);
+  epx_group_config_t c = small_config();
+  epx_group_t g = bogus;
+  EXPECT_STATUS(epx_group_create(NULL, &c, &g), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "comm") != NULL);
+  return TEST_PASS;
+}
