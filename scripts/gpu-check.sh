@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-out}}"
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 # NVLink multicast stays off on shared machines
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-[ -n "$(git status --porcelain 2>/dev/null)" ] && commit="$commit+dirty"
+# The device copy of the tree may have no .git: the caller can pass EPX_COMMIT.
+commit=${EPX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+[ -z "${EPX_COMMIT:-}" ] && [ -n "$(git status --porcelain 2>/dev/null)" ] && commit="$commit+dirty"
 export EPX_COMMIT="$commit"
 
 {

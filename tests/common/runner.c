@@ -147,8 +147,10 @@ static int run_leader(const test_entry_t *t, int num_ranks) {
     pids[r] = fork();
     if (pids[r] < 0) return TEST_FAIL;
     if (pids[r] == 0) {
-      fflush(stdout);
-      _exit(run_rank(t, r, num_ranks, up[1], down[r][0]));
+      int code = run_rank(t, r, num_ranks, up[1], down[r][0]);
+      fflush(stdout); /* _exit does not flush stdio */
+      fflush(stderr);
+      _exit(code);
     }
   }
   ncclUniqueId id;
@@ -177,7 +179,10 @@ static int run_isolated(const test_entry_t *t, int num_ranks) {
   if (pid < 0) return TEST_FAIL;
   if (pid == 0) {
     setpgid(0, 0);
-    _exit(t->host_fn ? t->host_fn() : run_leader(t, num_ranks));
+    int code = t->host_fn ? t->host_fn() : run_leader(t, num_ranks);
+    fflush(stdout); /* _exit does not flush stdio */
+    fflush(stderr);
+    _exit(code);
   }
   setpgid(pid, pid);
   return wait_with_timeout(pid, t->timeout_s);
