@@ -237,6 +237,96 @@ typedef struct epx_layout_args {
  * launched then. */
 epx_status_t epx_layout(epx_group_t group, const epx_layout_args_t *args, cudaStream_t stream);
 
+/* ---------------------------------------------------------------------------------------------
+ * Normal (high-throughput) mode: dispatch, combine, cached dispatch. Needs EPX_MODE_NORMAL.
+ *
+ * Dispatch delivers to each rank every token that chose one of its experts, exactly once, in
+ * source-rank then source-token order, into the group's workspace: the outputs are plain
+ * device arrays there (recv_x is a [num_recv, H] matrix), valid until the next dispatch on the
+ * group. A handle records the routing so that combine (and a cached dispatch) can reuse it.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct epx_handle *epx_handle_t;
+
+/* epx_handle_create - device buffers for one routing (layout of max_tokens_per_rank tokens).
+ * Not collective. Create handles once and reuse them: dispatch allocates nothing. */
+epx_status_t epx_handle_create(epx_group_t group, epx_handle_t *handle);
+/* epx_handle_destroy - release a handle (synchronizes the device). destroy(NULL) is EPX_OK. */
+epx_status_t epx_handle_destroy(epx_handle_t handle);
+
+typedef struct epx_dispatch_args {
+  size_t size;                /* sizeof(epx_dispatch_args_t); set by EPX_DISPATCH_ARGS_INIT */
+  const void *x;              /* [IN] [T, H] payload, 16-byte aligned: BF16, or FP8 E4M3 */
+  epx_dtype_t x_dtype;        /* EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3 */
+  const float *x_scales;      /* [IN] FP8 only: [T, H/128] float32 scales (UE8M0 scales are
+                                 passed as float32 powers of two; they are copied bit-exactly) */
+  const void *topk_idx;       /* [IN] [T, K] expert ids, -1 = empty slot */
+  epx_dtype_t topk_idx_dtype; /* EPX_DTYPE_INT64 or EPX_DTYPE_INT32 */
+  const float *topk_weights;  /* [IN] [T, K] float32, or NULL (received weights are then 0) */
+  int num_tokens;             /* T, 0..max_tokens_per_rank */
+  int expert_alignment;       /* round each per-expert receive count up to a multiple of this
+                                 (for grouped GEMM); 0 or 1 = exact counts */
+  int sync_counts;            /* 1: learn the receive counts on the host before returning (the
+                                 only host synchronization of EPX); 0: no host sync, counts only
+                                 on the device (capturable in a CUDA graph) */
+  int *num_recv_per_expert;   /* [OUT] optional host array [E/R] (sync_counts = 1 only) */
+} epx_dispatch_args_t;
+
+#define EPX_DISPATCH_ARGS_INIT \
+  { sizeof(epx_dispatch_args_t), NULL, EPX_DTYPE_BF16, NULL, NULL, EPX_DTYPE_INT64, NULL, 0, 0, 1, NULL }
+
+typedef struct epx_dispatch_result {
+  int num_recv;                   /* rows received (sync_counts = 1), else -1 */
+  int capacity;                   /* rows the outputs can hold: R x max_tokens_per_rank */
+  void *recv_x;                   /* [capacity, H] BF16 or FP8 in the workspace; rows
+                                     [0, num_recv) are this dispatch's, source-rank major */
+  float *recv_x_scales;           /* [capacity, H/128] (FP8 dispatch), else NULL */
+  int *recv_topk_idx;             /* [capacity, K] int32 local expert ids, -1 elsewhere */
+  float *recv_topk_weights;       /* [capacity, K] float32, 0 where the slot is elsewhere */
+  int *recv_src_token;            /* [capacity] source token index of each row */
+  const int *recv_rank_prefix;    /* device [R+1]: rows of source s are [prefix[s], prefix[s+1]) */
+  const int *num_recv_device;     /* device int: rows received */
+  const int *num_recv_per_expert_device; /* device [E/R], aligned as asked */
+} epx_dispatch_result_t;
+
+/* epx_dispatch - send this rank's tokens to the ranks of their experts. COLLECTIVE: every rank
+ * calls it (with its own tokens, possibly 0), in the same order as other EPX collectives.
+ * Ordered on stream. With sync_counts = 1 the host waits for the count exchange (one round
+ * trip) to fill result->num_recv and args->num_recv_per_expert; nothing else blocks the host.
+ *   handle - [IN/OUT] records this routing for epx_combine and epx_dispatch_cached.
+ *   result - [OUT] where the received data is.
+ * Returns EPX_OK once queued, or EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent).
+ * Expert ids out of range are reported asynchronously (stage LAYOUT) and treated as empty. A
+ * peer that does not arrive within timeout_ms is reported asynchronously (EPX_ERR_TIMEOUT). */
+epx_status_t epx_dispatch(epx_group_t group, epx_handle_t handle, const epx_dispatch_args_t *args,
+                          epx_dispatch_result_t *result, cudaStream_t stream);
+
+/* epx_dispatch_cached - dispatch new payload with the routing recorded in handle: no layout, no
+ * count exchange, no host synchronization; capturable in a CUDA graph. COLLECTIVE.
+ * recv_topk_idx / weights / src_token keep the values of the dispatch that filled the handle.
+ *   x, x_scales, x_dtype - as in epx_dispatch_args_t (the token count is the handle's). */
+epx_status_t epx_dispatch_cached(epx_group_t group, epx_handle_t handle, const void *x,
+                                 epx_dtype_t x_dtype, const float *x_scales,
+                                 epx_dispatch_result_t *result, cudaStream_t stream);
+
+typedef struct epx_combine_args {
+  size_t size;               /* sizeof(epx_combine_args_t); set by EPX_COMBINE_ARGS_INIT */
+  const void *x;             /* [IN] [num_recv, H] BF16 expert outputs, rows in dispatch order
+                                (may be the dispatch's recv_x itself) */
+  const void *topk_idx;      /* [IN] weighted mode: the [T, K] ids given to dispatch, else NULL */
+  epx_dtype_t topk_idx_dtype;
+  const float *topk_weights; /* [IN] [T, K]: row from rank d is scaled by the sum of the weights
+                                of the token's slots on d; NULL = unweighted sum */
+  void *out;                 /* [OUT] [T, H] BF16, T = the dispatch's num_tokens */
+} epx_combine_args_t;
+
+#define EPX_COMBINE_ARGS_INIT { sizeof(epx_combine_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, NULL }
+
+/* epx_combine - return each received row to its source token and sum the rows of one token in
+ * float32, written once as BF16; tokens that chose no expert get zeros. COLLECTIVE, ordered on
+ * stream, no host synchronization; capturable in a CUDA graph. */
+epx_status_t epx_combine(epx_group_t group, epx_handle_t handle, const epx_combine_args_t *args,
+                         cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -8,6 +8,7 @@
  * takes the same decision from the same data. Only then is memory allocated and registered.
  */
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,25 +24,25 @@
  * Registry of live groups: a destroyed or foreign handle is refused without dereferencing it.
  * ---------------------------------------------------------------------------------------- */
 typedef struct live_node {
-  epx_group_t group;
+  const void *object; /* a live group or handle */
   struct live_node *next;
 } live_node_t;
 
 static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static live_node_t *live_groups;
 
-static void live_add(epx_group_t g, live_node_t *node) {
+static void live_add(const void *g, live_node_t *node) {
   pthread_mutex_lock(&live_lock);
-  node->group = g;
+  node->object = g;
   node->next = live_groups;
   live_groups = node;
   pthread_mutex_unlock(&live_lock);
 }
 
-static live_node_t *live_remove(epx_group_t g) {
+static live_node_t *live_remove(const void *g) {
   pthread_mutex_lock(&live_lock);
   live_node_t **pp = &live_groups, *found = NULL;
-  while (*pp && (*pp)->group != g) pp = &(*pp)->next;
+  while (*pp && (*pp)->object != g) pp = &(*pp)->next;
   if (*pp) {
     found = *pp;
     *pp = found->next;
@@ -50,15 +51,56 @@ static live_node_t *live_remove(epx_group_t g) {
   return found;
 }
 
-epx_status_t epx__group_check(epx_group_t g) {
-  if (!g) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "group is NULL");
+static int live_contains(const void *object) {
   pthread_mutex_lock(&live_lock);
   live_node_t *n = live_groups;
-  while (n && n->group != g) n = n->next;
+  while (n && n->object != object) n = n->next;
   pthread_mutex_unlock(&live_lock);
-  if (!n)
+  return n != NULL;
+}
+
+epx_status_t epx__registry_add(const void *object) {
+  live_node_t *node = (live_node_t *)calloc(1, sizeof *node);
+  if (!node) return epx__set_error(EPX_ERR_SYSTEM, "out of host memory");
+  live_add(object, node);
+  return EPX_OK;
+}
+
+void epx__registry_remove(const void *object) { free(live_remove(object)); }
+
+epx_status_t epx__group_check(epx_group_t g) {
+  if (!g) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "group is NULL");
+  if (!live_contains(g))
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "group %p is not a live EPX group (destroyed, or never created)", (void *)g);
+  return EPX_OK;
+}
+
+epx_status_t epx__handle_check(epx_group_t g, epx_handle_t h) {
+  EPX_CHECK(epx__group_check(g));
+  if (!h) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "handle is NULL");
+  if (!live_contains(h))
+    return epx__set_error(EPX_ERR_INVALID_USAGE, "handle %p is not a live EPX handle (destroyed, or never created)",
+                          (void *)h);
+  if (h->group != g)
+    return epx__set_error(EPX_ERR_INVALID_USAGE, "handle %p belongs to another group (%p, not %p)", (void *)h,
+                          (void *)h->group, (void *)g);
+  return EPX_OK;
+}
+
+epx_status_t epx__check_device_ptr(const void *p, size_t align, const char *what) {
+  if (!p) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s is NULL", what);
+  if ((uintptr_t)p % align != 0)
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is not %zu-byte aligned", what, p, align);
+  struct cudaPointerAttributes attr;
+  cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError(); /* do not leave the query's error behind for the caller */
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is not GPU memory (%s)", what, p, cudaGetErrorString(e));
+  }
+  if (attr.type == cudaMemoryTypeUnregistered || (attr.type == cudaMemoryTypeHost && !attr.devicePointer))
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is host memory the GPU cannot access; pass device memory",
+                          what, p);
   return EPX_OK;
 }
 

@@ -2,28 +2,16 @@
  * layout.c - epx_layout: argument checks, then the layout kernel (src/kernels/layout.cu).
  */
 #include <stdint.h>
+#include <stdio.h>
 
 #include "checks.h"
 #include "group.h"
 #include "kernels/api.h"
 
-/* A pointer the GPU can dereference: device or managed memory, or mapped host memory. */
 static epx_status_t check_device_ptr(const void *p, size_t align, const char *name) {
-  if ((uintptr_t)p % align != 0)
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_layout: %s = %p is not %zu-byte aligned", name, p,
-                          align);
-  struct cudaPointerAttributes attr;
-  cudaError_t e = cudaPointerGetAttributes(&attr, p);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError(); /* clear the sticky-free error of a bad pointer query */
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_layout: %s = %p is not GPU memory (%s)", name, p,
-                          cudaGetErrorString(e));
-  }
-  if (attr.type == cudaMemoryTypeUnregistered || (attr.type == cudaMemoryTypeHost && !attr.devicePointer))
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
-                          "epx_layout: %s = %p is host memory the GPU cannot access; pass device memory",
-                          name, p);
-  return EPX_OK;
+  char what[64];
+  snprintf(what, sizeof what, "epx_layout: %s", name);
+  return epx__check_device_ptr(p, align, what);
 }
 
 EPX_EXPORT epx_status_t epx_layout(epx_group_t g, const epx_layout_args_t *args, cudaStream_t stream) {

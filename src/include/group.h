@@ -63,6 +63,28 @@ typedef struct epx__transport_ops {
 
 extern const epx__transport_ops_t epx__transport_nvlink;
 
+/* The routing of one normal-mode dispatch (device buffers) and its host-visible counts. */
+struct epx_handle {
+  epx_group_t group;
+  void *device_block;       /* one allocation behind the routing arrays and meta */
+  uint8_t *is_token_in_rank;
+  int *token_pos_in_rank;
+  int *num_tokens_per_rank;
+  int *num_tokens_per_expert;
+  epx__recv_meta_t *meta;
+  int *host_counts, *host_counts_dev; /* mapped [1 + E/R]: num_recv, per-expert */
+  cudaEvent_t counts_ready;
+  int num_tokens;           /* of the dispatch that filled the handle; -1 before */
+};
+
+/* Registry of live objects (groups and handles): a destroyed handle is refused, never read. */
+epx_status_t epx__registry_add(const void *object);
+void epx__registry_remove(const void *object);
+/* EPX_OK if h is a live handle of the live group g. */
+epx_status_t epx__handle_check(epx_group_t g, epx_handle_t h);
+/* Refuse NULL, misaligned or host-only pointers, naming `what`. */
+epx_status_t epx__check_device_ptr(const void *p, size_t align, const char *what);
+
 /* EPX_OK if g is a live group; EPX_ERR_INVALID_ARGUMENT if NULL; EPX_ERR_INVALID_USAGE if
  * destroyed or never created. */
 epx_status_t epx__group_check(epx_group_t g);

@@ -7,8 +7,9 @@
  * Invariant: every region starts on a 4096-byte boundary and the total is a multiple of 4096.
  *
  *   control  epx__control_t: barrier inboxes and epochs, the async-error claim word
- *   notify   count exchange: 2 parity buffers x R sources x (R + E) int32
- *   normal   (EPX_MODE_NORMAL) receive slab: R sources x max_tokens x normal message bytes
+ *   notify   count exchange: R sources x (R + E/R) epoch-tagged 64-bit words (sized R x (R + E))
+ *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
+ *            combine slab 2 x [R, max_tokens, H] BF16
  *   ll       (EPX_MODE_LOW_LATENCY) 2 parity buffers x (dispatch receive + combine receive + signals)
  */
 #ifndef EPX_WORKSPACE_H_
@@ -36,33 +37,52 @@ typedef struct epx__control {
   unsigned long long barrier_epoch;
   /* error_claim: 0 until the first kernel that raises an async error claims the record. */
   int error_claim;
-  int reserved[31];
+  /* notify_epoch: normal-mode count exchanges started by this rank (tags its notify words). */
+  unsigned int notify_epoch;
+  /* combine_blocks_done: blocks of the running combine that finished; the last one resets it. */
+  unsigned int combine_blocks_done;
+  /* combine_calls: combines completed by this rank (selects the combine slab parity). */
+  unsigned int combine_calls;
+  int reserved[28];
+  /* dispatch_done[s] / combine_done[s]: blocks of rank s that finished writing to this rank
+   * (added by s with release semantics; monotonic). *_expected[s]: what this rank has consumed. */
+  unsigned long long dispatch_done[EPX_MAX_RANKS];
+  unsigned long long dispatch_expected[EPX_MAX_RANKS];
+  unsigned long long combine_done[EPX_MAX_RANKS];
+  unsigned long long combine_expected[EPX_MAX_RANKS];
 } epx__control_t;
 
 typedef struct epx__ws_layout {
   size_t control_offset, control_bytes;
   size_t notify_offset, notify_bytes;
+  /* normal: sub-arrays of the receive slab (capacity = R x max_tokens rows) and the combine slab */
   size_t normal_offset, normal_bytes;
-  size_t normal_msg_bytes; /* one token in the normal slab: payload + scales + topk ids/weights */
+  size_t recv_capacity;           /* rows: R x max_tokens */
+  size_t recv_x_offset;           /* [capacity, H] payload (BF16: 2 bytes/element, FP8: 1) */
+  size_t recv_scales_offset;      /* [capacity, H/128] float32 (FP8) */
+  size_t recv_topk_idx_offset;    /* [capacity, K] int32 local expert ids, -1 elsewhere */
+  size_t recv_topk_weights_offset;/* [capacity, K] float32 */
+  size_t recv_src_token_offset;   /* [capacity] int32 source token index */
+  size_t combine_slab_offset;     /* 2 parities x [R, max_tokens, H] BF16: row (d, p) = rank d's
+                                     output for the p-th token this rank sent to d */
+  size_t combine_slab_bytes;      /* one parity */
   size_t ll_offset, ll_bytes;
   size_t ll_msg_bytes; /* one (token, expert) row of low-latency dispatch */
   size_t total_bytes;
 } epx__ws_layout_t;
 
+/* Counts of one normal dispatch, kept in its handle (device memory), written by notify. */
+typedef struct epx__recv_meta {
+  int num_recv;                          /* rows received */
+  int rank_prefix[EPX_MAX_RANKS + 1];    /* rows from sources < s start at rank_prefix[s] */
+  int count[EPX_MAX_RANKS][EPX_MAX_RANKS]; /* count[s][r]: tokens rank s sends to rank r */
+  int per_expert[EPX_MAX_EXPERTS];       /* rows per local expert (aligned if asked) */
+} epx__recv_meta_t;
+
 EPX_HD size_t epx__align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-/* Bytes of one token in a normal-mode message: the widest payload the group supports (BF16 is
- * 2 bytes per element; FP8 is 1 plus one float32 scale per 128 elements), then top-k local
- * expert ids (int32) and weights (float32), rounded to 16 bytes for vector copies. */
-EPX_HD size_t epx__normal_msg_bytes(int hidden, int top_k, unsigned dtypes) {
-  size_t payload = 0;
-  if (dtypes & EPX_DTYPE_BF16) payload = (size_t)hidden * 2;
-  if (dtypes & EPX_DTYPE_FP8_E4M3) {
-    size_t fp8 = (size_t)hidden + (size_t)(hidden / 128) * 4;
-    if (fp8 > payload) payload = fp8;
-  }
-  return epx__align_up(payload + (size_t)top_k * 8, 16);
-}
+/* Bytes per element of the widest payload the group supports. */
+EPX_HD size_t epx__payload_elem_bytes(unsigned dtypes) { return (dtypes & EPX_DTYPE_BF16) ? 2 : 1; }
 
 /* One low-latency row: a 16-byte header (source token, source rank), the payload, the scales. */
 EPX_HD size_t epx__ll_msg_bytes(int hidden, unsigned dtypes) {
@@ -79,18 +99,35 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->control_bytes = epx__align_up(sizeof(epx__control_t), EPX_WS_ALIGN);
   off += l->control_bytes;
 
-  /* notify: 2 parities x R sources x (R per-rank counts + E per-expert counts) int32 */
+  /* notify: per source rank, R per-rank counts + E/R per-expert counts, as 64-bit words that
+   * carry the call's epoch in the high half (so no separate flag and no zeroing). */
   l->notify_offset = off;
-  l->notify_bytes =
-      epx__align_up((size_t)2 * num_ranks * (size_t)(num_ranks + num_experts) * 4, EPX_WS_ALIGN);
+  l->notify_bytes = epx__align_up((size_t)num_ranks * (size_t)(num_ranks + num_experts) * 8, EPX_WS_ALIGN);
   off += l->notify_bytes;
 
-  /* normal: R sources x max_tokens x msg, the worst case of every source sending every token */
-  l->normal_msg_bytes = epx__normal_msg_bytes(hidden, top_k, dtypes);
+  /* normal: a compact receive slab of R x max_tokens rows (the worst case: every source sends
+   * every token), split into one array per field so recv_x is a plain [rows, H] matrix; then
+   * the combine slab, separate so that a peer's combine never overwrites a dispatch output. */
+  const size_t cap = (size_t)num_ranks * max_tokens;
+  l->recv_capacity = cap;
   l->normal_offset = off;
-  l->normal_bytes = 0;
-  if (modes & EPX_MODE_NORMAL)
-    l->normal_bytes = epx__align_up((size_t)num_ranks * max_tokens * l->normal_msg_bytes, EPX_WS_ALIGN);
+  size_t n = 0;
+  l->recv_x_offset = n;
+  n += epx__align_up(cap * hidden * epx__payload_elem_bytes(dtypes), 256);
+  l->recv_scales_offset = n;
+  if (dtypes & EPX_DTYPE_FP8_E4M3) n += epx__align_up(cap * (hidden / 128) * 4, 256);
+  l->recv_topk_idx_offset = n;
+  n += epx__align_up(cap * top_k * 4, 256);
+  l->recv_topk_weights_offset = n;
+  n += epx__align_up(cap * top_k * 4, 256);
+  l->recv_src_token_offset = n;
+  n += epx__align_up(cap * 4, 256);
+  /* Two parities: consecutive combines alternate, so a peer's next combine never overwrites
+   * rows this rank is still reducing. */
+  l->combine_slab_offset = n;
+  l->combine_slab_bytes = epx__align_up(cap * hidden * 2, 256);
+  n += 2 * l->combine_slab_bytes;
+  l->normal_bytes = (modes & EPX_MODE_NORMAL) ? epx__align_up(n, EPX_WS_ALIGN) : 0;
   off += l->normal_bytes;
 
   /* ll: 2 parities x (E x max_tokens dispatch rows + max_tokens x top_k combine rows of BF16 +

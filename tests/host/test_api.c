@@ -114,16 +114,20 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   c.modes = EPX_MODE_NORMAL;
   size_t bytes = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &bytes));
-  /* control: 4096; notify: 2*4*(4+16)*4 = 640 -> 4096;
-   * normal: msg = align16(1024*2 + 4*8) = 2080; 4*128*2080 = 1064960 = 260 * 4096 exactly. */
-  EXPECT_EQ_INT(bytes, 4096 + 4096 + 1064960);
+  /* R=4, T=128, H=1024, E=16, K=4, BF16, normal mode:
+   *   control 4096; notify 4*(4+16)*8 = 640 -> 4096;
+   *   normal, capacity 4*128 = 512 rows: recv_x 512*1024*2 = 1048576, topk idx 512*4*4 = 8192,
+   *   weights 8192, src token 2048, combine slab 2 parities x 1048576;
+   *   sum 3164160 -> 773 pages (3166208).  Total 3174400. */
+  EXPECT_EQ_INT(bytes, 3174400);
   EXPECT_STATUS(epx_workspace_size(&c, 4, NULL), EPX_ERR_INVALID_ARGUMENT);
 
-  /* FP8 payload (1 byte + scales) is narrower than BF16: adding it changes nothing. */
+  /* FP8 adds the scales array, 512 rows x 8 scales x 4 bytes = 16384: 3180544 -> 777 pages. */
   c.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
   size_t both = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &both));
-  EXPECT_EQ_INT(both, bytes);
+  EXPECT_EQ_INT(both, 4096 + 4096 + 777 * 4096);
+  bytes = both;
 
   /* Low-latency adds 2 x (E*T*row + T*K*H*2 + E*8), row = align16(16 + 2H). */
   c.modes = EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY;

@@ -1,0 +1,357 @@
+/*
+ * normal.cu - normal (high-throughput) mode over NVLink: count exchange, dispatch, combine.
+ *
+ * Dispatch writes each token straight into its final row of every destination's compact
+ * receive slab, so there are no queues and no second copy on the receiver:
+ *   row of (source s, token t) on rank r = sum_{s' < s} count[s'][r] + token_pos_in_rank[t][r]
+ * The count matrix comes from notify, one round trip of epoch-tagged 64-bit words.
+ * Combine is the mirror image: rank d pushes its p-th row from source s into s's combine slab
+ * at (d, p); s then sums, for each token t, the rows (d, token_pos_in_rank[t][d]) in float32.
+ *
+ * Completion: after its last store to rank r, every block adds 1 to r's dispatch_done[me] (or
+ * combine_done[me]) with release semantics at system scope; r waits (acquire, bounded) until
+ * the counter has grown by the grid size. Counters are monotonic, so nothing is ever reset and
+ * a captured graph replays correctly. All ranks launch the same grid (config.num_sms, agreed
+ * at group creation).
+ *
+ * Roles: dispatch and combine blocks first send a contiguous share of the tokens (rows), one
+ * warp per token; dispatch block 0 then waits for every source; every combine block waits,
+ * then reduces its share of this rank's tokens.
+ */
+#include <cuda_bf16.h>
+
+#include "checks.h"
+#include "kernels/api.h"
+#include "kernels/timeout.cuh"
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ epx__control_t *control_of(const epx__kernel_ctx_t &ctx, int rank) {
+  return (epx__control_t *)(ctx.peer_base[rank] + ctx.layout.control_offset);
+}
+
+__device__ __forceinline__ void red_release_sys_add(unsigned long long *p, unsigned long long v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/* Tell every rank that this block's stores to it are done. NOTE: __syncthreads orders the
+ * block's stores before thread r's fence; the system-scope release makes them visible to r
+ * before the counter moves. */
+__device__ __forceinline__ void signal_all(const epx__kernel_ctx_t &ctx, bool combine) {
+  __syncthreads();
+  if (threadIdx.x < ctx.num_ranks) {
+    __threadfence_system();
+    epx__control_t *peer = control_of(ctx, threadIdx.x);
+    red_release_sys_add(combine ? &peer->combine_done[ctx.rank] : &peer->dispatch_done[ctx.rank], 1);
+  }
+}
+
+/* [begin, end) of this block's share of n items. */
+__device__ __forceinline__ void block_share(int n, int *begin, int *end) {
+  const long long b = blockIdx.x, g = gridDim.x;
+  *begin = (int)(n * b / g);
+  *end = (int)(n * (b + 1) / g);
+}
+
+/* Copy one row of n16 16-byte words from src to every destination in mask (one warp). */
+__device__ __forceinline__ void copy_row_multicast(const int4 *src, int4 *const *dst, unsigned mask, int n16,
+                                                   int lane) {
+  for (int i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++)
+      if (i0 + u * 32 < n16) v[u] = epx::ld_nc_na_v4(src + i0 + u * 32);
+    for (unsigned m = mask; m; m &= m - 1) {
+      int4 *d = dst[__ffs(m) - 1];
+#pragma unroll
+      for (int u = 0; u < kUnroll; u++)
+        if (i0 + u * 32 < n16) d[i0 + u * 32] = v[u];
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------------------------
+ * notify: one block. Word w of source s in rank r's notify region:
+ *   w < R:  count[s][w] (tokens s sends to rank w)      w >= R: tokens of s for r's expert w-R
+ * each as (epoch << 32) | value, so a word is valid exactly when it carries this call's epoch.
+ * ---------------------------------------------------------------------------------------- */
+__global__ void __launch_bounds__(kThreads, 1)
+    notify_kernel(epx__kernel_ctx_t ctx, epx__notify_launch_args_t a) {
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
+  const int epr = a.num_experts / R, words = R + epr;
+  __shared__ unsigned epoch;
+  __shared__ int count[EPX_MAX_RANKS][EPX_MAX_RANKS];
+  __shared__ int expert_sum[EPX_MAX_EXPERTS / 2];
+  __shared__ int timed_out;
+  epx__control_t *ctrl = control_of(ctx, me);
+  if (tid == 0) {
+    epoch = ctrl->notify_epoch + 1;
+    ctrl->notify_epoch = epoch;
+    timed_out = 0;
+  }
+  for (int j = tid; j < epr; j += kThreads) expert_sum[j] = 0;
+  __syncthreads();
+
+  for (int i = tid; i < R * words; i += kThreads) {
+    const int r = i / words, w = i % words;
+    const int v = w < R ? a.routing.num_tokens_per_rank[w] : a.routing.num_tokens_per_expert[r * epr + (w - R)];
+    unsigned long long *dst = (unsigned long long *)(ctx.peer_base[r] + ctx.layout.notify_offset) + me * words + w;
+    epx::st_release_sys((uint64_t *)dst, ((uint64_t)epoch << 32) | (uint32_t)v);
+  }
+
+  const uint64_t *inbox = (const uint64_t *)(ctx.peer_base[me] + ctx.layout.notify_offset);
+  for (int i = tid; i < R * words; i += kThreads) {
+    const int s = i / words, w = i % words;
+    uint64_t v = epx::ld_acquire_sys(inbox + i);
+    if ((uint32_t)(v >> 32) < epoch) {
+      const uint64_t start = epx::globaltimer_ns();
+      while ((uint32_t)((v = epx::ld_acquire_sys(inbox + i)) >> 32) < epoch) {
+        if (epx::globaltimer_ns() - start > ctx.timeout_ns) {
+          epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_NOTIFY, s, -1, epoch);
+          timed_out = 1;
+          v = 0;
+          break;
+        }
+      }
+    }
+    /* Clamp: a count beyond max_tokens can only come from a broken peer; never index past. */
+    int value = (int)(uint32_t)v;
+    value = value < 0 ? 0 : value > a.max_tokens ? a.max_tokens : value;
+    if (w < R) count[s][w] = value;
+    else atomicAdd(&expert_sum[w - R], value);
+  }
+  __syncthreads();
+
+  epx__recv_meta_t *meta = a.routing.meta;
+  if (tid == 0) {
+    int prefix = 0;
+    for (int s = 0; s < R; s++) {
+      meta->rank_prefix[s] = prefix;
+      prefix += timed_out ? 0 : count[s][me];
+    }
+    meta->rank_prefix[R] = prefix;
+    meta->num_recv = prefix;
+    if (a.host_counts) a.host_counts[0] = prefix;
+  }
+  if (tid < R * R) meta->count[tid / R][tid % R] = timed_out ? 0 : count[tid / R][tid % R];
+  const int align = a.expert_alignment > 1 ? a.expert_alignment : 1;
+  for (int j = tid; j < epr; j += kThreads) {
+    const int c = (expert_sum[j] + align - 1) / align * align;
+    meta->per_expert[j] = c;
+    if (a.host_counts) a.host_counts[1 + j] = c;
+  }
+}
+
+/* ------------------------------------------------------------------------------------------
+ * dispatch: kNumBlocks blocks of kThreads; warp w of block b copies tokens b's share, w-strided.
+ * ---------------------------------------------------------------------------------------- */
+template <typename IdxT, bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1)
+    dispatch_kernel(epx__kernel_ctx_t ctx, epx__dispatch_launch_args_t a) {
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int H = a.hidden, K = a.top_k, E = a.num_experts, epr = E / R;
+  const epx__recv_meta_t *meta = a.routing.meta;
+  __shared__ int dest_base[EPX_MAX_RANKS];
+  if (tid < R) {
+    int base = 0; /* rows of sources before me at rank tid */
+    for (int s = 0; s < me; s++) base += meta->count[s][tid];
+    dest_base[tid] = base;
+  }
+  __syncthreads();
+
+  /* Buffer regions (every rank has the same layout):
+   *   recv_x        [cap, H] elem       recv_scales [cap, H/128] f32
+   *   recv_topk_idx [cap, K] i32        recv_topk_weights [cap, K] f32   recv_src_token [cap] i32 */
+  const epx__ws_layout_t &L = ctx.layout;
+  const int elem = kFp8 ? 1 : 2, n16 = H * elem / 16, num_scales = H / 128;
+  const IdxT *topk = (const IdxT *)a.topk_idx;
+  int begin, end;
+  block_share(a.routing.num_tokens, &begin, &end);
+  for (int t = begin + warp; t < end; t += kWarps) {
+    const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
+    const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
+    const int my_row = in_rank ? dest_base[lane] + a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
+    int rows[EPX_MAX_RANKS];
+    int4 *dst[EPX_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < EPX_MAX_RANKS; r++) {
+      rows[r] = __shfl_sync(0xffffffffu, my_row, r);
+      dst[r] = (r < R) ? (int4 *)(ctx.peer_base[r] + L.normal_offset + L.recv_x_offset +
+                                  (size_t)rows[r] * H * elem)
+                       : nullptr;
+    }
+    copy_row_multicast((const int4 *)((const char *)a.x + (size_t)t * H * elem), dst, mask, n16, lane);
+    if (kFp8) {
+      for (int i = lane; i < num_scales; i += 32) {
+        const float sc = a.x_scales[(size_t)t * num_scales + i];
+        for (unsigned m = mask; m; m &= m - 1) {
+          const int r = __ffs(m) - 1;
+          float *d = (float *)(ctx.peer_base[r] + L.normal_offset + L.recv_scales_offset);
+          d[(size_t)rows[r] * num_scales + i] = sc;
+        }
+      }
+    }
+    if (topk) { /* routing metadata; a cached dispatch keeps the earlier values */
+      long long e = -1;
+      float w = 0.f;
+      if (lane < K) {
+        e = (long long)topk[(size_t)t * K + lane];
+        if (e < 0 || e >= E) e = -1; /* invalid ids were reported by the layout kernel */
+        if (a.topk_weights) w = a.topk_weights[(size_t)t * K + lane];
+      }
+      for (unsigned m = mask; m; m &= m - 1) {
+        const int r = __ffs(m) - 1;
+        char *base = ctx.peer_base[r] + L.normal_offset;
+        if (lane < K) {
+          const bool here = e >= 0 && e / epr == r;
+          ((int *)(base + L.recv_topk_idx_offset))[(size_t)rows[r] * K + lane] = here ? (int)(e - (long long)r * epr) : -1;
+          ((float *)(base + L.recv_topk_weights_offset))[(size_t)rows[r] * K + lane] = here ? w : 0.f;
+        }
+        if (lane == 0) ((int *)(base + L.recv_src_token_offset))[rows[r]] = t;
+      }
+    }
+  }
+
+  signal_all(ctx, false);
+  if (blockIdx.x == 0 && tid < R) {
+    epx__control_t *ctrl = control_of(ctx, me);
+    const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
+    epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected, EPX_STAGE_DISPATCH, tid);
+    ctrl->dispatch_expected[tid] = expected;
+  }
+}
+
+/* ------------------------------------------------------------------------------------------
+ * combine: send this rank's received rows back, then reduce this rank's own tokens.
+ * ---------------------------------------------------------------------------------------- */
+template <typename IdxT>
+__global__ void __launch_bounds__(kThreads, 1)
+    combine_kernel(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a) {
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int H = a.hidden, K = a.top_k, epr = a.num_experts / R, n16 = H * 2 / 16;
+  const epx__recv_meta_t *meta = a.routing.meta;
+  epx__control_t *ctrl = control_of(ctx, me);
+  const epx__ws_layout_t &L = ctx.layout;
+  __shared__ int prefix[EPX_MAX_RANKS + 1];
+  __shared__ unsigned parity;
+  if (tid <= R) prefix[tid] = meta->rank_prefix[tid];
+  if (tid == 0) parity = ctrl->combine_calls & 1u;
+  __syncthreads();
+  const size_t slab = L.normal_offset + L.combine_slab_offset + parity * L.combine_slab_bytes;
+
+  /* 1. Row i (from source s, its p-th token for me) goes to s's slab at (me, p). */
+  int begin, end;
+  block_share(prefix[R], &begin, &end);
+  for (int i = begin + warp; i < end; i += kWarps) {
+    int s = 0;
+    while (s + 1 < R && i >= prefix[s + 1]) s++;
+    const int p = i - prefix[s];
+    int4 *dst[EPX_MAX_RANKS];
+    dst[0] = (int4 *)(ctx.peer_base[s] + slab + ((size_t)me * a.max_tokens + p) * H * 2);
+    copy_row_multicast((const int4 *)((const char *)a.x + (size_t)i * H * 2), dst, 1u, n16, lane);
+  }
+  signal_all(ctx, true);
+
+  /* 2. Wait until every rank's blocks have delivered. */
+  if (tid < R) {
+    const unsigned long long expected = ctrl->combine_expected[tid] + gridDim.x;
+    epx::wait_geq(ctx, (const uint64_t *)&ctrl->combine_done[tid], expected, EPX_STAGE_COMBINE, tid);
+  }
+  __syncthreads();
+
+  /* 3. out[t] = sum over ranks d holding t of factor(t, d) * slab(d, pos[t][d]), in float32. */
+  const IdxT *topk = (const IdxT *)a.topk_idx;
+  const char *slab_base = ctx.peer_base[me] + slab;
+  block_share(a.routing.num_tokens, &begin, &end);
+  for (int t = begin + warp; t < end; t += kWarps) {
+    const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
+    const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
+    const int my_pos = in_rank ? a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
+    long long e = -1;
+    float w = 0.f;
+    if (a.topk_weights && lane < K) {
+      e = (long long)topk[(size_t)t * K + lane];
+      w = a.topk_weights[(size_t)t * K + lane];
+    }
+    const int4 *src[EPX_MAX_RANKS];
+    float factor[EPX_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < EPX_MAX_RANKS; r++) {
+      const int pos = __shfl_sync(0xffffffffu, my_pos, r);
+      src[r] = (const int4 *)(slab_base + ((size_t)r * a.max_tokens + pos) * H * 2);
+      float f = (e >= 0 && e < a.num_experts && e / epr == r) ? w : 0.f;
+#pragma unroll
+      for (int o = 16; o; o >>= 1) f += __shfl_xor_sync(0xffffffffu, f, o);
+      factor[r] = a.topk_weights ? f : 1.f;
+    }
+    int4 *out = (int4 *)((char *)a.out + (size_t)t * H * 2);
+    for (int i = lane; i < n16; i += 32) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (unsigned m = mask; m; m &= m - 1) {
+        const int r = __ffs(m) - 1;
+        int4 v = src[r][i];
+        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const float2 f2 = __bfloat1622float2(h[j]);
+          acc[2 * j] += factor[r] * f2.x;
+          acc[2 * j + 1] += factor[r] * f2.y;
+        }
+      }
+      int4 o;
+      __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
+#pragma unroll
+      for (int j = 0; j < 4; j++) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+      out[i] = o;
+    }
+  }
+
+  /* 4. The last block to finish advances the expected counts and the parity. Every block has
+   *    read them by now (they finished), so nobody sees a half-updated state. */
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(&ctrl->combine_blocks_done, 1u) == gridDim.x - 1) {
+      ctrl->combine_blocks_done = 0;
+      for (int p = 0; p < R; p++) ctrl->combine_expected[p] += gridDim.x;
+      ctrl->combine_calls += 1;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx, const epx__notify_launch_args_t *args,
+                                           cudaStream_t stream) {
+  notify_kernel<<<1, kThreads, 0, stream>>>(*ctx, *args);
+  CUDA_CHECK(cudaGetLastError());
+  return EPX_OK;
+}
+
+extern "C" epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx, const epx__dispatch_launch_args_t *args,
+                                             cudaStream_t stream) {
+  const dim3 grid(args->num_blocks), block(kThreads);
+  if (args->x_is_fp8) {
+    if (args->idx_is_int64) dispatch_kernel<long long, true><<<grid, block, 0, stream>>>(*ctx, *args);
+    else dispatch_kernel<int, true><<<grid, block, 0, stream>>>(*ctx, *args);
+  } else {
+    if (args->idx_is_int64) dispatch_kernel<long long, false><<<grid, block, 0, stream>>>(*ctx, *args);
+    else dispatch_kernel<int, false><<<grid, block, 0, stream>>>(*ctx, *args);
+  }
+  CUDA_CHECK(cudaGetLastError());
+  return EPX_OK;
+}
+
+extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx, const epx__combine_launch_args_t *args,
+                                            cudaStream_t stream) {
+  const dim3 grid(args->num_blocks), block(kThreads);
+  if (args->idx_is_int64) combine_kernel<long long><<<grid, block, 0, stream>>>(*ctx, *args);
+  else combine_kernel<int><<<grid, block, 0, stream>>>(*ctx, *args);
+  CUDA_CHECK(cudaGetLastError());
+  return EPX_OK;
+}
