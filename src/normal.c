@@ -41,6 +41,7 @@ EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   h->num_tokens_per_expert = (int *)(p += rank_bytes);
   h->is_token_in_rank = (uint8_t *)(p += expert_bytes);
   CUDA_CHECK_GOTO(cudaMemset(h->meta, 0, sizeof *h->meta), res, fail);
+  CUDA_CHECK_GOTO(cudaDeviceSynchronize(), res, fail); /* the legacy-stream memset is done before any use */
   CUDA_CHECK_GOTO(cudaHostAlloc((void **)&h->host_counts, (1 + E / R) * sizeof(int), cudaHostAllocMapped), res, fail);
   CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&h->host_counts_dev, h->host_counts, 0), res, fail);
   CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&h->counts_ready, cudaEventDisableTiming), res, fail);

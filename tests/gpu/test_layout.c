@@ -112,6 +112,9 @@ static int run_case(epx_test_rank_t *t, const layout_case_t *lc, int use_int32, 
   EXPECT_CUDA(cudaMemset(d_expert, 0xAB, E * sizeof(int)));
   EXPECT_CUDA(cudaMemset(d_in, 0xAB, (size_t)T * R + 1));
   EXPECT_CUDA(cudaMemset(d_pos, 0xAB, ((size_t)T * R + 1) * sizeof(int)));
+  /* NOTE: cudaMemcpy/cudaMemset run on the legacy stream, which does not order with the
+   * non-blocking test stream: finish them before the layout kernel runs. */
+  EXPECT_CUDA(cudaDeviceSynchronize());
 
   epx_layout_args_t a = EPX_LAYOUT_ARGS_INIT;
   a.topk_idx = d_idx;
@@ -160,6 +163,7 @@ static int run_case(epx_test_rank_t *t, const layout_case_t *lc, int use_int32, 
     /* The group keeps working: a valid routing right after reports nothing. */
     make_routing(idx, T, K, E, ROUTE_UNIFORM, rng);
     EXPECT_CUDA(cudaMemcpy(d_idx, idx, (size_t)T * K * 8, cudaMemcpyHostToDevice));
+    EXPECT_CUDA(cudaDeviceSynchronize());
     a.topk_idx_dtype = EPX_DTYPE_INT64;
     EXPECT_OK(epx_layout(g, &a, t->stream));
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
@@ -236,7 +240,7 @@ EPX_GPU_TEST(layout_refuses_bad_arguments, 120) {
   EXPECT_STATUS(epx_layout(g, NULL, t->stream), EPX_ERR_INVALID_ARGUMENT);
   /* The group still works. */
   a.size = sizeof a;
-  EXPECT_CUDA(cudaMemset(d_idx, 0xFF, 16 * 4 * sizeof(int64_t))); /* all -1 */
+  EXPECT_CUDA(cudaMemsetAsync(d_idx, 0xFF, 16 * 4 * sizeof(int64_t), t->stream)); /* all -1 */
   EXPECT_OK(epx_layout(g, &a, t->stream));
   int cnt[EPX_MAX_RANKS];
   EXPECT_CUDA(cudaMemcpyAsync(cnt, d_cnt, t->num_ranks * sizeof(int), cudaMemcpyDeviceToHost, t->stream));

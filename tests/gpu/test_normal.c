@@ -1,0 +1,597 @@
+/*
+ * test_normal.c - normal-mode dispatch/combine on 2 and 4 GPUs against the CPU reference.
+ *
+ * Every rank builds the whole world (all ranks' tokens, routing, payload) from the test seed,
+ * so it can compute with tests/ref what it must receive and what combine must return.
+ *
+ *   test                              what
+ *   normal_dispatch_combine_cases     BF16 + FP8 bit-exact, counts, ids, weights, sources;
+ *                                     combine (weighted/unweighted) vs float64; cached dispatch;
+ *                                     random + adversarial routings (table below)
+ *   normal_graph_replay               cached dispatch + combine captured once, replayed 100x
+ *   normal_loop_1000                  1000 iterations, new T and routing each, all checked
+ *   normal_refuses_bad_arguments      named errors, nothing sent, the group still works
+ *   normal_combine_times_out          one rank skips a combine: TIMEOUT naming it, < budget+1s
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gpu/gpu_util.h"
+#include "ref/epx_ref.h"
+
+typedef enum { ROUTE_UNIFORM, ROUTE_ONE_EXPERT, ROUTE_EMPTY, ROUTE_HOLES, ROUTE_ONE_RANK } route_t;
+
+typedef struct {
+  const char *name;
+  int max_tokens, hidden, experts, top_k; /* experts 0: = R */
+  route_t route;
+  int tokens; /* -1: random in [0, max] per rank (uneven); else for every rank */
+  int empty_rank; /* a rank with 0 tokens, or -1 */
+  int fp8;
+} normal_case_t;
+
+/* The world: every rank's inputs, generated identically on every rank. */
+typedef struct {
+  int R, E, K, H;
+  epx_ref_rank_t ranks[EPX_MAX_RANKS];
+  int64_t *idx[EPX_MAX_RANKS];
+  float *w[EPX_MAX_RANKS];
+  uint16_t *x[EPX_MAX_RANKS];
+  uint8_t *x8[EPX_MAX_RANKS];
+  float *sc[EPX_MAX_RANKS];
+  epx_ref_world_t ref;
+} world_t;
+
+static float rand_unit(uint64_t *rng) { return (float)(epx_test_rand(rng) >> 40) / (float)(1ull << 24); }
+
+static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64_t *rng) {
+  for (int k = 0; k < K; k++) {
+    int64_t e = -1;
+    if (route == ROUTE_ONE_EXPERT) e = E / 2;
+    else if (route == ROUTE_EMPTY) e = -1;
+    else {
+      const int range = route == ROUTE_ONE_RANK ? E / R : E; /* ONE_RANK: only rank 0's experts */
+      int again, tries = 0;
+      do {
+        e = epx_test_rand_int(rng, range);
+        again = 0;
+        for (int j = 0; j < k; j++) again |= ids[j] == e;
+      } while (again && ++tries < 100);
+      if (again || (route == ROUTE_HOLES && epx_test_rand_int(rng, 4) == 0)) e = -1;
+    }
+    ids[k] = e;
+  }
+}
+
+static void world_free(world_t *w) {
+  for (int s = 0; s < w->R; s++) free(w->idx[s]), free(w->w[s]), free(w->x[s]), free(w->x8[s]), free(w->sc[s]);
+  memset(w, 0, sizeof *w);
+}
+
+static void world_make(world_t *w, int R, const normal_case_t *c, uint64_t *rng) {
+  memset(w, 0, sizeof *w);
+  w->R = R;
+  w->E = c->experts ? c->experts : R;
+  w->K = c->top_k > w->E ? w->E : c->top_k;
+  w->H = c->hidden;
+  for (int s = 0; s < R; s++) {
+    int T = c->tokens >= 0 ? c->tokens : epx_test_rand_int(rng, c->max_tokens + 1);
+    if (s == c->empty_rank) T = 0;
+    const size_t TK = (size_t)T * w->K, TH = (size_t)T * w->H;
+    w->idx[s] = malloc(sizeof(int64_t) * (TK + 1));
+    w->w[s] = malloc(sizeof(float) * (TK + 1));
+    w->x[s] = malloc(sizeof(uint16_t) * (TH + 1));
+    w->x8[s] = malloc(TH + 1);
+    w->sc[s] = malloc(sizeof(float) * ((size_t)T * (w->H / 128) + 1));
+    for (int t = 0; t < T; t++) route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, R, c->route, rng);
+    for (size_t i = 0; i < TK; i++) w->w[s][i] = rand_unit(rng);
+    for (size_t i = 0; i < TH; i++) {
+      w->x[s][i] = epx_ref_bf16_from_float(4.f * rand_unit(rng) - 2.f);
+      uint8_t b = (uint8_t)epx_test_rand(rng);
+      if ((b & 0x7f) == 0x7f) b ^= 1; /* no NaN codes */
+      w->x8[s][i] = b;
+    }
+    for (size_t i = 0; i < (size_t)T * (w->H / 128); i++) w->sc[s][i] = 0.01f + rand_unit(rng);
+    w->ranks[s] = (epx_ref_rank_t){T, w->idx[s], w->w[s], w->x[s], c->fp8 ? w->x8[s] : NULL, c->fp8 ? w->sc[s] : NULL};
+  }
+  w->ref = (epx_ref_world_t){R, w->E, w->K, w->H, w->ranks};
+}
+
+/* Device copies of this rank's inputs. */
+typedef struct {
+  void *x, *x8, *idx, *w, *sc, *y, *out;
+} dev_inputs_t;
+
+static int upload(const world_t *w, int me, dev_inputs_t *d, size_t cap_rows) {
+  const int T = w->ranks[me].num_tokens;
+  const size_t TK = (size_t)T * w->K, TH = (size_t)T * w->H;
+  memset(d, 0, sizeof *d);
+  EXPECT_CUDA(cudaMalloc(&d->x, TH * 2 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->x8, TH + 16));
+  EXPECT_CUDA(cudaMalloc(&d->idx, TK * 8 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->w, TK * 4 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->sc, (size_t)T * (w->H / 128) * 4 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->y, cap_rows * w->H * 2 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->out, TH * 2 + 16));
+  EXPECT_CUDA(cudaMemcpy(d->x, w->x[me], TH * 2, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(d->x8, w->x8[me], TH, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(d->idx, w->idx[me], TK * 8, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(d->w, w->w[me], TK * 4, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(d->sc, w->sc[me], (size_t)T * (w->H / 128) * 4, cudaMemcpyHostToDevice));
+  /* NOTE: cudaMemcpy runs on the legacy stream, which does not order with the tests'
+   * non-blocking streams: finish it before any kernel reads the inputs. */
+  EXPECT_CUDA(cudaDeviceSynchronize());
+  return TEST_PASS;
+}
+
+static void dev_free(dev_inputs_t *d) {
+  cudaFree(d->x), cudaFree(d->x8), cudaFree(d->idx), cudaFree(d->w), cudaFree(d->sc), cudaFree(d->y), cudaFree(d->out);
+}
+
+/* Compare what the GPU received with the reference, field by field, first mismatch printed. */
+static int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res, int fp8, int check_meta,
+                      const epx_ref_recv_t *ref, const char *label) {
+  const int n = ref->num_recv, H = w->H, K = w->K, R = w->R;
+  int prefix[EPX_MAX_RANKS + 1];
+  EXPECT_CUDA(cudaMemcpy(prefix, res->recv_rank_prefix, sizeof(int) * (R + 1), cudaMemcpyDeviceToHost));
+  for (int s = 0; s <= R; s++) EXPECTF(prefix[s] == ref->rank_prefix[s], "%s: rank_prefix[%d] = %d, ref %d", label, s, prefix[s], ref->rank_prefix[s]);
+  int ndev = -1;
+  EXPECT_CUDA(cudaMemcpy(&ndev, res->num_recv_device, sizeof ndev, cudaMemcpyDeviceToHost));
+  EXPECT_EQ_INT(ndev, n);
+  const size_t row_bytes = (size_t)H * (fp8 ? 1 : 2);
+  char *got = malloc((size_t)n * row_bytes + 1);
+  EXPECT_CUDA(cudaMemcpy(got, res->recv_x, (size_t)n * row_bytes, cudaMemcpyDeviceToHost));
+  const char *want = fp8 ? (const char *)ref->x_fp8 : (const char *)ref->x;
+  for (int i = 0; i < n; i++)
+    if (memcmp(got + i * row_bytes, want + i * row_bytes, row_bytes)) {
+      fprintf(stderr, "  %s: recv_x row %d (source rank %d token %d) differs from the reference\n", label, i,
+              ref->src_rank[i], ref->src_token[i]);
+      free(got);
+      return TEST_FAIL;
+    }
+  free(got);
+  if (fp8) {
+    const size_t ns = (size_t)n * (H / 128);
+    float *sc = malloc(ns * 4 + 4);
+    EXPECT_CUDA(cudaMemcpy(sc, res->recv_x_scales, ns * 4, cudaMemcpyDeviceToHost));
+    int bad = memcmp(sc, ref->x_scales, ns * 4) != 0;
+    free(sc);
+    EXPECTF(!bad, "%s: recv_x_scales differ from the reference", label);
+  }
+  if (check_meta) {
+    int *idx = malloc((size_t)n * K * 4 + 4), *src = malloc((size_t)n * 4 + 4);
+    float *wt = malloc((size_t)n * K * 4 + 4);
+    EXPECT_CUDA(cudaMemcpy(idx, res->recv_topk_idx, (size_t)n * K * 4, cudaMemcpyDeviceToHost));
+    EXPECT_CUDA(cudaMemcpy(wt, res->recv_topk_weights, (size_t)n * K * 4, cudaMemcpyDeviceToHost));
+    EXPECT_CUDA(cudaMemcpy(src, res->recv_src_token, (size_t)n * 4, cudaMemcpyDeviceToHost));
+    int bad = -1;
+    for (int i = 0; i < n && bad < 0; i++) {
+      if (src[i] != ref->src_token[i]) bad = i;
+      for (int k = 0; k < K; k++)
+        if (idx[i * K + k] != ref->topk_idx[(size_t)i * K + k] || wt[i * K + k] != ref->topk_weights[(size_t)i * K + k]) bad = i;
+    }
+    free(idx), free(src), free(wt);
+    EXPECTF(bad < 0, "%s: row %d: topk ids, weights or source token differ from the reference", label, bad);
+  }
+  (void)me;
+  return TEST_PASS;
+}
+
+/* y_d = expert output of rank d: its received BF16 rows scaled by (1 + d/4), so that rows of
+ * one token differ from rank to rank. */
+static uint16_t *expert_output(const world_t *w, int d, int *num_recv) {
+  epx_ref_recv_t r;
+  memset(&r, 0, sizeof r);
+  epx_ref_dispatch(&w->ref, d, EPX_REF_PAYLOAD_BF16, 1, &r);
+  *num_recv = r.num_recv;
+  uint16_t *y = malloc((size_t)r.num_recv * w->H * 2 + 2);
+  for (size_t i = 0; i < (size_t)r.num_recv * w->H; i++)
+    y[i] = epx_ref_bf16_from_float(epx_ref_bf16_to_float(r.x[i]) * (1.f + 0.25f * d));
+  epx_ref_recv_free(&r);
+  return y;
+}
+
+/* out (BF16, on the GPU) within BF16 rounding of the float64 reference. */
+static int check_combine(const world_t *w, int me, const void *out_dev, const float *weights, const char *label) {
+  const int T = w->ranks[me].num_tokens, H = w->H;
+  uint16_t *y[EPX_MAX_RANKS];
+  int nrecv;
+  for (int d = 0; d < w->R; d++) y[d] = expert_output(w, d, &nrecv);
+  double *ref = malloc(sizeof(double) * ((size_t)T * H + 1));
+  EXPECT(epx_ref_combine_f64(&w->ref, me, (const uint16_t *const *)y, weights, ref) == 0);
+  uint16_t *got = malloc((size_t)T * H * 2 + 2);
+  EXPECT_CUDA(cudaMemcpy(got, out_dev, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+  long long bad = -1;
+  double worst = 0;
+  for (size_t i = 0; i < (size_t)T * H; i++) {
+    const double g = epx_ref_bf16_to_float(got[i]), r = ref[i];
+    const double tol = fabs(r) * (1.0 / 256) + 1e-4;
+    if (!(fabs(g - r) <= tol) && bad < 0) bad = (long long)i;
+    if (fabs(g - r) > worst) worst = fabs(g - r);
+  }
+  int ok = bad < 0;
+  if (!ok)
+    fprintf(stderr, "  %s: combine out[%lld][%lld] = %g, float64 reference %.8g\n", label, bad / H, bad % H,
+            epx_ref_bf16_to_float(got[bad]), ref[bad]);
+  for (int d = 0; d < w->R; d++) free(y[d]);
+  free(ref), free(got);
+  return ok ? TEST_PASS : TEST_FAIL;
+}
+
+static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
+  const int R = t->num_ranks, me = t->rank;
+  world_t w;
+  world_make(&w, R, c, rng);
+  epx_group_config_t cfg = gpu_test_config(c->max_tokens, w.H, w.E, w.K);
+  cfg.modes = EPX_MODE_NORMAL;
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  dev_inputs_t d;
+  if (upload(&w, me, &d, (size_t)R * c->max_tokens) != TEST_PASS) return TEST_FAIL;
+  const int align_choices[] = {0, 1, 4, 128};
+  const int align = align_choices[epx_test_rand_int(rng, 4)];
+
+  epx_ref_recv_t ref;
+  memset(&ref, 0, sizeof ref);
+  EXPECT(epx_ref_dispatch(&w.ref, me, c->fp8 ? EPX_REF_PAYLOAD_FP8 : EPX_REF_PAYLOAD_BF16, align ? align : 1, &ref) == 0);
+
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = c->fp8 ? d.x8 : d.x;
+  a.x_dtype = c->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  a.x_scales = c->fp8 ? (const float *)d.sc : NULL;
+  a.topk_idx = d.idx;
+  a.topk_weights = (const float *)d.w;
+  a.num_tokens = w.ranks[me].num_tokens;
+  a.expert_alignment = align;
+  int per_expert[EPX_MAX_EXPERTS];
+  a.num_recv_per_expert = per_expert;
+  epx_dispatch_result_t res;
+  EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  EXPECT_EQ_INT(res.num_recv, ref.num_recv);
+  for (int j = 0; j < w.E / R; j++)
+    EXPECTF(per_expert[j] == ref.num_recv_per_expert_aligned[j], "%s: per-expert[%d] = %d, ref %d (align %d)", c->name, j,
+            per_expert[j], ref.num_recv_per_expert_aligned[j], align);
+  int dev_pe[EPX_MAX_EXPERTS];
+  EXPECT_CUDA(cudaMemcpy(dev_pe, res.num_recv_per_expert_device, sizeof(int) * (w.E / R), cudaMemcpyDeviceToHost));
+  for (int j = 0; j < w.E / R; j++) EXPECT_EQ_INT(dev_pe[j], per_expert[j]);
+  if (check_recv(&w, me, &res, c->fp8, 1, &ref, c->name) != TEST_PASS) return TEST_FAIL;
+  epx_ref_recv_free(&ref);
+
+  /* Combine: expert outputs y_me, weighted then unweighted. */
+  int nrecv = 0;
+  uint16_t *y = expert_output(&w, me, &nrecv);
+  EXPECT_CUDA(cudaMemcpyAsync(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  free(y);
+  for (int weighted = 1; weighted >= 0; weighted--) {
+    EXPECT_CUDA(cudaMemsetAsync(d.out, 0xFF, (size_t)w.ranks[me].num_tokens * w.H * 2, t->stream)); /* NaN */
+    epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+    ca.x = d.y;
+    ca.out = d.out;
+    if (weighted) ca.topk_idx = d.idx, ca.topk_weights = (const float *)d.w;
+    EXPECT_OK(epx_combine(g, h, &ca, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    char label[96];
+    snprintf(label, sizeof label, "%s (%s combine)", c->name, weighted ? "weighted" : "unweighted");
+    if (check_combine(&w, me, d.out, weighted ? w.w[me] : NULL, label) != TEST_PASS) return TEST_FAIL;
+  }
+
+  /* Cached dispatch of fresh payload with the same routing. */
+  for (int s = 0; s < R; s++)
+    for (size_t i = 0; i < (size_t)w.ranks[s].num_tokens * w.H; i++) w.x[s][i] = epx_ref_bf16_from_float(rand_unit(rng) - 0.5f);
+  EXPECT_CUDA(cudaMemcpyAsync(d.x, w.x[me], (size_t)w.ranks[me].num_tokens * w.H * 2, cudaMemcpyHostToDevice, t->stream));
+  EXPECT_OK(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  memset(&ref, 0, sizeof ref);
+  EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+  char label[96];
+  snprintf(label, sizeof label, "%s (cached)", c->name);
+  if (check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
+  epx_ref_recv_free(&ref);
+
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  EXPECTF(err.status == EPX_OK, "%s: async error: %s", c->name, err.message);
+  dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/*   name          T_max  H     E     K   routing       T        empty  fp8 */
+static const normal_case_t cases[] = {
+    {"random_bf16", 512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1, 0},
+    {"random_fp8", 512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1, 1},
+    {"one_expert", 256, 512, 32, 4, ROUTE_ONE_EXPERT, 256, -1, 0},
+    {"all_empty", 256, 512, 32, 4, ROUTE_EMPTY, 256, -1, 0},
+    {"one_rank_gets_all", 256, 512, 32, 4, ROUTE_ONE_RANK, 256, -1, 1},
+    {"empty_rank", 256, 512, 32, 4, ROUTE_HOLES, -1, 1, 0},
+    {"e_equals_r_top1", 256, 264, 0, 1, ROUTE_UNIFORM, -1, -1, 0},
+    {"top16_e1024", 128, 512, 1024, 16, ROUTE_HOLES, -1, -1, 1},
+    {"deepep_shape", 4096, 7168, 256, 8, ROUTE_UNIFORM, 4096, -1, 0},
+    {"deepep_shape_fp8", 4096, 7168, 256, 8, ROUTE_UNIFORM, 4096, -1, 1},
+};
+
+EPX_GPU_TEST(normal_dispatch_combine_cases, 600) {
+  uint64_t rng = t->seed; /* the same on every rank: the world is shared */
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    if (run_case(t, &cases[i], &rng) != TEST_PASS) {
+      fprintf(stderr, "  rank %d: case %s failed\n", t->rank, cases[i].name);
+      return TEST_FAIL;
+    }
+  }
+  return TEST_PASS;
+}
+
+/* A cached dispatch + combine (combine input = the received rows) captured once and replayed
+ * 100 times; the payload changes every 20 replays and the output is checked each time. */
+EPX_GPU_TEST(normal_graph_replay, 300) {
+  const int R = t->num_ranks, me = t->rank;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"graph", 256, 1024, 32, 4, ROUTE_UNIFORM, -1, -1, 0};
+  world_t w;
+  world_make(&w, R, &c, &rng);
+  epx_group_config_t cfg = gpu_test_config(c.max_tokens, w.H, w.E, w.K);
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  dev_inputs_t d;
+  if (upload(&w, me, &d, (size_t)R * c.max_tokens) != TEST_PASS) return TEST_FAIL;
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = d.x;
+  a.topk_idx = d.idx;
+  a.num_tokens = w.ranks[me].num_tokens;
+  a.sync_counts = 0; /* no host sync: the whole dispatch could be captured too */
+  epx_dispatch_result_t res;
+  EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  EXPECT_CUDA(cudaStreamBeginCapture(t->stream, cudaStreamCaptureModeThreadLocal));
+  EXPECT_OK(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream));
+  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+  ca.x = res.recv_x;
+  ca.out = d.out;
+  EXPECT_OK(epx_combine(g, h, &ca, t->stream));
+  EXPECT_CUDA(cudaStreamEndCapture(t->stream, &graph));
+  EXPECT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (int replay = 0; replay < 100; replay++) {
+    if (replay % 20 == 0) {
+      for (int s = 0; s < R; s++)
+        for (size_t i = 0; i < (size_t)w.ranks[s].num_tokens * w.H; i++)
+          w.x[s][i] = epx_ref_bf16_from_float(4.f * rand_unit(&rng) - 2.f);
+      EXPECT_CUDA(cudaMemcpyAsync(d.x, w.x[me], (size_t)w.ranks[me].num_tokens * w.H * 2, cudaMemcpyHostToDevice, t->stream));
+    }
+    EXPECT_CUDA(cudaGraphLaunch(exec, t->stream));
+    if (replay % 20 == 19) {
+      EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+      /* Unweighted combine of the received rows: sum over ranks d of x (bit-exact inputs). */
+      uint16_t *y[EPX_MAX_RANKS];
+      for (int dd = 0; dd < R; dd++) {
+        epx_ref_recv_t r;
+        memset(&r, 0, sizeof r);
+        EXPECT(epx_ref_dispatch(&w.ref, dd, EPX_REF_PAYLOAD_BF16, 1, &r) == 0);
+        y[dd] = r.x;
+        r.x = NULL;
+        epx_ref_recv_free(&r);
+      }
+      const size_t n = (size_t)w.ranks[me].num_tokens * w.H;
+      uint16_t *want = malloc(n * 2 + 2), *got = malloc(n * 2 + 2);
+      EXPECT(epx_ref_combine(&w.ref, me, (const uint16_t *const *)y, NULL, want) == 0);
+      EXPECT_CUDA(cudaMemcpy(got, d.out, n * 2, cudaMemcpyDeviceToHost));
+      /* Unweighted sums of at most R equal-magnitude BF16 rows are exact in float32: bit-exact. */
+      long long bad = -1;
+      for (size_t i = 0; i < n && bad < 0; i++)
+        if (got[i] != want[i]) bad = (long long)i;
+      EXPECTF(bad < 0, "replay %d: out[%lld] = 0x%04x, reference 0x%04x", replay, bad / w.H, got[bad], want[bad]);
+      for (int dd = 0; dd < R; dd++) free(y[dd]);
+      free(want), free(got);
+    }
+  }
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  EXPECTF(err.status == EPX_OK, "async error: %s", err.message);
+  EXPECT_CUDA(cudaGraphExecDestroy(exec));
+  EXPECT_CUDA(cudaGraphDestroy(graph));
+  dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/* 1000 dispatch + combine iterations, token counts and routing new every iteration. */
+EPX_GPU_TEST(normal_loop_1000, 600) {
+  const int R = t->num_ranks, me = t->rank;
+  uint64_t rng = t->seed;
+  const int T_max = 96, H = 256, E = 8 * R, K = 4;
+  epx_group_config_t cfg = gpu_test_config(T_max, H, E, K);
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  for (int it = 0; it < 1000; it++) {
+    const route_t routes[] = {ROUTE_UNIFORM, ROUTE_HOLES, ROUTE_ONE_RANK, ROUTE_UNIFORM};
+    const normal_case_t c = {"loop", T_max, H, E, K, routes[it % 4], -1, it % 7 == 3 ? it % R : -1, 0};
+    world_t w;
+    world_make(&w, R, &c, &rng);
+    dev_inputs_t d;
+    if (upload(&w, me, &d, (size_t)R * T_max) != TEST_PASS) return TEST_FAIL;
+    epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+    a.x = d.x;
+    a.topk_idx = d.idx;
+    a.topk_weights = (const float *)d.w;
+    a.num_tokens = w.ranks[me].num_tokens;
+    epx_dispatch_result_t res;
+    EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+    epx_ref_recv_t ref;
+    memset(&ref, 0, sizeof ref);
+    EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+    EXPECTF(res.num_recv == ref.num_recv, "iteration %d: num_recv %d, ref %d", it, res.num_recv, ref.num_recv);
+    char label[64];
+    snprintf(label, sizeof label, "iteration %d", it);
+    if (check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
+    epx_ref_recv_free(&ref);
+    int nrecv = 0;
+    uint16_t *y = expert_output(&w, me, &nrecv);
+    EXPECT_CUDA(cudaMemcpyAsync(d.y, y, (size_t)nrecv * H * 2, cudaMemcpyHostToDevice, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    free(y);
+    epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+    ca.x = d.y;
+    ca.out = d.out;
+    ca.topk_idx = d.idx;
+    ca.topk_weights = (const float *)d.w;
+    EXPECT_OK(epx_combine(g, h, &ca, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    if (check_combine(&w, me, d.out, w.w[me], label) != TEST_PASS) return TEST_FAIL;
+    dev_free(&d);
+    world_free(&w);
+  }
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  EXPECTF(err.status == EPX_OK, "async error: %s", err.message);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+typedef struct {
+  const char *name;
+  epx_dispatch_args_t args;
+  const char *must_name; /* the message must contain this */
+} bad_args_t;
+
+static bad_args_t bad_case(const char *name, epx_dispatch_args_t args, const char *must_name) {
+  bad_args_t b = {name, args, must_name};
+  return b;
+}
+
+/* Bad arguments are refused with a named error before anything is sent; the group still works
+ * (a full dispatch + combine right after is checked against the reference). */
+EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
+  const int R = t->num_ranks, me = t->rank;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"args", 64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1, 0};
+  world_t w;
+  world_make(&w, R, &c, &rng);
+  epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
+  cfg.dtypes = EPX_DTYPE_BF16;
+  epx_group_t g = NULL, g2 = NULL;
+  epx_handle_t h = NULL, h2 = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g2));
+  EXPECT_OK(epx_handle_create(g, &h));
+  EXPECT_OK(epx_handle_create(g2, &h2));
+  dev_inputs_t d;
+  if (upload(&w, me, &d, (size_t)R * 64) != TEST_PASS) return TEST_FAIL;
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = d.x;
+  a.topk_idx = d.idx;
+  a.topk_weights = (const float *)d.w;
+  a.num_tokens = 64;
+  epx_dispatch_result_t res;
+  bad_args_t bad[8];
+  int nb = 0;
+  bad[nb] = bad_case("too many tokens", a, "num_tokens"), bad[nb++].args.num_tokens = 65;
+  bad[nb] = bad_case("null x", a, "x"), bad[nb++].args.x = NULL;
+  bad[nb] = bad_case("misaligned x", a, "aligned"), bad[nb++].args.x = (char *)d.x + 8;
+  bad[nb] = bad_case("fp8 on a bf16 group", a, "x_dtype"), bad[nb++].args.x_dtype = EPX_DTYPE_FP8_E4M3;
+  bad[nb] = bad_case("null topk_idx", a, "topk_idx"), bad[nb++].args.topk_idx = NULL;
+  bad[nb] = bad_case("host topk_idx", a, "topk_idx"), bad[nb++].args.topk_idx = w.idx[me];
+  bad[nb] = bad_case("bad size", a, "size"), bad[nb++].args.size = 3;
+  for (int i = 0; i < nb; i++) {
+    epx_status_t s = epx_dispatch(g, h, &bad[i].args, &res, t->stream);
+    EXPECTF(s == EPX_ERR_INVALID_ARGUMENT, "%s: got %s", bad[i].name, epx_status_string(s));
+    EXPECTF(strstr(epx_last_error(), bad[i].must_name) != NULL, "%s: message '%s' does not name %s", bad[i].name,
+            epx_last_error(), bad[i].must_name);
+  }
+  EXPECT_STATUS(epx_dispatch(g, h2, &a, &res, t->stream), EPX_ERR_INVALID_USAGE); /* another group's handle */
+  EXPECT(strstr(epx_last_error(), "another group") != NULL);
+  EXPECT_STATUS(epx_combine(g, h, NULL, t->stream), EPX_ERR_INVALID_ARGUMENT);
+  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+  ca.x = d.y;
+  ca.out = d.out;
+  EXPECT_STATUS(epx_combine(g, h, &ca, t->stream), EPX_ERR_INVALID_USAGE); /* nothing dispatched yet */
+  EXPECT_STATUS(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream), EPX_ERR_INVALID_USAGE);
+
+  /* The group still works. */
+  EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  epx_ref_recv_t ref;
+  memset(&ref, 0, sizeof ref);
+  EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+  if (check_recv(&w, me, &res, 0, 1, &ref, "after bad arguments") != TEST_PASS) return TEST_FAIL;
+  epx_ref_recv_free(&ref);
+  EXPECT_OK(epx_handle_destroy(h2));
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_STATUS(epx_combine(g, h, &ca, t->stream), EPX_ERR_INVALID_USAGE); /* destroyed handle */
+  dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_group_destroy(g2));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/* The last rank skips a combine: the others return, within the budget + 1 s, with TIMEOUT in
+ * stage COMBINE naming it. */
+EPX_GPU_TEST(normal_combine_times_out, 120) {
+  const int R = t->num_ranks, me = t->rank;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"timeout", 64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1, 0};
+  world_t w;
+  world_make(&w, R, &c, &rng);
+  epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
+  cfg.timeout_ms = 500;
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  dev_inputs_t d;
+  if (upload(&w, me, &d, (size_t)R * 64) != TEST_PASS) return TEST_FAIL;
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = d.x;
+  a.topk_idx = d.idx;
+  a.num_tokens = 64;
+  epx_dispatch_result_t res;
+  EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  const int missing = R - 1;
+  if (me != missing) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+    ca.x = res.recv_x;
+    ca.out = d.out;
+    EXPECT_OK(epx_combine(g, h, &ca, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const double waited = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    epx_async_error_t err;
+    EXPECT_OK(epx_group_get_async_error(g, &err));
+    printf("  rank %d: combine returned after %.3f s: %s\n", me, waited, err.message);
+    EXPECT_EQ_INT(err.status, EPX_ERR_TIMEOUT);
+    EXPECT_EQ_INT(err.stage, EPX_STAGE_COMBINE);
+    EXPECT_EQ_INT(err.peer, missing);
+    EXPECTF(waited < 1.5, "took %.3f s with a 0.5 s budget", waited);
+  }
+  int *one = NULL;
+  EXPECT_CUDA(cudaMalloc((void **)&one, sizeof(int)));
+  EXPECT_NCCL(ncclAllReduce(one, one, 1, ncclInt32, ncclSum, t->comm, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  cudaFree(one);
+  dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}

@@ -1,0 +1,308 @@
+/*
+ * epx_ref.h - the plain-C CPU reference of EPX: layout, normal dispatch/combine, low-latency
+ * dispatch/combine, and the BF16 / FP8 E4M3 number formats. It is the oracle of every GPU test.
+ *
+ * The reference simulates all R ranks in one process: a function takes the inputs of every rank
+ * (an epx_ref_world_t) and produces the outputs of one rank. A GPU test on rank r draws every
+ * rank's inputs from the shared seed, runs the reference for its own rank and compares.
+ *
+ * Definitions (docs design.md section 1). R ranks; rank r holds T_r tokens of hidden size H,
+ * topk_idx [T_r, K] int64 and topk_weights [T_r, K] float32. E experts, E % R == 0; rank r hosts
+ * experts [r*E/R, (r+1)*E/R), local id j = e - r*E/R. A slot is VALID when its id is in [0, E);
+ * -1 is an empty slot, and any other id is invalid and treated exactly like an empty slot
+ * (epx_ref_layout reports the first one). BF16 values are stored as their uint16_t bits, FP8
+ * E4M3 values as their uint8_t bits.
+ *
+ * Invariants:
+ *   - Everything is deterministic and exact: float32 arithmetic is IEEE round-to-nearest-even
+ *     with no fused multiply-add and no excess precision (checked at compile time), so the
+ *     BF16/FP8 conversions and the FP8 quantization are bit-exact with the GPU definitions
+ *     below. Combine sums are exact-order float32 sums; GPU combines that sum in another order
+ *     are compared against the float64 versions with a tolerance.
+ *   - Receive orders are total: normal dispatch orders rows by (source rank, source token);
+ *     low-latency rows of one local expert by (source rank, source token, slot).
+ *   - Nothing is written outside the documented output extents.
+ *
+ * Return codes: the functions that take a world return 0 on success and -1 on invalid
+ * arguments or allocation failure, after printing one "epx_ref: ..." line to stderr; their
+ * outputs are then unspecified (the low-latency dispatch writes nothing).
+ */
+#ifndef EPX_TESTS_REF_H_
+#define EPX_TESTS_REF_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Channels per FP8 scale. */
+#define EPX_REF_FP8_GROUP 128
+/* Largest finite FP8 E4M3 value (code 0x7e). */
+#define EPX_REF_FP8_MAX 448.0f
+
+/* ---------------------------------------------------------------------------------------------
+ * Number formats.
+ * ------------------------------------------------------------------------------------------- */
+
+/* epx_ref_bf16_from_float - float32 -> BF16, round to nearest even. Overflow rounds to +-inf as
+ * IEEE says; infinities stay infinities; a NaN stays a NaN (its sign kept, the quiet bit set).
+ *   x - [IN] float32
+ * Returns the BF16 bits. */
+uint16_t epx_ref_bf16_from_float(float x);
+
+/* epx_ref_bf16_to_float - BF16 -> float32 (exact).
+ *   bits - [IN] BF16 bits */
+float epx_ref_bf16_to_float(uint16_t bits);
+
+/* epx_ref_fp8_from_float - float32 -> FP8 E4M3 ("e4m3fn": 1 sign, 4 exponent bits of bias 7,
+ * 3 mantissa bits; no infinities; NaN = 0x7f/0xff; largest finite 448 = 0x7e; subnormals
+ * m * 2^-9, m = 1..7). Round to nearest even, then SATURATE: every |x| >= 448 (infinities
+ * included) gives +-448. |x| <= 2^-10 gives a signed zero. NaN gives 0x7f. Equal to CUDA's
+ * __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) (cvt.rn.satfinite.e4m3x2.f32).
+ *   x - [IN] float32
+ * Returns the FP8 bits. */
+uint8_t epx_ref_fp8_from_float(float x);
+
+/* epx_ref_fp8_to_float - FP8 E4M3 -> float32 (exact); 0x7f and 0xff give NaN.
+ *   bits - [IN] FP8 bits */
+float epx_ref_fp8_to_float(uint8_t bits);
+
+/* ---------------------------------------------------------------------------------------------
+ * FP8 per-128-channel quantization, bit-exact with the GPU. For each token t and each group g
+ * of 128 channels (c = 128*g .. 128*g+127), all in float32 with IEEE round-to-nearest-even:
+ *
+ *   amax  = max over the group of |float(x[t][c])|      (x is BF16, converted exactly)
+ *   amax  = fmaxf(amax, 1e-4f)
+ *   scale = amax / 448.0f                                (division, correctly rounded)
+ *   if UE8M0: if the mantissa bits of scale are nonzero, scale = 2^(exponent+1) exactly
+ *             (exponent field + 1, mantissa 0: the power of two at or above scale)
+ *   inv   = 1.0f / scale                                 (division, correctly rounded)
+ *   q[t][c]           = epx_ref_fp8_from_float(float(x[t][c]) * inv)   (one rounded multiply)
+ *   scales[t][g]      = scale                            (float32; for UE8M0 a power of two)
+ *
+ * Dequantization: float(q) * scale, one rounded float32 multiply.
+ * ------------------------------------------------------------------------------------------- */
+
+/* epx_ref_fp8_scale - the scale of one group from its amax, as defined above.
+ *   amax  - [IN] float32 max |x| of the group (before the 1e-4 floor)
+ *   ue8m0 - [IN] 1: round the scale up to a power of two
+ * Returns the float32 scale. */
+float epx_ref_fp8_scale(float amax, int ue8m0);
+
+/* epx_ref_fp8_quantize - quantize BF16 rows to FP8 with per-128-channel scales.
+ *   x          - [IN]  [num_tokens, hidden] BF16
+ *   num_tokens - [IN]  T >= 0
+ *   hidden     - [IN]  H, a positive multiple of 128
+ *   ue8m0      - [IN]  1: power-of-two scales
+ *   q          - [OUT] [T, H] FP8 E4M3
+ *   scales     - [OUT] [T, H/128] float32
+ * Returns 0, or -1 if hidden is not a positive multiple of 128 (nothing written). */
+int epx_ref_fp8_quantize(const uint16_t *x, int num_tokens, int hidden, int ue8m0, uint8_t *q,
+                         float *scales);
+
+/* epx_ref_fp8_dequantize - float(q) * scale per element.
+ *   q, scales  - [IN]  [T, H] FP8 E4M3 and [T, H/128] float32
+ *   num_tokens - [IN]  T >= 0
+ *   hidden     - [IN]  H, a positive multiple of 128
+ *   out        - [OUT] [T, H] float32
+ * Returns 0, or -1 if hidden is not a positive multiple of 128 (nothing written). */
+int epx_ref_fp8_dequantize(const uint8_t *q, const float *scales, int num_tokens, int hidden,
+                           float *out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Layout of one rank's tokens.
+ * ------------------------------------------------------------------------------------------- */
+
+/* epx_ref_layout - what one rank sends where. Outputs are written in full.
+ *   topk_idx              - [IN]  [T, K] int64 expert ids (may be NULL when T == 0)
+ *   num_tokens            - [IN]  T >= 0
+ *   top_k                 - [IN]  K >= 1
+ *   num_experts           - [IN]  E, a multiple of num_ranks
+ *   num_ranks             - [IN]  R >= 1
+ *   num_tokens_per_rank   - [OUT] [R] int: tokens with at least one valid slot on rank r (the
+ *                                 own rank included; a token counts once per rank)
+ *   num_tokens_per_expert - [OUT] [E] int: tokens choosing expert e (once per token even if it
+ *                                 lists e twice)
+ *   is_token_in_rank      - [OUT] [T, R] uint8 0/1
+ *   token_pos_in_rank     - [OUT] [T, R] int: position of token t among this rank's tokens
+ *                                 sent to rank r, in ascending token order; -1 if not sent
+ * Returns the flat index t*top_k+k of the first expert id outside [-1, E) (lowest index), or -1
+ * if all are valid. Bad ids are treated as empty slots. Any output pointer may be NULL.
+ * Invalid dimensions (or a NULL topk_idx with T > 0) return -2 with a message on stderr. */
+long long epx_ref_layout(const int64_t *topk_idx, int num_tokens, int top_k, int num_experts,
+                         int num_ranks, int *num_tokens_per_rank /*[R]*/,
+                         int *num_tokens_per_expert /*[E]*/, uint8_t *is_token_in_rank /*[T*R]*/,
+                         int *token_pos_in_rank /*[T*R]*/);
+
+/* ---------------------------------------------------------------------------------------------
+ * The inputs of every rank.
+ * ------------------------------------------------------------------------------------------- */
+
+/* One rank's inputs. Pointers a function does not use may be NULL. */
+typedef struct epx_ref_rank {
+  int num_tokens;            /* T_r >= 0 */
+  const int64_t *topk_idx;   /* [T_r, K] int64 expert ids, -1 = empty slot */
+  const float *topk_weights; /* [T_r, K] float32, or NULL (received weights are then 0) */
+  const uint16_t *x;         /* [T_r, H] BF16 payload, or NULL */
+  const uint8_t *x_fp8;      /* [T_r, H] FP8 E4M3 payload, or NULL */
+  const float *x_scales;     /* [T_r, H/128] float32 scales of x_fp8, or NULL */
+} epx_ref_rank_t;
+
+/* All ranks' inputs. */
+typedef struct epx_ref_world {
+  int num_ranks;               /* R >= 1 */
+  int num_experts;             /* E, a positive multiple of R */
+  int top_k;                   /* K >= 1 */
+  int hidden;                  /* H >= 1 (a multiple of 128 wherever FP8 is involved) */
+  const epx_ref_rank_t *ranks; /* [R] */
+} epx_ref_world_t;
+
+/* ---------------------------------------------------------------------------------------------
+ * Normal (high-throughput) mode.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Which payload a normal dispatch copies. */
+typedef enum epx_ref_payload {
+  EPX_REF_PAYLOAD_NONE = 0, /* routing only (ids, weights, sources, counts) */
+  EPX_REF_PAYLOAD_BF16 = 1, /* ranks[s].x */
+  EPX_REF_PAYLOAD_FP8 = 2,  /* ranks[s].x_fp8 and ranks[s].x_scales, copied bit-exactly */
+} epx_ref_payload_t;
+
+/* What one rank receives in a normal dispatch. Filled by epx_ref_dispatch (which allocates
+ * every array), released by epx_ref_recv_free. Row i is the i-th received token. */
+typedef struct epx_ref_recv {
+  int num_recv;                     /* rows received */
+  int num_local_experts;            /* E/R */
+  int *rank_prefix;                 /* [R+1]: rows of source s are [prefix[s], prefix[s+1]) */
+  uint16_t *x;                      /* [num_recv, H] BF16 (payload BF16), else NULL */
+  uint8_t *x_fp8;                   /* [num_recv, H] FP8 (payload FP8), else NULL */
+  float *x_scales;                  /* [num_recv, H/128] float32 (payload FP8), else NULL */
+  int64_t *topk_idx;                /* [num_recv, K] local expert id where the slot's expert
+                                       lives on this rank, else -1 */
+  float *topk_weights;              /* [num_recv, K] the weight where the slot is on this rank,
+                                       else 0.0f (0.0f everywhere if the source has no weights) */
+  int *src_rank;                    /* [num_recv] */
+  int *src_token;                   /* [num_recv] */
+  int *num_recv_per_expert;         /* [E/R] rows whose topk_idx contains local expert j (once
+                                       per row) */
+  int *num_recv_per_expert_aligned; /* [E/R] the same, each rounded up to expert_alignment */
+} epx_ref_recv_t;
+
+/* epx_ref_dispatch_num_recv - rows that dst_rank receives in a normal dispatch: the tokens of
+ * every rank with at least one valid slot on dst_rank.
+ *   world    - [IN] every rank's topk_idx
+ *   dst_rank - [IN] 0..R-1
+ * Returns the row count, or -1 on invalid arguments. */
+int epx_ref_dispatch_num_recv(const epx_ref_world_t *world, int dst_rank);
+
+/* epx_ref_dispatch - what dst_rank receives in a normal dispatch: every token (of every source
+ * rank s, its own included) that has a valid slot on dst_rank, exactly once, ordered by source
+ * rank ascending then source token ascending. Dispatch never quantizes: an FP8 payload is the
+ * caller's x_fp8 + x_scales, copied bit-exactly.
+ *   world            - [IN]  every rank's topk_idx, topk_weights (optional) and, per payload, x
+ *                            or x_fp8 + x_scales (hidden % 128 == 0 for FP8)
+ *   dst_rank         - [IN]  0..R-1
+ *   payload          - [IN]  EPX_REF_PAYLOAD_NONE, _BF16 or _FP8
+ *   expert_alignment - [IN]  >= 1: num_recv_per_expert_aligned[j] is the least multiple of it
+ *                            that is >= num_recv_per_expert[j]
+ *   recv             - [OUT] allocated and filled; release with epx_ref_recv_free (also after
+ *                            a failure)
+ * Returns 0 or -1. */
+int epx_ref_dispatch(const epx_ref_world_t *world, int dst_rank, epx_ref_payload_t payload,
+                     int expert_alignment, epx_ref_recv_t *recv);
+
+/* epx_ref_recv_free - release the arrays of recv and zero it. NULL is accepted.
+ *   recv - [IN/OUT] */
+void epx_ref_recv_free(epx_ref_recv_t *recv);
+
+/* epx_ref_combine - normal combine for src_rank: the inverse of epx_ref_dispatch. For each
+ * token t of src_rank:
+ *
+ *   out[t] = bf16( sum over ranks d that received t, d ascending, of factor_d * float(y_d[row]) )
+ *
+ * where row is the row of (src_rank, t) in d's receive order, the sum starts at +0.0f and each
+ * product and each addition is rounded to float32 (no fused multiply-add), and bf16() is
+ * epx_ref_bf16_from_float. Unweighted (topk_weights NULL): factor_d = 1. Weighted: factor_d =
+ * sum of topk_weights[t][k] over the valid slots k whose expert lives on d, a float32 sum from
+ * 0.0f in ascending k. Tokens on no rank get +0.0.
+ *   world        - [IN]  every rank's topk_idx (fixes every receive order)
+ *   src_rank     - [IN]  0..R-1
+ *   y            - [IN]  [R] pointers; y[d] is [num_recv_d, H] BF16 in d's receive order (may
+ *                        be NULL when d receives no row)
+ *   topk_weights - [IN]  [T_s, K] float32 of src_rank's tokens, or NULL for the unweighted sum
+ *   out          - [OUT] [T_s, H] BF16
+ * Returns 0 or -1. */
+int epx_ref_combine(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
+                    const float *topk_weights, uint16_t *out);
+
+/* epx_ref_combine_f64 - epx_ref_combine with every operation (the factors included) in
+ * float64 and no final rounding: the exact-order float64 sum that GPU results are checked
+ * against "within BF16 rounding".
+ *   out - [OUT] [T_s, H] float64; other arguments as epx_ref_combine. Returns 0 or -1. */
+int epx_ref_combine_f64(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
+                        const float *topk_weights, double *out);
+
+/* ---------------------------------------------------------------------------------------------
+ * Low-latency mode. Every buffer is expert-major with a capacity of R*M rows per local expert
+ * (M = max_tokens_per_rank): row i of local expert j is at [j][i], element offset
+ * (j*R*M + i)*H (scales: (j*R*M + i)*H/128; per-row ints: j*R*M + i).
+ * ------------------------------------------------------------------------------------------- */
+
+/* Outputs of a low-latency dispatch, caller-allocated; any pointer may be NULL to skip it. */
+typedef struct epx_ref_ll_recv {
+  uint16_t *x;     /* [E/R, R*M, H] BF16 rows (copied from ranks[s].x) */
+  uint8_t *x_fp8;  /* [E/R, R*M, H] FP8 rows, quantized from ranks[s].x by the per-128 rule */
+  float *x_scales; /* [E/R, R*M, H/128] float32 scales of x_fp8 (with x_fp8) */
+  int *count;      /* [E/R] rows of local expert j */
+  int *begin;      /* [E/R, R] first row of source rank s in expert j's rows */
+  int *num;        /* [E/R, R] rows of source rank s in expert j's rows */
+  int *src_rank;   /* [E/R, R*M] source rank of each row */
+  int *src_token;  /* [E/R, R*M] source token of each row */
+  int *src_slot;   /* [E/R, R*M] source slot k of each row */
+} epx_ref_ll_recv_t;
+
+/* epx_ref_ll_dispatch - what dst_rank receives in a low-latency dispatch: one row per (source
+ * token t, slot k) whose expert is local expert j of dst_rank (a token listing j twice gives
+ * two rows). The rows of j are packed from row 0: all rows of source rank 0 in (t, k)
+ * ascending order, then those of source rank 1, and so on; begin[j][s] = sum of num[j][s'] over
+ * s' < s. Rows at or beyond count[j] are not written.
+ *   world               - [IN]  every rank's topk_idx and, for a payload, x (BF16); each
+ *                               T_s <= max_tokens_per_rank; hidden % 128 == 0 for x_fp8
+ *   dst_rank            - [IN]  0..R-1
+ *   max_tokens_per_rank - [IN]  M >= 1
+ *   ue8m0               - [IN]  1: power-of-two FP8 scales (x_fp8 only)
+ *   out                 - [OUT] the arrays to fill
+ * Returns 0, or -1 on invalid arguments or when some count[j] would exceed R*M (possible only
+ * with repeated experts); nothing is written then. */
+int epx_ref_ll_dispatch(const epx_ref_world_t *world, int dst_rank, int max_tokens_per_rank,
+                        int ue8m0, const epx_ref_ll_recv_t *out);
+
+/* epx_ref_ll_combine - low-latency combine for src_rank. For each token t of src_rank:
+ *
+ *   out[t] = bf16( sum over valid slots k, k ascending, of w[t][k] * float(y_d[j][row]) )
+ *
+ * where expert e = topk_idx[t][k] lives on rank d as local expert j, row is the row of
+ * (src_rank, t, k) in j's rows on d (as epx_ref_ll_dispatch places it), the sum starts at
+ * +0.0f with each product and addition rounded to float32, w = topk_weights (1.0f when NULL).
+ * Tokens with no valid slot get +0.0.
+ *   world               - [IN]  every rank's topk_idx (fixes every row position)
+ *   src_rank            - [IN]  0..R-1
+ *   max_tokens_per_rank - [IN]  M >= 1, >= every T_s
+ *   y                   - [IN]  [R] pointers; y[d] is [E/R, R*M, H] BF16 expert outputs
+ *   topk_weights        - [IN]  [T_s, K] float32 of src_rank's tokens, or NULL (weights 1)
+ *   out                 - [OUT] [T_s, H] BF16
+ * Returns 0 or -1. */
+int epx_ref_ll_combine(const epx_ref_world_t *world, int src_rank, int max_tokens_per_rank,
+                       const uint16_t *const *y, const float *topk_weights, uint16_t *out);
+
+/* epx_ref_ll_combine_f64 - epx_ref_ll_combine in float64 with no final rounding.
+ *   out - [OUT] [T_s, H] float64; other arguments as epx_ref_ll_combine. Returns 0 or -1. */
+int epx_ref_ll_combine_f64(const epx_ref_world_t *world, int src_rank, int max_tokens_per_rank,
+                           const uint16_t *const *y, const float *topk_weights, double *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_TESTS_REF_H_ */
