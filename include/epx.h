@@ -41,15 +41,15 @@ extern "C" {
 /* ---------------------------------------------------------------------------------------------
  * Status codes: one list, expanded into the enum here and into the strings in src/status.c.
  * ------------------------------------------------------------------------------------------- */
-#define EPX_STATUS_MAP(X)                                                                        \
-  X(OK, 0, "success")                                                                            \
-  X(ERR_CUDA, 1, "a CUDA call failed; run with EPX_DEBUG=INFO for details")                      \
-  X(ERR_NCCL, 2, "an NCCL call failed; run with NCCL_DEBUG=WARN and EPX_DEBUG=INFO for details") \
-  X(ERR_SYSTEM, 3, "a system call or allocation failed; check memory and limits")                \
-  X(ERR_INTERNAL, 4, "internal error in EPX; please report it with EPX_DEBUG=TRACE output")      \
-  X(ERR_INVALID_ARGUMENT, 5, "invalid argument; epx_last_error() names it")                      \
-  X(ERR_INVALID_USAGE, 6, "invalid usage (wrong order, destroyed handle, or mismatched ranks)")  \
-  X(ERR_TIMEOUT, 7, "a wait on a peer exceeded its time budget; see epx_group_get_async_error")  \
+#define EPX_STATUS_MAP(X)                                                                          \
+  X(OK, 0, "success")                                                                              \
+  X(ERR_CUDA, 1, "a CUDA call failed; run with EPX_DEBUG=INFO for details")                        \
+  X(ERR_NCCL, 2, "an NCCL call failed; run with NCCL_DEBUG=WARN and EPX_DEBUG=INFO for details")   \
+  X(ERR_SYSTEM, 3, "a system call or allocation failed; check memory and limits")                  \
+  X(ERR_INTERNAL, 4, "internal error in EPX; please report it with EPX_DEBUG=TRACE output")        \
+  X(ERR_INVALID_ARGUMENT, 5, "invalid argument; epx_last_error() names it")                        \
+  X(ERR_INVALID_USAGE, 6, "invalid usage (wrong order, destroyed handle, or mismatched ranks)")    \
+  X(ERR_TIMEOUT, 7, "a wait on a peer exceeded its time budget; see epx_group_get_async_error")    \
   X(ERR_PEER_FAILED, 8, "a peer stopped responding and was masked; see epx_group_get_async_error") \
   X(ERR_UNSUPPORTED, 9, "unsupported configuration or machine; epx_last_error() says which part")
 
@@ -57,7 +57,7 @@ typedef enum epx_status {
 #define EPX_STATUS_ENUM_(name, value, text) EPX_##name = value,
   EPX_STATUS_MAP(EPX_STATUS_ENUM_)
 #undef EPX_STATUS_ENUM_
-  EPX_NUM_STATUS
+      EPX_NUM_STATUS
 } epx_status_t;
 
 /* epx_get_version - the EPX_VERSION_CODE the library was built with.
@@ -102,18 +102,18 @@ typedef enum epx_mode {
  * Group configuration
  * ------------------------------------------------------------------------------------------- */
 typedef struct epx_group_config {
-  size_t size;                 /* sizeof(epx_group_config_t); set by EPX_GROUP_CONFIG_INIT */
-  int version;                 /* EPX_VERSION_CODE the caller compiled against */
-  int max_tokens_per_rank;     /* required: most tokens any rank passes to one call, 1..65536 */
-  int hidden;                  /* required: elements per token; multiple of 8 (FP8: of 128) */
-  int num_experts;             /* required: E, a multiple of the rank count, up to 1024 */
-  int top_k;                   /* required: experts per token, 1..16 */
-  unsigned int dtypes;         /* payload dtypes to support (EPX_DTYPE_BF16 | ..._FP8_E4M3);
-                                  0 = auto: BF16 and FP8 */
-  unsigned int modes;          /* EPX_MODE_* to size the workspace for; 0 = auto: NORMAL */
-  int num_sms;                 /* SM budget of normal-mode kernels; 0 = auto (24) */
-  int timeout_ms;              /* budget of every wait on a peer; 0 = auto (EPX_TIMEOUT_MS or
-                                  5000) */
+  size_t size;             /* sizeof(epx_group_config_t); set by EPX_GROUP_CONFIG_INIT */
+  int version;             /* EPX_VERSION_CODE the caller compiled against */
+  int max_tokens_per_rank; /* required: most tokens any rank passes to one call, 1..65536 */
+  int hidden;              /* required: elements per token; multiple of 8 (FP8: of 128) */
+  int num_experts;         /* required: E, a multiple of the rank count, up to 1024 */
+  int top_k;               /* required: experts per token, 1..16 */
+  unsigned int dtypes;     /* payload dtypes to support (EPX_DTYPE_BF16 | ..._FP8_E4M3);
+                              0 = auto: BF16 and FP8 */
+  unsigned int modes;      /* EPX_MODE_* to size the workspace for; 0 = auto: NORMAL */
+  int num_sms;             /* SM budget of normal-mode kernels; 0 = auto (24) */
+  int timeout_ms;          /* budget of every wait on a peer; 0 = auto (EPX_TIMEOUT_MS or
+                              5000) */
 } epx_group_config_t;
 
 #define EPX_GROUP_CONFIG_INIT \
@@ -150,7 +150,8 @@ typedef struct epx_group *epx_group_t;
  * beyond the compiled limits, peers not all on NVLink, NCCL version mismatch);
  * EPX_ERR_INVALID_USAGE (configs differ across ranks); EPX_ERR_NCCL / EPX_ERR_CUDA. A failure
  * caused by the config or the machine is seen by every rank alike, so no rank is left waiting. */
-epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config, epx_group_t *group);
+epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config,
+                              epx_group_t *group);
 
 /* epx_group_destroy - release the workspace and everything the group holds. COLLECTIVE.
  * Synchronizes the device first. destroy(NULL) returns EPX_OK; a destroyed handle passed to any
@@ -188,12 +189,12 @@ typedef enum epx_stage {
 } epx_stage_t;
 
 typedef struct epx_async_error {
-  epx_status_t status;  /* EPX_OK when nothing was recorded */
-  epx_stage_t stage;    /* where it happened */
-  int peer;             /* the peer waited for, -1 if none */
-  long long position;   /* e.g. flat index t*top_k+k of the first bad expert id; -1 if none */
-  long long value;      /* e.g. the bad expert id, or the flag value waited for */
-  char message[256];    /* one line, ready to log */
+  epx_status_t status; /* EPX_OK when nothing was recorded */
+  epx_stage_t stage;   /* where it happened */
+  int peer;            /* the peer waited for, -1 if none */
+  long long position;  /* e.g. flat index t*top_k+k of the first bad expert id; -1 if none */
+  long long value;     /* e.g. the bad expert id, or the flag value waited for */
+  char message[256];   /* one line, ready to log */
 } epx_async_error_t;
 
 /* epx_group_get_async_error - the first asynchronous error recorded since the last clear. Does
@@ -224,7 +225,8 @@ typedef struct epx_layout_args {
                                  sends to rank r (source-token order), -1 if not sent */
 } epx_layout_args_t;
 
-#define EPX_LAYOUT_ARGS_INIT { sizeof(epx_layout_args_t), NULL, EPX_DTYPE_INT64, 0, NULL, NULL, NULL, NULL }
+#define EPX_LAYOUT_ARGS_INIT \
+  { sizeof(epx_layout_args_t), NULL, EPX_DTYPE_INT64, 0, NULL, NULL, NULL, NULL }
 
 /* epx_layout - compute the dispatch layout of this rank's tokens on the GPU, asynchronously on
  * stream. Not collective. Expert ids outside [-1, E) are found on the GPU: they are treated as
@@ -271,20 +273,23 @@ typedef struct epx_dispatch_args {
   int *num_recv_per_expert;   /* [OUT] optional host array [E/R] (sync_counts = 1 only) */
 } epx_dispatch_args_t;
 
-#define EPX_DISPATCH_ARGS_INIT \
-  { sizeof(epx_dispatch_args_t), NULL, EPX_DTYPE_BF16, NULL, NULL, EPX_DTYPE_INT64, NULL, 0, 0, 1, NULL }
+#define EPX_DISPATCH_ARGS_INIT                                                                     \
+  {                                                                                                \
+    sizeof(epx_dispatch_args_t), NULL, EPX_DTYPE_BF16, NULL, NULL, EPX_DTYPE_INT64, NULL, 0, 0, 1, \
+        NULL                                                                                       \
+  }
 
 typedef struct epx_dispatch_result {
-  int num_recv;                   /* rows received (sync_counts = 1), else -1 */
-  int capacity;                   /* rows the outputs can hold: R x max_tokens_per_rank */
-  void *recv_x;                   /* [capacity, H] BF16 or FP8 in the workspace; rows
-                                     [0, num_recv) are this dispatch's, source-rank major */
-  float *recv_x_scales;           /* [capacity, H/128] (FP8 dispatch), else NULL */
-  int *recv_topk_idx;             /* [capacity, K] int32 local expert ids, -1 elsewhere */
-  float *recv_topk_weights;       /* [capacity, K] float32, 0 where the slot is elsewhere */
-  int *recv_src_token;            /* [capacity] source token index of each row */
-  const int *recv_rank_prefix;    /* device [R+1]: rows of source s are [prefix[s], prefix[s+1]) */
-  const int *num_recv_device;     /* device int: rows received */
+  int num_recv;                /* rows received (sync_counts = 1), else -1 */
+  int capacity;                /* rows the outputs can hold: R x max_tokens_per_rank */
+  void *recv_x;                /* [capacity, H] BF16 or FP8 in the workspace; rows
+                                  [0, num_recv) are this dispatch's, source-rank major */
+  float *recv_x_scales;        /* [capacity, H/128] (FP8 dispatch), else NULL */
+  int *recv_topk_idx;          /* [capacity, K] int32 local expert ids, -1 elsewhere */
+  float *recv_topk_weights;    /* [capacity, K] float32, 0 where the slot is elsewhere */
+  int *recv_src_token;         /* [capacity] source token index of each row */
+  const int *recv_rank_prefix; /* device [R+1]: rows of source s are [prefix[s], prefix[s+1]) */
+  const int *num_recv_device;  /* device int: rows received */
   const int *num_recv_per_expert_device; /* device [E/R], aligned as asked */
 } epx_dispatch_result_t;
 
@@ -309,17 +314,18 @@ epx_status_t epx_dispatch_cached(epx_group_t group, epx_handle_t handle, const v
                                  epx_dispatch_result_t *result, cudaStream_t stream);
 
 typedef struct epx_combine_args {
-  size_t size;               /* sizeof(epx_combine_args_t); set by EPX_COMBINE_ARGS_INIT */
-  const void *x;             /* [IN] [num_recv, H] BF16 expert outputs, rows in dispatch order
-                                (may be the dispatch's recv_x itself) */
-  const void *topk_idx;      /* [IN] weighted mode: the [T, K] ids given to dispatch, else NULL */
+  size_t size;          /* sizeof(epx_combine_args_t); set by EPX_COMBINE_ARGS_INIT */
+  const void *x;        /* [IN] [num_recv, H] BF16 expert outputs, rows in dispatch order
+                           (may be the dispatch's recv_x itself) */
+  const void *topk_idx; /* [IN] weighted mode: the [T, K] ids given to dispatch, else NULL */
   epx_dtype_t topk_idx_dtype;
   const float *topk_weights; /* [IN] [T, K]: row from rank d is scaled by the sum of the weights
                                 of the token's slots on d; NULL = unweighted sum */
   void *out;                 /* [OUT] [T, H] BF16, T = the dispatch's num_tokens */
 } epx_combine_args_t;
 
-#define EPX_COMBINE_ARGS_INIT { sizeof(epx_combine_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, NULL }
+#define EPX_COMBINE_ARGS_INIT \
+  { sizeof(epx_combine_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, NULL }
 
 /* epx_combine - return each received row to its source token and sum the rows of one token in
  * float32, written once as BF16; tokens that chose no expert get zeros. COLLECTIVE, ordered on

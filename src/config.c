@@ -18,8 +18,8 @@
 
 static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
   if (num_ranks < 2)
-    return epx__set_error(EPX_ERR_UNSUPPORTED, "num_ranks = %d: a group needs 2 to %d ranks", num_ranks,
-                          EPX_MAX_RANKS);
+    return epx__set_error(EPX_ERR_UNSUPPORTED, "num_ranks = %d: a group needs 2 to %d ranks",
+                          num_ranks, EPX_MAX_RANKS);
   if (num_ranks > EPX_MAX_RANKS)
     return epx__set_error(EPX_ERR_UNSUPPORTED,
                           "num_ranks = %d: this build supports at most %d ranks (one NVLink host)",
@@ -27,16 +27,18 @@ static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
   EPX_ARG_CHECK(c->max_tokens_per_rank > 0, "config.max_tokens_per_rank = %d: must be > 0",
                 c->max_tokens_per_rank);
   if (c->max_tokens_per_rank > EPX_MAX_TOKENS_PER_RANK)
-    return epx__set_error(EPX_ERR_UNSUPPORTED, "config.max_tokens_per_rank = %d: at most %d supported",
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "config.max_tokens_per_rank = %d: at most %d supported",
                           c->max_tokens_per_rank, EPX_MAX_TOKENS_PER_RANK);
   EPX_ARG_CHECK(c->hidden > 0 && c->hidden % 8 == 0,
                 "config.hidden = %d: must be a positive multiple of 8", c->hidden);
   if (c->hidden > EPX_MAX_HIDDEN)
-    return epx__set_error(EPX_ERR_UNSUPPORTED, "config.hidden = %d: at most %d supported", c->hidden,
-                          EPX_MAX_HIDDEN);
-  EPX_ARG_CHECK(c->dtypes != 0 && (c->dtypes & ~KNOWN_DTYPES) == 0,
-                "config.dtypes = 0x%x: must be a combination of EPX_DTYPE_BF16 and EPX_DTYPE_FP8_E4M3",
-                c->dtypes);
+    return epx__set_error(EPX_ERR_UNSUPPORTED, "config.hidden = %d: at most %d supported",
+                          c->hidden, EPX_MAX_HIDDEN);
+  EPX_ARG_CHECK(
+      c->dtypes != 0 && (c->dtypes & ~KNOWN_DTYPES) == 0,
+      "config.dtypes = 0x%x: must be a combination of EPX_DTYPE_BF16 and EPX_DTYPE_FP8_E4M3",
+      c->dtypes);
   EPX_ARG_CHECK(!(c->dtypes & EPX_DTYPE_FP8_E4M3) || c->hidden % 128 == 0,
                 "config.hidden = %d: FP8 needs a multiple of 128 (one scale per 128 channels)",
                 c->hidden);
@@ -51,19 +53,21 @@ static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
   if (c->top_k > EPX_MAX_TOP_K)
     return epx__set_error(EPX_ERR_UNSUPPORTED, "config.top_k = %d: at most %d supported", c->top_k,
                           EPX_MAX_TOP_K);
-  EPX_ARG_CHECK(c->top_k <= c->num_experts, "config.top_k = %d: more than num_experts = %d", c->top_k,
-                c->num_experts);
-  EPX_ARG_CHECK(c->modes != 0 && (c->modes & ~KNOWN_MODES) == 0,
-                "config.modes = 0x%x: must be a combination of EPX_MODE_NORMAL and EPX_MODE_LOW_LATENCY",
-                c->modes);
-  EPX_ARG_CHECK(c->num_sms > 0 && c->num_sms <= MAX_SMS, "config.num_sms = %d: must be 0 (auto) or 1..%d",
-                c->num_sms, MAX_SMS);
+  EPX_ARG_CHECK(c->top_k <= c->num_experts, "config.top_k = %d: more than num_experts = %d",
+                c->top_k, c->num_experts);
+  EPX_ARG_CHECK(
+      c->modes != 0 && (c->modes & ~KNOWN_MODES) == 0,
+      "config.modes = 0x%x: must be a combination of EPX_MODE_NORMAL and EPX_MODE_LOW_LATENCY",
+      c->modes);
+  EPX_ARG_CHECK(c->num_sms > 0 && c->num_sms <= MAX_SMS,
+                "config.num_sms = %d: must be 0 (auto) or 1..%d", c->num_sms, MAX_SMS);
   EPX_ARG_CHECK(c->timeout_ms > 0 && c->timeout_ms <= MAX_TIMEOUT_MS,
                 "config.timeout_ms = %d: must be 0 (auto) or 1..%d", c->timeout_ms, MAX_TIMEOUT_MS);
   return EPX_OK;
 }
 
-epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks, epx_group_config_t *out) {
+epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
+                                 epx_group_config_t *out) {
   EPX_ARG_CHECK(in != NULL, "config is NULL");
   EPX_ARG_CHECK(in->size >= offsetof(epx_group_config_t, dtypes),
                 "config.size = %zu: initialize the config with EPX_GROUP_CONFIG_INIT", in->size);
@@ -90,8 +94,8 @@ epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks, ep
 }
 
 void epx__config_layout(const epx_group_config_t *c, int num_ranks, epx__ws_layout_t *layout) {
-  epx__ws_layout_init(layout, num_ranks, c->max_tokens_per_rank, c->hidden, c->num_experts, c->top_k,
-                      c->dtypes, c->modes);
+  epx__ws_layout_init(layout, num_ranks, c->max_tokens_per_rank, c->hidden, c->num_experts,
+                      c->top_k, c->dtypes, c->modes);
 }
 
 EPX_EXPORT epx_status_t epx_config_validate(const epx_group_config_t *config, int num_ranks) {
@@ -99,7 +103,8 @@ EPX_EXPORT epx_status_t epx_config_validate(const epx_group_config_t *config, in
   return epx__config_resolve(config, num_ranks, &c);
 }
 
-EPX_EXPORT epx_status_t epx_workspace_size(const epx_group_config_t *config, int num_ranks, size_t *bytes) {
+EPX_EXPORT epx_status_t epx_workspace_size(const epx_group_config_t *config, int num_ranks,
+                                           size_t *bytes) {
   EPX_ARG_CHECK(bytes != NULL, "epx_workspace_size: bytes is NULL");
   epx_group_config_t c;
   EPX_CHECK(epx__config_resolve(config, num_ranks, &c));

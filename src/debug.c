@@ -38,10 +38,14 @@ static unsigned parse_subsys(const char *s) {
 static void init_log(void) {
   const char *env = getenv("EPX_DEBUG");
   if (env) {
-    if (!strcasecmp(env, "NONE")) level = EPX_LOG_NONE;
-    else if (!strcasecmp(env, "WARN")) level = EPX_LOG_WARN;
-    else if (!strcasecmp(env, "INFO")) level = EPX_LOG_INFO;
-    else if (!strcasecmp(env, "TRACE")) level = EPX_LOG_TRACE;
+    if (!strcasecmp(env, "NONE"))
+      level = EPX_LOG_NONE;
+    else if (!strcasecmp(env, "WARN"))
+      level = EPX_LOG_WARN;
+    else if (!strcasecmp(env, "INFO"))
+      level = EPX_LOG_INFO;
+    else if (!strcasecmp(env, "TRACE"))
+      level = EPX_LOG_TRACE;
   }
   const char *sub = getenv("EPX_DEBUG_SUBSYS");
   if (sub) subsys_mask = parse_subsys(sub);
@@ -52,7 +56,9 @@ int epx__log_level(void) {
   return level;
 }
 
-void epx__log_set_rank(int rank) { log_rank = rank; }
+void epx__log_set_rank(int rank) {
+  log_rank = rank;
+}
 
 void epx__log(int msg_level, unsigned subsys, const char *file, int line, const char *fmt, ...) {
   if (epx__log_level() < msg_level) return;

@@ -66,13 +66,16 @@ epx_status_t epx__registry_add(const void *object) {
   return EPX_OK;
 }
 
-void epx__registry_remove(const void *object) { free(live_remove(object)); }
+void epx__registry_remove(const void *object) {
+  free(live_remove(object));
+}
 
 epx_status_t epx__group_check(epx_group_t g) {
   if (!g) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "group is NULL");
   if (!live_contains(g))
     return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "group %p is not a live EPX group (destroyed, or never created)", (void *)g);
+                          "group %p is not a live EPX group (destroyed, or never created)",
+                          (void *)g);
   return EPX_OK;
 }
 
@@ -80,27 +83,32 @@ epx_status_t epx__handle_check(epx_group_t g, epx_handle_t h) {
   EPX_CHECK(epx__group_check(g));
   if (!h) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "handle is NULL");
   if (!live_contains(h))
-    return epx__set_error(EPX_ERR_INVALID_USAGE, "handle %p is not a live EPX handle (destroyed, or never created)",
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "handle %p is not a live EPX handle (destroyed, or never created)",
                           (void *)h);
   if (h->group != g)
-    return epx__set_error(EPX_ERR_INVALID_USAGE, "handle %p belongs to another group (%p, not %p)", (void *)h,
-                          (void *)h->group, (void *)g);
+    return epx__set_error(EPX_ERR_INVALID_USAGE, "handle %p belongs to another group (%p, not %p)",
+                          (void *)h, (void *)h->group, (void *)g);
   return EPX_OK;
 }
 
 epx_status_t epx__check_device_ptr(const void *p, size_t align, const char *what) {
   if (!p) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s is NULL", what);
   if ((uintptr_t)p % align != 0)
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is not %zu-byte aligned", what, p, align);
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is not %zu-byte aligned", what, p,
+                          align);
   struct cudaPointerAttributes attr;
   cudaError_t e = cudaPointerGetAttributes(&attr, p);
   if (e != cudaSuccess) {
     (void)cudaGetLastError(); /* do not leave the query's error behind for the caller */
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is not GPU memory (%s)", what, p, cudaGetErrorString(e));
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is not GPU memory (%s)", what, p,
+                          cudaGetErrorString(e));
   }
-  if (attr.type == cudaMemoryTypeUnregistered || (attr.type == cudaMemoryTypeHost && !attr.devicePointer))
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is host memory the GPU cannot access; pass device memory",
-                          what, p);
+  if (attr.type == cudaMemoryTypeUnregistered ||
+      (attr.type == cudaMemoryTypeHost && !attr.devicePointer))
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
+                          "%s = %p is host memory the GPU cannot access; pass device memory", what,
+                          p);
   return EPX_OK;
 }
 
@@ -118,13 +126,27 @@ void epx__group_kernel_ctx(epx_group_t g, epx__kernel_ctx_t *ctx) {
  * Agreement across ranks before anything is allocated.
  * ---------------------------------------------------------------------------------------- */
 enum {
-  FP_STATUS, FP_NCCL_VERSION, FP_EPX_VERSION, FP_NUM_RANKS, FP_LSA_SIZE, FP_MAX_TOKENS, FP_HIDDEN,
-  FP_EXPERTS, FP_TOP_K, FP_DTYPES, FP_MODES, FP_NUM_SMS, FP_TIMEOUT_MS, FP_COUNT
+  FP_STATUS,
+  FP_NCCL_VERSION,
+  FP_EPX_VERSION,
+  FP_NUM_RANKS,
+  FP_LSA_SIZE,
+  FP_MAX_TOKENS,
+  FP_HIDDEN,
+  FP_EXPERTS,
+  FP_TOP_K,
+  FP_DTYPES,
+  FP_MODES,
+  FP_NUM_SMS,
+  FP_TIMEOUT_MS,
+  FP_COUNT
 };
 static const char *const fp_names[FP_COUNT] = {
-    "local status", "NCCL runtime version", "EPX version", "rank count", "NVLink (LSA) team size",
-    "config.max_tokens_per_rank", "config.hidden", "config.num_experts", "config.top_k",
-    "config.dtypes", "config.modes", "config.num_sms", "config.timeout_ms"};
+    "local status",     "NCCL runtime version",   "EPX version",
+    "rank count",       "NVLink (LSA) team size", "config.max_tokens_per_rank",
+    "config.hidden",    "config.num_experts",     "config.top_k",
+    "config.dtypes",    "config.modes",           "config.num_sms",
+    "config.timeout_ms"};
 
 /* All-gather `mine` over comm into all[num_ranks][FP_COUNT] through a small device buffer. */
 static epx_status_t allgather_fingerprint(ncclComm_t comm, int num_ranks, const long long *mine,
@@ -135,11 +157,14 @@ static epx_status_t allgather_fingerprint(ncclComm_t comm, int num_ranks, const 
   size_t one = FP_COUNT * sizeof(long long);
   CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), res, exit);
   CUDA_CHECK_GOTO(cudaMalloc((void **)&dev, one * (num_ranks + 1)), res, exit);
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(dev + (size_t)num_ranks * FP_COUNT, mine, one, cudaMemcpyHostToDevice, stream),
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(dev + (size_t)num_ranks * FP_COUNT, mine, one,
+                                  cudaMemcpyHostToDevice, stream),
                   res, exit);
-  NCCL_CHECK_GOTO(ncclAllGather(dev + (size_t)num_ranks * FP_COUNT, dev, FP_COUNT, ncclInt64, comm, stream),
-                  res, exit);
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(all, dev, one * num_ranks, cudaMemcpyDeviceToHost, stream), res, exit);
+  NCCL_CHECK_GOTO(
+      ncclAllGather(dev + (size_t)num_ranks * FP_COUNT, dev, FP_COUNT, ncclInt64, comm, stream),
+      res, exit);
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(all, dev, one * num_ranks, cudaMemcpyDeviceToHost, stream), res,
+                  exit);
   CUDA_CHECK_GOTO(cudaStreamSynchronize(stream), res, exit);
 exit:
   if (dev) cudaFree(dev);
@@ -159,10 +184,11 @@ static epx_status_t agree(int rank, int num_ranks, epx_status_t local, const lon
   for (int f = FP_NCCL_VERSION; f < FP_COUNT; f++)
     for (int q = 1; q < num_ranks; q++)
       if (all[q * FP_COUNT + f] != all[f])
-        return epx__set_error(EPX_ERR_INVALID_USAGE,
-                              "epx_group_create: %s differs across ranks: rank 0 has %lld, rank %d has "
-                              "%lld; every rank must pass the same config",
-                              fp_names[f], all[f], q, all[q * FP_COUNT + f]);
+        return epx__set_error(
+            EPX_ERR_INVALID_USAGE,
+            "epx_group_create: %s differs across ranks: rank 0 has %lld, rank %d has "
+            "%lld; every rank must pass the same config",
+            fp_names[f], all[f], q, all[q * FP_COUNT + f]);
   return EPX_OK;
 }
 
@@ -191,14 +217,16 @@ static epx_status_t local_checks(ncclComm_t comm, int num_ranks, const epx_group
                           cfg->num_sms, *num_device_sms);
   EPX_CHECK(epx__transport_lsa_size(comm, lsa_size));
   if (*lsa_size != num_ranks)
-    return epx__set_error(EPX_ERR_UNSUPPORTED,
-                          "only %d of the %d ranks are reachable over NVLink/P2P from this rank; EPX "
-                          "needs every peer on NVLink (one host, CUDA P2P between all GPUs)",
-                          *lsa_size, num_ranks);
+    return epx__set_error(
+        EPX_ERR_UNSUPPORTED,
+        "only %d of the %d ranks are reachable over NVLink/P2P from this rank; EPX "
+        "needs every peer on NVLink (one host, CUDA P2P between all GPUs)",
+        *lsa_size, num_ranks);
   return EPX_OK;
 }
 
-EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config, epx_group_t *group) {
+EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config,
+                                         epx_group_t *group) {
   EPX_ARG_CHECK(comm != NULL, "epx_group_create: comm is NULL");
   if (group) *group = NULL;
   int num_ranks = 0, rank = 0;
@@ -209,14 +237,17 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   epx_group_config_t cfg;
   memset(&cfg, 0, sizeof cfg);
   int lsa_size = 0, num_device_sms = 0;
-  epx_status_t local = group ? local_checks(comm, num_ranks, config, &cfg, &lsa_size, &num_device_sms)
-                             : epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_group_create: group is NULL");
+  epx_status_t local =
+      group ? local_checks(comm, num_ranks, config, &cfg, &lsa_size, &num_device_sms)
+            : epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_group_create: group is NULL");
   char local_msg[512];
   snprintf(local_msg, sizeof local_msg, "%s", epx_last_error());
 
-  long long mine[FP_COUNT] = {local, NCCL_VERSION_CODE, EPX_VERSION_CODE, num_ranks, lsa_size,
-                              cfg.max_tokens_per_rank, cfg.hidden, cfg.num_experts, cfg.top_k,
-                              cfg.dtypes, cfg.modes, cfg.num_sms, cfg.timeout_ms};
+  long long mine[FP_COUNT] = {local,         NCCL_VERSION_CODE, EPX_VERSION_CODE,
+                              num_ranks,     lsa_size,          cfg.max_tokens_per_rank,
+                              cfg.hidden,    cfg.num_experts,   cfg.top_k,
+                              cfg.dtypes,    cfg.modes,         cfg.num_sms,
+                              cfg.timeout_ms};
   long long *all = (long long *)calloc((size_t)num_ranks * FP_COUNT, sizeof(long long));
   if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
   epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all);
@@ -242,15 +273,17 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   CUDA_CHECK_GOTO(cudaGetDevice(&g->cuda_device), res, fail);
   epx__config_layout(&cfg, num_ranks, &g->layout);
   CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&g->setup_stream, cudaStreamNonBlocking), res, fail);
-  CUDA_CHECK_GOTO(cudaHostAlloc((void **)&g->error_host, sizeof *g->error_host, cudaHostAllocMapped), res,
-                  fail);
+  CUDA_CHECK_GOTO(
+      cudaHostAlloc((void **)&g->error_host, sizeof *g->error_host, cudaHostAllocMapped), res,
+      fail);
   memset((void *)g->error_host, 0, sizeof *g->error_host);
-  CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&g->error_dev, (void *)g->error_host, 0), res, fail);
+  CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&g->error_dev, (void *)g->error_host, 0), res,
+                  fail);
   g->transport = &epx__transport_nvlink;
   EPX_CHECK_GOTO(g->transport->open(g), res, fail);
   live_add(g, node);
-  EPX_INFO(EPX_SUBSYS_GROUP, "group created: rank %d of %d, workspace %zu bytes, transport %s", rank,
-           num_ranks, g->layout.total_bytes, g->transport->name);
+  EPX_INFO(EPX_SUBSYS_GROUP, "group created: rank %d of %d, workspace %zu bytes, transport %s",
+           rank, num_ranks, g->layout.total_bytes, g->transport->name);
   *group = g;
   return EPX_OK;
 fail:
@@ -315,8 +348,14 @@ EPX_EXPORT epx_status_t epx_group_barrier(epx_group_t g, cudaStream_t stream) {
  * Async errors
  * ---------------------------------------------------------------------------------------- */
 static const char *stage_name(int stage) {
-  static const char *const names[] = {"none", "layout", "barrier", "notify", "dispatch", "combine",
-                                      "low-latency dispatch", "low-latency combine"};
+  static const char *const names[] = {"none",
+                                      "layout",
+                                      "barrier",
+                                      "notify",
+                                      "dispatch",
+                                      "combine",
+                                      "low-latency dispatch",
+                                      "low-latency combine"};
   return stage >= 0 && stage < (int)(sizeof names / sizeof names[0]) ? names[stage] : "unknown";
 }
 
@@ -344,11 +383,12 @@ EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error
              err->position);
   } else if (status == EPX_ERR_TIMEOUT) {
     snprintf(err->message, sizeof err->message,
-             "rank %d: %s timed out after %d ms waiting for peer %d (waited for value %lld)", g->rank,
-             stage_name(err->stage), g->config.timeout_ms, err->peer, err->value);
+             "rank %d: %s timed out after %d ms waiting for peer %d (waited for value %lld)",
+             g->rank, stage_name(err->stage), g->config.timeout_ms, err->peer, err->value);
   } else {
-    snprintf(err->message, sizeof err->message, "rank %d: %s in %s (peer %d, position %lld, value %lld)",
-             g->rank, epx_status_string(err->status), stage_name(err->stage), err->peer, err->position,
+    snprintf(err->message, sizeof err->message,
+             "rank %d: %s in %s (peer %d, position %lld, value %lld)", g->rank,
+             epx_status_string(err->status), stage_name(err->stage), err->peer, err->position,
              err->value);
   }
   return EPX_OK;

@@ -14,23 +14,25 @@ static epx_status_t check_device_ptr(const void *p, size_t align, const char *na
   return epx__check_device_ptr(p, align, what);
 }
 
-EPX_EXPORT epx_status_t epx_layout(epx_group_t g, const epx_layout_args_t *args, cudaStream_t stream) {
+EPX_EXPORT epx_status_t epx_layout(epx_group_t g, const epx_layout_args_t *args,
+                                   cudaStream_t stream) {
   EPX_CHECK(epx__group_check(g));
   EPX_ARG_CHECK(args != NULL, "epx_layout: args is NULL");
   EPX_ARG_CHECK(args->size == sizeof(epx_layout_args_t),
-                "epx_layout: args->size = %zu, expected %zu; initialize with EPX_LAYOUT_ARGS_INIT", args->size,
-                sizeof(epx_layout_args_t));
+                "epx_layout: args->size = %zu, expected %zu; initialize with EPX_LAYOUT_ARGS_INIT",
+                args->size, sizeof(epx_layout_args_t));
   EPX_ARG_CHECK(args->topk_idx_dtype == EPX_DTYPE_INT64 || args->topk_idx_dtype == EPX_DTYPE_INT32,
                 "epx_layout: args->topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32",
                 (int)args->topk_idx_dtype);
   EPX_ARG_CHECK(args->num_tokens >= 0 && args->num_tokens <= g->config.max_tokens_per_rank,
-                "epx_layout: args->num_tokens = %d: must be in [0, max_tokens_per_rank = %d]", args->num_tokens,
-                g->config.max_tokens_per_rank);
+                "epx_layout: args->num_tokens = %d: must be in [0, max_tokens_per_rank = %d]",
+                args->num_tokens, g->config.max_tokens_per_rank);
   const size_t idx_bytes = args->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4;
   if (args->num_tokens > 0) {
     EPX_ARG_CHECK(args->topk_idx != NULL, "epx_layout: args->topk_idx is NULL");
     EPX_CHECK(check_device_ptr(args->topk_idx, idx_bytes, "args->topk_idx"));
-    if (args->is_token_in_rank) EPX_CHECK(check_device_ptr(args->is_token_in_rank, 1, "args->is_token_in_rank"));
+    if (args->is_token_in_rank)
+      EPX_CHECK(check_device_ptr(args->is_token_in_rank, 1, "args->is_token_in_rank"));
     if (args->token_pos_in_rank)
       EPX_CHECK(check_device_ptr(args->token_pos_in_rank, 4, "args->token_pos_in_rank"));
   }

@@ -21,8 +21,10 @@ EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   EPX_ARG_CHECK(handle != NULL, "epx_handle_create: handle is NULL");
   *handle = NULL;
   if (!(g->config.modes & EPX_MODE_NORMAL))
-    return epx__set_error(EPX_ERR_INVALID_USAGE, "epx_handle_create: the group was created without EPX_MODE_NORMAL");
-  const size_t T = (size_t)g->config.max_tokens_per_rank, R = (size_t)g->num_ranks, E = (size_t)g->config.num_experts;
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "epx_handle_create: the group was created without EPX_MODE_NORMAL");
+  const size_t T = (size_t)g->config.max_tokens_per_rank, R = (size_t)g->num_ranks,
+               E = (size_t)g->config.num_experts;
   /* One device block: meta | pos [T, R] | per-rank [R] | per-expert [E] | in_rank [T, R] */
   const size_t meta_bytes = epx__align_up(sizeof(epx__recv_meta_t), 256);
   const size_t pos_bytes = epx__align_up(T * R * 4, 256), rank_bytes = epx__align_up(R * 4, 256);
@@ -32,8 +34,9 @@ EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   h->group = g;
   h->num_tokens = -1;
   epx_status_t res = EPX_OK;
-  CUDA_CHECK_GOTO(cudaMalloc(&h->device_block, meta_bytes + pos_bytes + rank_bytes + expert_bytes + in_bytes), res,
-                  fail);
+  CUDA_CHECK_GOTO(
+      cudaMalloc(&h->device_block, meta_bytes + pos_bytes + rank_bytes + expert_bytes + in_bytes),
+      res, fail);
   char *p = (char *)h->device_block;
   h->meta = (epx__recv_meta_t *)p;
   h->token_pos_in_rank = (int *)(p += meta_bytes);
@@ -41,9 +44,13 @@ EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   h->num_tokens_per_expert = (int *)(p += rank_bytes);
   h->is_token_in_rank = (uint8_t *)(p += expert_bytes);
   CUDA_CHECK_GOTO(cudaMemset(h->meta, 0, sizeof *h->meta), res, fail);
-  CUDA_CHECK_GOTO(cudaDeviceSynchronize(), res, fail); /* the legacy-stream memset is done before any use */
-  CUDA_CHECK_GOTO(cudaHostAlloc((void **)&h->host_counts, (1 + E / R) * sizeof(int), cudaHostAllocMapped), res, fail);
-  CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&h->host_counts_dev, h->host_counts, 0), res, fail);
+  CUDA_CHECK_GOTO(cudaDeviceSynchronize(), res,
+                  fail); /* the legacy-stream memset is done before any use */
+  CUDA_CHECK_GOTO(
+      cudaHostAlloc((void **)&h->host_counts, (1 + E / R) * sizeof(int), cudaHostAllocMapped), res,
+      fail);
+  CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&h->host_counts_dev, h->host_counts, 0), res,
+                  fail);
   CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&h->counts_ready, cudaEventDisableTiming), res, fail);
   EPX_CHECK_GOTO(epx__registry_add(h), res, fail);
   *handle = h;
@@ -69,12 +76,17 @@ EPX_EXPORT epx_status_t epx_handle_destroy(epx_handle_t h) {
 }
 
 static epx__routing_t routing_of(epx_handle_t h) {
-  epx__routing_t r = {h->is_token_in_rank, h->token_pos_in_rank, h->num_tokens_per_rank, h->num_tokens_per_expert,
-                      h->meta, h->num_tokens};
+  epx__routing_t r = {h->is_token_in_rank,
+                      h->token_pos_in_rank,
+                      h->num_tokens_per_rank,
+                      h->num_tokens_per_expert,
+                      h->meta,
+                      h->num_tokens};
   return r;
 }
 
-static void fill_result(epx_group_t g, epx_handle_t h, int x_is_fp8, int num_recv, epx_dispatch_result_t *out) {
+static void fill_result(epx_group_t g, epx_handle_t h, int x_is_fp8, int num_recv,
+                        epx_dispatch_result_t *out) {
   char *base = g->workspace + g->layout.normal_offset;
   out->num_recv = num_recv;
   out->capacity = (int)g->layout.recv_capacity;
@@ -113,8 +125,8 @@ static int stream_is_capturing(cudaStream_t stream) {
   return st != cudaStreamCaptureStatusNone;
 }
 
-static epx__dispatch_launch_args_t dispatch_args_of(epx_group_t g, epx_handle_t h, const void *x, epx_dtype_t x_dtype,
-                                                    const float *x_scales) {
+static epx__dispatch_launch_args_t dispatch_args_of(epx_group_t g, epx_handle_t h, const void *x,
+                                                    epx_dtype_t x_dtype, const float *x_scales) {
   epx__dispatch_launch_args_t d;
   memset(&d, 0, sizeof d);
   d.routing = routing_of(h);
@@ -134,29 +146,36 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   EPX_CHECK(epx__handle_check(g, h));
   EPX_ARG_CHECK(a != NULL, "epx_dispatch: args is NULL");
   EPX_ARG_CHECK(out != NULL, "epx_dispatch: result is NULL");
-  EPX_ARG_CHECK(a->size == sizeof(epx_dispatch_args_t),
-                "epx_dispatch: args->size = %zu, expected %zu; initialize with EPX_DISPATCH_ARGS_INIT", a->size,
-                sizeof(epx_dispatch_args_t));
+  EPX_ARG_CHECK(
+      a->size == sizeof(epx_dispatch_args_t),
+      "epx_dispatch: args->size = %zu, expected %zu; initialize with EPX_DISPATCH_ARGS_INIT",
+      a->size, sizeof(epx_dispatch_args_t));
   EPX_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= g->config.max_tokens_per_rank,
-                "epx_dispatch: args->num_tokens = %d: must be in [0, max_tokens_per_rank = %d]", a->num_tokens,
-                g->config.max_tokens_per_rank);
-  EPX_ARG_CHECK(a->topk_idx_dtype == EPX_DTYPE_INT64 || a->topk_idx_dtype == EPX_DTYPE_INT32,
-                "epx_dispatch: args->topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32",
-                (int)a->topk_idx_dtype);
+                "epx_dispatch: args->num_tokens = %d: must be in [0, max_tokens_per_rank = %d]",
+                a->num_tokens, g->config.max_tokens_per_rank);
+  EPX_ARG_CHECK(
+      a->topk_idx_dtype == EPX_DTYPE_INT64 || a->topk_idx_dtype == EPX_DTYPE_INT32,
+      "epx_dispatch: args->topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32",
+      (int)a->topk_idx_dtype);
   EPX_ARG_CHECK(a->expert_alignment >= 0 && a->expert_alignment <= 4096,
-                "epx_dispatch: args->expert_alignment = %d: must be in [0, 4096]", a->expert_alignment);
-  EPX_ARG_CHECK(a->sync_counts == 0 || a->sync_counts == 1, "epx_dispatch: args->sync_counts = %d: must be 0 or 1",
-                a->sync_counts);
+                "epx_dispatch: args->expert_alignment = %d: must be in [0, 4096]",
+                a->expert_alignment);
+  EPX_ARG_CHECK(a->sync_counts == 0 || a->sync_counts == 1,
+                "epx_dispatch: args->sync_counts = %d: must be 0 or 1", a->sync_counts);
   EPX_ARG_CHECK(a->sync_counts || !a->num_recv_per_expert,
-                "epx_dispatch: args->num_recv_per_expert needs sync_counts = 1 (use the device counts otherwise)");
+                "epx_dispatch: args->num_recv_per_expert needs sync_counts = 1 (use the device "
+                "counts otherwise)");
   EPX_CHECK(check_payload(g, "epx_dispatch", a->x, a->x_dtype, a->x_scales, a->num_tokens));
   if (a->num_tokens > 0) {
-    EPX_CHECK(epx__check_device_ptr(a->topk_idx, a->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4, "epx_dispatch: topk_idx"));
-    if (a->topk_weights) EPX_CHECK(epx__check_device_ptr(a->topk_weights, 4, "epx_dispatch: topk_weights"));
+    EPX_CHECK(epx__check_device_ptr(a->topk_idx, a->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4,
+                                    "epx_dispatch: topk_idx"));
+    if (a->topk_weights)
+      EPX_CHECK(epx__check_device_ptr(a->topk_weights, 4, "epx_dispatch: topk_weights"));
   }
   if (a->sync_counts && stream_is_capturing(stream))
-    return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "epx_dispatch: sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs");
+    return epx__set_error(
+        EPX_ERR_INVALID_USAGE,
+        "epx_dispatch: sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs");
 
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
@@ -173,7 +192,8 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
                                   h->token_pos_in_rank};
   EPX_CHECK(epx__layout_launch(&ctx, &la, stream));
   epx__notify_launch_args_t na = {routing_of(h), g->config.num_experts, a->expert_alignment,
-                                  g->config.max_tokens_per_rank, a->sync_counts ? h->host_counts_dev : NULL};
+                                  g->config.max_tokens_per_rank,
+                                  a->sync_counts ? h->host_counts_dev : NULL};
   EPX_CHECK(epx__notify_launch(&ctx, &na, stream));
   if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
   epx__dispatch_launch_args_t d = dispatch_args_of(g, h, a->x, a->x_dtype, a->x_scales);
@@ -195,12 +215,15 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   return EPX_OK;
 }
 
-EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const void *x, epx_dtype_t x_dtype,
-                                            const float *x_scales, epx_dispatch_result_t *out, cudaStream_t stream) {
+EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const void *x,
+                                            epx_dtype_t x_dtype, const float *x_scales,
+                                            epx_dispatch_result_t *out, cudaStream_t stream) {
   EPX_CHECK(epx__handle_check(g, h));
   EPX_ARG_CHECK(out != NULL, "epx_dispatch_cached: result is NULL");
   if (h->num_tokens < 0)
-    return epx__set_error(EPX_ERR_INVALID_USAGE, "epx_dispatch_cached: the handle holds no routing yet; call epx_dispatch first");
+    return epx__set_error(
+        EPX_ERR_INVALID_USAGE,
+        "epx_dispatch_cached: the handle holds no routing yet; call epx_dispatch first");
   EPX_CHECK(check_payload(g, "epx_dispatch_cached", x, x_dtype, x_scales, h->num_tokens));
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
@@ -210,14 +233,17 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
   return EPX_OK;
 }
 
-EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a, cudaStream_t stream) {
+EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a,
+                                    cudaStream_t stream) {
   EPX_CHECK(epx__handle_check(g, h));
   EPX_ARG_CHECK(a != NULL, "epx_combine: args is NULL");
-  EPX_ARG_CHECK(a->size == sizeof(epx_combine_args_t),
-                "epx_combine: args->size = %zu, expected %zu; initialize with EPX_COMBINE_ARGS_INIT", a->size,
-                sizeof(epx_combine_args_t));
+  EPX_ARG_CHECK(
+      a->size == sizeof(epx_combine_args_t),
+      "epx_combine: args->size = %zu, expected %zu; initialize with EPX_COMBINE_ARGS_INIT", a->size,
+      sizeof(epx_combine_args_t));
   if (h->num_tokens < 0)
-    return epx__set_error(EPX_ERR_INVALID_USAGE, "epx_combine: the handle holds no routing yet; call epx_dispatch first");
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "epx_combine: the handle holds no routing yet; call epx_dispatch first");
   /* The rows to send back may be 0 on this rank, but the pointer must still be valid memory. */
   EPX_CHECK(epx__check_device_ptr(a->x, 16, "epx_combine: x"));
   if (h->num_tokens > 0) EPX_CHECK(epx__check_device_ptr(a->out, 16, "epx_combine: out"));
@@ -225,8 +251,10 @@ EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_com
                 "epx_combine: weighted combine needs both topk_idx and topk_weights (or neither)");
   if (a->topk_weights && h->num_tokens > 0) {
     EPX_ARG_CHECK(a->topk_idx_dtype == EPX_DTYPE_INT64 || a->topk_idx_dtype == EPX_DTYPE_INT32,
-                  "epx_combine: topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32", (int)a->topk_idx_dtype);
-    EPX_CHECK(epx__check_device_ptr(a->topk_idx, a->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4, "epx_combine: topk_idx"));
+                  "epx_combine: topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32",
+                  (int)a->topk_idx_dtype);
+    EPX_CHECK(epx__check_device_ptr(a->topk_idx, a->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4,
+                                    "epx_combine: topk_idx"));
     EPX_CHECK(epx__check_device_ptr(a->topk_weights, 4, "epx_combine: topk_weights"));
   }
   epx__kernel_ctx_t ctx;

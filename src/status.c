@@ -24,7 +24,9 @@ EPX_EXPORT const char *epx_status_string(epx_status_t status) {
   return status_strings[status];
 }
 
-EPX_EXPORT const char *epx_last_error(void) { return last_error; }
+EPX_EXPORT const char *epx_last_error(void) {
+  return last_error;
+}
 
 EPX_EXPORT epx_status_t epx_get_version(int *version) {
   if (!version) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_get_version: version is NULL");

@@ -16,22 +16,22 @@
  * with -fvisibility=hidden, and src/epx.map keeps only epx_* in the dynamic symbol table. */
 #define EPX_EXPORT __attribute__((visibility("default")))
 
-#define EPX_CHECK(call)                                                     \
-  do {                                                                      \
-    epx_status_t res_ = (call);                                             \
-    if (res_ != EPX_OK) {                                                   \
+#define EPX_CHECK(call)                                                       \
+  do {                                                                        \
+    epx_status_t res_ = (call);                                               \
+    if (res_ != EPX_OK) {                                                     \
       EPX_INFO(EPX_SUBSYS_ALL, "%s:%d -> %d", __FILE__, __LINE__, (int)res_); \
-      return res_;                                                          \
-    }                                                                       \
+      return res_;                                                            \
+    }                                                                         \
   } while (0)
 
-#define EPX_CHECK_GOTO(call, res, label)                                    \
-  do {                                                                      \
-    (res) = (call);                                                         \
-    if ((res) != EPX_OK) {                                                  \
+#define EPX_CHECK_GOTO(call, res, label)                                       \
+  do {                                                                         \
+    (res) = (call);                                                            \
+    if ((res) != EPX_OK) {                                                     \
       EPX_INFO(EPX_SUBSYS_ALL, "%s:%d -> %d", __FILE__, __LINE__, (int)(res)); \
-      goto label;                                                           \
-    }                                                                       \
+      goto label;                                                              \
+    }                                                                          \
   } while (0)
 
 #define CUDA_STATUS(call) epx__cuda_status((call), #call, __FILE__, __LINE__)
@@ -42,8 +42,8 @@
 #define NCCL_CHECK_GOTO(call, res, label) EPX_CHECK_GOTO(NCCL_STATUS(call), res, label)
 
 /* Argument checks: refuse with EPX_ERR_INVALID_ARGUMENT and a message naming the argument. */
-#define EPX_ARG_CHECK(cond, ...)                                            \
-  do {                                                                      \
+#define EPX_ARG_CHECK(cond, ...)                                               \
+  do {                                                                         \
     if (!(cond)) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
   } while (0)
 

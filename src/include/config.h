@@ -12,7 +12,8 @@ extern "C" {
 #endif
 /* Copy `in` (honouring in->size) into *out with auto fields resolved, then validate it for
  * num_ranks. Returns EPX_OK or the first problem, named in epx_last_error(). */
-epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks, epx_group_config_t *out);
+epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
+                                 epx_group_config_t *out);
 /* The workspace layout of a resolved config. */
 void epx__config_layout(const epx_group_config_t *c, int num_ranks, epx__ws_layout_t *layout);
 #ifdef __cplusplus

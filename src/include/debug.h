@@ -6,7 +6,12 @@
 #ifndef EPX_DEBUG_H_
 #define EPX_DEBUG_H_
 
-typedef enum { EPX_LOG_NONE = 0, EPX_LOG_WARN = 1, EPX_LOG_INFO = 2, EPX_LOG_TRACE = 3 } epx__log_level_t;
+typedef enum {
+  EPX_LOG_NONE = 0,
+  EPX_LOG_WARN = 1,
+  EPX_LOG_INFO = 2,
+  EPX_LOG_TRACE = 3
+} epx__log_level_t;
 
 enum {
   EPX_SUBSYS_INIT = 1 << 0,
@@ -29,15 +34,15 @@ void epx__log_set_rank(int rank);
 #endif
 
 #define EPX_WARN(...) epx__log(EPX_LOG_WARN, EPX_SUBSYS_ALL, __FILE__, __LINE__, __VA_ARGS__)
-#define EPX_INFO(subsys, ...)                                                     \
-  do {                                                                            \
-    if (epx__log_level() >= EPX_LOG_INFO)                                         \
-      epx__log(EPX_LOG_INFO, (subsys), __FILE__, __LINE__, __VA_ARGS__);          \
+#define EPX_INFO(subsys, ...)                                            \
+  do {                                                                   \
+    if (epx__log_level() >= EPX_LOG_INFO)                                \
+      epx__log(EPX_LOG_INFO, (subsys), __FILE__, __LINE__, __VA_ARGS__); \
   } while (0)
-#define EPX_TRACE(subsys, ...)                                                    \
-  do {                                                                            \
-    if (epx__log_level() >= EPX_LOG_TRACE)                                        \
-      epx__log(EPX_LOG_TRACE, (subsys), __FILE__, __LINE__, __VA_ARGS__);         \
+#define EPX_TRACE(subsys, ...)                                            \
+  do {                                                                    \
+    if (epx__log_level() >= EPX_LOG_TRACE)                                \
+      epx__log(EPX_LOG_TRACE, (subsys), __FILE__, __LINE__, __VA_ARGS__); \
   } while (0)
 
 #endif /* EPX_DEBUG_H_ */

@@ -31,8 +31,8 @@ typedef struct epx__error_record {
 typedef struct epx__kernel_ctx {
   char *peer_base[EPX_MAX_RANKS]; /* workspace base of every rank as mapped here; own included */
   int rank, num_ranks;
-  unsigned long long timeout_ns;  /* budget of each wait on a peer */
-  epx__error_record_t *error;     /* device alias of the host-mapped error record */
+  unsigned long long timeout_ns; /* budget of each wait on a peer */
+  epx__error_record_t *error;    /* device alias of the host-mapped error record */
   epx__ws_layout_t layout;
 } epx__kernel_ctx_t;
 
@@ -48,7 +48,7 @@ struct epx_group {
   char *workspace;                /* local base of the symmetric workspace */
   char *peer_base[EPX_MAX_RANKS]; /* resolved by the transport */
   epx__error_record_t *error_host, *error_dev;
-  cudaStream_t setup_stream;      /* internal work at create/destroy/clear */
+  cudaStream_t setup_stream; /* internal work at create/destroy/clear */
 };
 
 /* Transports behind one table, chosen at group creation; common code never branches on it. */
@@ -66,7 +66,7 @@ extern const epx__transport_ops_t epx__transport_nvlink;
 /* The routing of one normal-mode dispatch (device buffers) and its host-visible counts. */
 struct epx_handle {
   epx_group_t group;
-  void *device_block;       /* one allocation behind the routing arrays and meta */
+  void *device_block; /* one allocation behind the routing arrays and meta */
   uint8_t *is_token_in_rank;
   int *token_pos_in_rank;
   int *num_tokens_per_rank;
@@ -74,7 +74,7 @@ struct epx_handle {
   epx__recv_meta_t *meta;
   int *host_counts, *host_counts_dev; /* mapped [1 + E/R]: num_recv, per-expert */
   cudaEvent_t counts_ready;
-  int num_tokens;           /* of the dispatch that filled the handle; -1 before */
+  int num_tokens; /* of the dispatch that filled the handle; -1 before */
 };
 
 /* Registry of live objects (groups and handles): a destroyed handle is refused, never read. */

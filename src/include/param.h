@@ -17,15 +17,15 @@ int64_t epx__param_env_int(const char *name, int64_t def);
 #endif
 
 /* EPX_PARAM(Name, "ENV", default) defines `int64_t epx__param_Name(void)`, read once. */
-#define EPX_PARAM(name, env, def)                                   \
-  static inline int64_t epx__param_##name(void) {                   \
-    static int64_t cached_;                                         \
-    static int loaded_;                                             \
-    if (!loaded_) {                                                 \
-      cached_ = epx__param_env_int("EPX_" env, (def));              \
-      loaded_ = 1;                                                  \
-    }                                                               \
-    return cached_;                                                 \
+#define EPX_PARAM(name, env, def)                      \
+  static inline int64_t epx__param_##name(void) {      \
+    static int64_t cached_;                            \
+    static int loaded_;                                \
+    if (!loaded_) {                                    \
+      cached_ = epx__param_env_int("EPX_" env, (def)); \
+      loaded_ = 1;                                     \
+    }                                                  \
+    return cached_;                                    \
   }
 
 /* Every knob of the library (docs/env.md). */

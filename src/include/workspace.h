@@ -10,7 +10,8 @@
  *   notify   count exchange: R sources x (R + E/R) epoch-tagged 64-bit words (sized R x (R + E))
  *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
  *            combine slab 2 x [R, max_tokens, H] BF16
- *   ll       (EPX_MODE_LOW_LATENCY) 2 parity buffers x (dispatch receive + combine receive + signals)
+ *   ll       (EPX_MODE_LOW_LATENCY) 2 parity buffers x (dispatch receive + combine receive +
+ * signals)
  */
 #ifndef EPX_WORKSPACE_H_
 #define EPX_WORKSPACE_H_
@@ -57,15 +58,15 @@ typedef struct epx__ws_layout {
   size_t notify_offset, notify_bytes;
   /* normal: sub-arrays of the receive slab (capacity = R x max_tokens rows) and the combine slab */
   size_t normal_offset, normal_bytes;
-  size_t recv_capacity;           /* rows: R x max_tokens */
-  size_t recv_x_offset;           /* [capacity, H] payload (BF16: 2 bytes/element, FP8: 1) */
-  size_t recv_scales_offset;      /* [capacity, H/128] float32 (FP8) */
-  size_t recv_topk_idx_offset;    /* [capacity, K] int32 local expert ids, -1 elsewhere */
-  size_t recv_topk_weights_offset;/* [capacity, K] float32 */
-  size_t recv_src_token_offset;   /* [capacity] int32 source token index */
-  size_t combine_slab_offset;     /* 2 parities x [R, max_tokens, H] BF16: row (d, p) = rank d's
-                                     output for the p-th token this rank sent to d */
-  size_t combine_slab_bytes;      /* one parity */
+  size_t recv_capacity;            /* rows: R x max_tokens */
+  size_t recv_x_offset;            /* [capacity, H] payload (BF16: 2 bytes/element, FP8: 1) */
+  size_t recv_scales_offset;       /* [capacity, H/128] float32 (FP8) */
+  size_t recv_topk_idx_offset;     /* [capacity, K] int32 local expert ids, -1 elsewhere */
+  size_t recv_topk_weights_offset; /* [capacity, K] float32 */
+  size_t recv_src_token_offset;    /* [capacity] int32 source token index */
+  size_t combine_slab_offset;      /* 2 parities x [R, max_tokens, H] BF16: row (d, p) = rank d's
+                                      output for the p-th token this rank sent to d */
+  size_t combine_slab_bytes;       /* one parity */
   size_t ll_offset, ll_bytes;
   size_t ll_msg_bytes; /* one (token, expert) row of low-latency dispatch */
   size_t total_bytes;
@@ -73,16 +74,20 @@ typedef struct epx__ws_layout {
 
 /* Counts of one normal dispatch, kept in its handle (device memory), written by notify. */
 typedef struct epx__recv_meta {
-  int num_recv;                          /* rows received */
-  int rank_prefix[EPX_MAX_RANKS + 1];    /* rows from sources < s start at rank_prefix[s] */
+  int num_recv;                            /* rows received */
+  int rank_prefix[EPX_MAX_RANKS + 1];      /* rows from sources < s start at rank_prefix[s] */
   int count[EPX_MAX_RANKS][EPX_MAX_RANKS]; /* count[s][r]: tokens rank s sends to rank r */
-  int per_expert[EPX_MAX_EXPERTS];       /* rows per local expert (aligned if asked) */
+  int per_expert[EPX_MAX_EXPERTS];         /* rows per local expert (aligned if asked) */
 } epx__recv_meta_t;
 
-EPX_HD size_t epx__align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+EPX_HD size_t epx__align_up(size_t x, size_t a) {
+  return (x + a - 1) / a * a;
+}
 
 /* Bytes per element of the widest payload the group supports. */
-EPX_HD size_t epx__payload_elem_bytes(unsigned dtypes) { return (dtypes & EPX_DTYPE_BF16) ? 2 : 1; }
+EPX_HD size_t epx__payload_elem_bytes(unsigned dtypes) {
+  return (dtypes & EPX_DTYPE_BF16) ? 2 : 1;
+}
 
 /* One low-latency row: a 16-byte header (source token, source rank), the payload, the scales. */
 EPX_HD size_t epx__ll_msg_bytes(int hidden, unsigned dtypes) {
@@ -102,7 +107,8 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   /* notify: per source rank, R per-rank counts + E/R per-expert counts, as 64-bit words that
    * carry the call's epoch in the high half (so no separate flag and no zeroing). */
   l->notify_offset = off;
-  l->notify_bytes = epx__align_up((size_t)num_ranks * (size_t)(num_ranks + num_experts) * 8, EPX_WS_ALIGN);
+  l->notify_bytes =
+      epx__align_up((size_t)num_ranks * (size_t)(num_ranks + num_experts) * 8, EPX_WS_ALIGN);
   off += l->notify_bytes;
 
   /* normal: a compact receive slab of R x max_tokens rows (the worst case: every source sends

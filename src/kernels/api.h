@@ -69,10 +69,10 @@ typedef struct epx__combine_launch_args {
 
 epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx, const epx__notify_launch_args_t *args,
                                 cudaStream_t stream);
-epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx, const epx__dispatch_launch_args_t *args,
-                                  cudaStream_t stream);
-epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx, const epx__combine_launch_args_t *args,
-                                 cudaStream_t stream);
+epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
+                                  const epx__dispatch_launch_args_t *args, cudaStream_t stream);
+epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
+                                 const epx__combine_launch_args_t *args, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

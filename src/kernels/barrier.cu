@@ -22,7 +22,8 @@ __global__ void barrier_kernel(epx__kernel_ctx_t ctx) {
   if (lane < ctx.num_ranks) {
     epx__control_t *peer = (epx__control_t *)(ctx.peer_base[lane] + ctx.layout.control_offset);
     epx::st_release_sys((uint64_t *)&peer->barrier_inbox[ctx.rank], epoch);
-    epx::wait_geq(ctx, (const uint64_t *)&mine->barrier_inbox[lane], epoch, EPX_STAGE_BARRIER, lane);
+    epx::wait_geq(ctx, (const uint64_t *)&mine->barrier_inbox[lane], epoch, EPX_STAGE_BARRIER,
+                  lane);
   }
 }
 

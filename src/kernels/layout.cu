@@ -86,13 +86,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int e = tid; e < E; e += kThreads) a.num_tokens_per_expert[e] = expert_count[e];
   if (tid == 0 && first_bad != ~0ull) {
     const long long pos = (long long)first_bad;
-    epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_LAYOUT, -1, pos, (long long)topk[pos]);
+    epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_LAYOUT, -1, pos,
+                     (long long)topk[pos]);
   }
 }
 
 }  // namespace
 
-extern "C" epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx, const epx__layout_launch_args_t *args,
+extern "C" epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx,
+                                           const epx__layout_launch_args_t *args,
                                            cudaStream_t stream) {
   if (args->idx_is_int64)
     layout_kernel<long long><<<1, kThreads, 0, stream>>>(*ctx, *args);

@@ -46,7 +46,8 @@ __device__ __forceinline__ void signal_all(const epx__kernel_ctx_t &ctx, bool co
   if (threadIdx.x < ctx.num_ranks) {
     __threadfence_system();
     epx__control_t *peer = control_of(ctx, threadIdx.x);
-    red_release_sys_add(combine ? &peer->combine_done[ctx.rank] : &peer->dispatch_done[ctx.rank], 1);
+    red_release_sys_add(combine ? &peer->combine_done[ctx.rank] : &peer->dispatch_done[ctx.rank],
+                        1);
   }
 }
 
@@ -58,8 +59,8 @@ __device__ __forceinline__ void block_share(int n, int *begin, int *end) {
 }
 
 /* Copy one row of n16 16-byte words from src to every destination in mask (one warp). */
-__device__ __forceinline__ void copy_row_multicast(const int4 *src, int4 *const *dst, unsigned mask, int n16,
-                                                   int lane) {
+__device__ __forceinline__ void copy_row_multicast(const int4 *src, int4 *const *dst, unsigned mask,
+                                                   int n16, int lane) {
   for (int i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
@@ -98,8 +99,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int i = tid; i < R * words; i += kThreads) {
     const int r = i / words, w = i % words;
-    const int v = w < R ? a.routing.num_tokens_per_rank[w] : a.routing.num_tokens_per_expert[r * epr + (w - R)];
-    unsigned long long *dst = (unsigned long long *)(ctx.peer_base[r] + ctx.layout.notify_offset) + me * words + w;
+    const int v = w < R ? a.routing.num_tokens_per_rank[w]
+                        : a.routing.num_tokens_per_expert[r * epr + (w - R)];
+    unsigned long long *dst =
+        (unsigned long long *)(ctx.peer_base[r] + ctx.layout.notify_offset) + me * words + w;
     epx::st_release_sys((uint64_t *)dst, ((uint64_t)epoch << 32) | (uint32_t)v);
   }
 
@@ -121,8 +124,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     /* Clamp: a count beyond max_tokens can only come from a broken peer; never index past. */
     int value = (int)(uint32_t)v;
     value = value < 0 ? 0 : value > a.max_tokens ? a.max_tokens : value;
-    if (w < R) count[s][w] = value;
-    else atomicAdd(&expert_sum[w - R], value);
+    if (w < R)
+      count[s][w] = value;
+    else
+      atomicAdd(&expert_sum[w - R], value);
   }
   __syncthreads();
 
@@ -165,7 +170,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   /* Buffer regions (every rank has the same layout):
    *   recv_x        [cap, H] elem       recv_scales [cap, H/128] f32
-   *   recv_topk_idx [cap, K] i32        recv_topk_weights [cap, K] f32   recv_src_token [cap] i32 */
+   *   recv_topk_idx [cap, K] i32        recv_topk_weights [cap, K] f32   recv_src_token [cap] i32
+   */
   const epx__ws_layout_t &L = ctx.layout;
   const int elem = kFp8 ? 1 : 2, n16 = H * elem / 16, num_scales = H / 128;
   const IdxT *topk = (const IdxT *)a.topk_idx;
@@ -174,7 +180,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int t = begin + warp; t < end; t += kWarps) {
     const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
     const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
-    const int my_row = in_rank ? dest_base[lane] + a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
+    const int my_row =
+        in_rank ? dest_base[lane] + a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
     int rows[EPX_MAX_RANKS];
     int4 *dst[EPX_MAX_RANKS];
 #pragma unroll
@@ -184,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   (size_t)rows[r] * H * elem)
                        : nullptr;
     }
-    copy_row_multicast((const int4 *)((const char *)a.x + (size_t)t * H * elem), dst, mask, n16, lane);
+    copy_row_multicast((const int4 *)((const char *)a.x + (size_t)t * H * elem), dst, mask, n16,
+                       lane);
     if (kFp8) {
       for (int i = lane; i < num_scales; i += 32) {
         const float sc = a.x_scales[(size_t)t * num_scales + i];
@@ -208,8 +216,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         char *base = ctx.peer_base[r] + L.normal_offset;
         if (lane < K) {
           const bool here = e >= 0 && e / epr == r;
-          ((int *)(base + L.recv_topk_idx_offset))[(size_t)rows[r] * K + lane] = here ? (int)(e - (long long)r * epr) : -1;
-          ((float *)(base + L.recv_topk_weights_offset))[(size_t)rows[r] * K + lane] = here ? w : 0.f;
+          ((int *)(base + L.recv_topk_idx_offset))[(size_t)rows[r] * K + lane] =
+              here ? (int)(e - (long long)r * epr) : -1;
+          ((float *)(base + L.recv_topk_weights_offset))[(size_t)rows[r] * K + lane] =
+              here ? w : 0.f;
         }
         if (lane == 0) ((int *)(base + L.recv_src_token_offset))[rows[r]] = t;
       }
@@ -220,7 +230,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (blockIdx.x == 0 && tid < R) {
     epx__control_t *ctrl = control_of(ctx, me);
     const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
-    epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected, EPX_STAGE_DISPATCH, tid);
+    epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected, EPX_STAGE_DISPATCH,
+                  tid);
     ctrl->dispatch_expected[tid] = expected;
   }
 }
@@ -259,7 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   /* 2. Wait until every rank's blocks have delivered. */
   if (tid < R) {
     const unsigned long long expected = ctrl->combine_expected[tid] + gridDim.x;
-    epx::wait_geq(ctx, (const uint64_t *)&ctrl->combine_done[tid], expected, EPX_STAGE_COMBINE, tid);
+    epx::wait_geq(ctx, (const uint64_t *)&ctrl->combine_done[tid], expected, EPX_STAGE_COMBINE,
+                  tid);
   }
   __syncthreads();
 
@@ -326,32 +338,41 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-extern "C" epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx, const epx__notify_launch_args_t *args,
+extern "C" epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx,
+                                           const epx__notify_launch_args_t *args,
                                            cudaStream_t stream) {
   notify_kernel<<<1, kThreads, 0, stream>>>(*ctx, *args);
   CUDA_CHECK(cudaGetLastError());
   return EPX_OK;
 }
 
-extern "C" epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx, const epx__dispatch_launch_args_t *args,
+extern "C" epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
+                                             const epx__dispatch_launch_args_t *args,
                                              cudaStream_t stream) {
   const dim3 grid(args->num_blocks), block(kThreads);
   if (args->x_is_fp8) {
-    if (args->idx_is_int64) dispatch_kernel<long long, true><<<grid, block, 0, stream>>>(*ctx, *args);
-    else dispatch_kernel<int, true><<<grid, block, 0, stream>>>(*ctx, *args);
+    if (args->idx_is_int64)
+      dispatch_kernel<long long, true><<<grid, block, 0, stream>>>(*ctx, *args);
+    else
+      dispatch_kernel<int, true><<<grid, block, 0, stream>>>(*ctx, *args);
   } else {
-    if (args->idx_is_int64) dispatch_kernel<long long, false><<<grid, block, 0, stream>>>(*ctx, *args);
-    else dispatch_kernel<int, false><<<grid, block, 0, stream>>>(*ctx, *args);
+    if (args->idx_is_int64)
+      dispatch_kernel<long long, false><<<grid, block, 0, stream>>>(*ctx, *args);
+    else
+      dispatch_kernel<int, false><<<grid, block, 0, stream>>>(*ctx, *args);
   }
   CUDA_CHECK(cudaGetLastError());
   return EPX_OK;
 }
 
-extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx, const epx__combine_launch_args_t *args,
+extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
+                                            const epx__combine_launch_args_t *args,
                                             cudaStream_t stream) {
   const dim3 grid(args->num_blocks), block(kThreads);
-  if (args->idx_is_int64) combine_kernel<long long><<<grid, block, 0, stream>>>(*ctx, *args);
-  else combine_kernel<int><<<grid, block, 0, stream>>>(*ctx, *args);
+  if (args->idx_is_int64)
+    combine_kernel<long long><<<grid, block, 0, stream>>>(*ctx, *args);
+  else
+    combine_kernel<int><<<grid, block, 0, stream>>>(*ctx, *args);
   CUDA_CHECK(cudaGetLastError());
   return EPX_OK;
 }

@@ -37,9 +37,12 @@ epx_status_t all_ok(epx_group_t g, int ok, int *all) {
   epx_status_t res = EPX_OK;
   int *dev = nullptr;
   CUDA_CHECK(cudaMalloc(&dev, sizeof(int)));
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(dev, &ok, sizeof ok, cudaMemcpyHostToDevice, g->setup_stream), res, exit);
-  NCCL_CHECK_GOTO(ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, g->comm, g->setup_stream), res, exit);
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(all, dev, sizeof *all, cudaMemcpyDeviceToHost, g->setup_stream), res, exit);
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(dev, &ok, sizeof ok, cudaMemcpyHostToDevice, g->setup_stream),
+                  res, exit);
+  NCCL_CHECK_GOTO(ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, g->comm, g->setup_stream), res,
+                  exit);
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(all, dev, sizeof *all, cudaMemcpyDeviceToHost, g->setup_stream),
+                  res, exit);
   CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
 exit:
   cudaFree(dev);
@@ -50,8 +53,10 @@ epx_status_t nvlink_close(epx_group_t g) {
   nvlink_state *s = (nvlink_state *)g->transport_state;
   if (!s) return EPX_OK;
   epx_status_t res = EPX_OK, r;
-  if (s->have_dev_comm && (r = NCCL_STATUS(ncclDevCommDestroy(g->comm, &s->dev_comm))) != EPX_OK) res = r;
-  if (s->window && (r = NCCL_STATUS(ncclCommWindowDeregister(g->comm, s->window))) != EPX_OK && res == EPX_OK)
+  if (s->have_dev_comm && (r = NCCL_STATUS(ncclDevCommDestroy(g->comm, &s->dev_comm))) != EPX_OK)
+    res = r;
+  if (s->window && (r = NCCL_STATUS(ncclCommWindowDeregister(g->comm, s->window))) != EPX_OK &&
+      res == EPX_OK)
     res = r;
   if (s->base && (r = NCCL_STATUS(ncclMemFree(s->base))) != EPX_OK && res == EPX_OK) res = r;
   delete s;
@@ -75,13 +80,15 @@ epx_status_t nvlink_open(epx_group_t g) {
   EPX_CHECK(all_ok(g, local == EPX_OK, &all));
   if (local != EPX_OK) return local;
   if (!all)
-    return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "epx_group_create: another rank could not allocate its %zu-byte workspace", s->bytes);
+    return epx__set_error(
+        EPX_ERR_INVALID_USAGE,
+        "epx_group_create: another rank could not allocate its %zu-byte workspace", s->bytes);
   g->workspace = (char *)s->base;
 
   /* 2. Register the symmetric window (collective; ends in a barrier, so every rank's zeroing
    *    is complete before any peer can reach its memory). */
-  NCCL_CHECK(ncclCommWindowRegister(g->comm, s->base, s->bytes, &s->window, NCCL_WIN_COLL_SYMMETRIC));
+  NCCL_CHECK(
+      ncclCommWindowRegister(g->comm, s->base, s->bytes, &s->window, NCCL_WIN_COLL_SYMMETRIC));
 
   /* 3. Device communicator: fails if NCCL has no symmetric (load/store) access to all peers.
    *    NOTE: 2.28 wants the requirements zeroed (2.29+ has an initializer macro instead). No
@@ -91,10 +98,11 @@ epx_status_t nvlink_open(epx_group_t g) {
   reqs.lsaBarrierCount = 1;
   ncclResult_t nr = ncclDevCommCreate(g->comm, &reqs, &s->dev_comm);
   if (nr != ncclSuccess)
-    return epx__set_error(EPX_ERR_UNSUPPORTED,
-                          "ncclDevCommCreate failed (%s): NCCL cannot give load/store access to every peer "
-                          "(needs CUDA P2P between all GPUs and cuMem); %s",
-                          ncclGetErrorString(nr), ncclGetLastError(g->comm));
+    return epx__set_error(
+        EPX_ERR_UNSUPPORTED,
+        "ncclDevCommCreate failed (%s): NCCL cannot give load/store access to every peer "
+        "(needs CUDA P2P between all GPUs and cuMem); %s",
+        ncclGetErrorString(nr), ncclGetLastError(g->comm));
   s->have_dev_comm = true;
 
   /* 4. Peer base pointers, resolved once. */
@@ -103,8 +111,8 @@ epx_status_t nvlink_open(epx_group_t g) {
   CUDA_CHECK(cudaMalloc(&dev_table, sizeof(char *) * EPX_MAX_RANKS));
   resolve_peers_kernel<<<1, 32, 0, g->setup_stream>>>(s->window, g->num_ranks, dev_table);
   CUDA_CHECK_GOTO(cudaGetLastError(), res, exit);
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(g->peer_base, dev_table, sizeof(char *) * g->num_ranks, cudaMemcpyDeviceToHost,
-                                  g->setup_stream),
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(g->peer_base, dev_table, sizeof(char *) * g->num_ranks,
+                                  cudaMemcpyDeviceToHost, g->setup_stream),
                   res, exit);
   CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
   if (g->peer_base[g->rank] == nullptr)

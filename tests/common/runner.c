@@ -44,7 +44,9 @@ void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s
 void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s) {
   add_test(name, NULL, fn, timeout_s);
 }
-uint64_t epx_test_seed(void) { return current_seed; }
+uint64_t epx_test_seed(void) {
+  return current_seed;
+}
 
 static double now_s(void) {
   struct timespec ts;
@@ -112,7 +114,8 @@ static int read_all(int fd, void *buf, size_t n) {
 }
 
 /* One rank process: NCCL bootstrap, the test, teardown. */
-static int run_rank(const test_entry_t *t, int rank, int num_ranks, int id_to_leader, int id_from_leader) {
+static int run_rank(const test_entry_t *t, int rank, int num_ranks, int id_to_leader,
+                    int id_from_leader) {
   ncclUniqueId id;
   if (rank == 0) {
     if (ncclGetUniqueId(&id) != ncclSuccess) return TEST_FAIL;
@@ -127,9 +130,11 @@ static int run_rank(const test_entry_t *t, int rank, int num_ranks, int id_to_le
     fprintf(stderr, "  rank %d: ncclCommInitRank: %s\n", rank, ncclGetErrorString(nr));
     return TEST_FAIL;
   }
-  if (cudaStreamCreateWithFlags(&ctx.stream, cudaStreamNonBlocking) != cudaSuccess) return TEST_FAIL;
+  if (cudaStreamCreateWithFlags(&ctx.stream, cudaStreamNonBlocking) != cudaSuccess)
+    return TEST_FAIL;
   int code = t->gpu_fn(&ctx);
-  if (code != TEST_PASS) fprintf(stderr, "  rank %d: %s\n", rank, code == TEST_SKIP ? "skipped" : "failed");
+  if (code != TEST_PASS)
+    fprintf(stderr, "  rank %d: %s\n", rank, code == TEST_SKIP ? "skipped" : "failed");
   cudaStreamSynchronize(ctx.stream);
   cudaStreamDestroy(ctx.stream);
   ncclCommDestroy(ctx.comm);
@@ -162,12 +167,15 @@ static int run_leader(const test_entry_t *t, int num_ranks) {
     int status;
     if (waitpid(pids[r], &status, 0) < 0 || !WIFEXITED(status)) {
       any_fail = 1;
-      if (WIFSIGNALED(status)) fprintf(stderr, "  rank %d: killed by signal %d\n", r, WTERMSIG(status));
+      if (WIFSIGNALED(status))
+        fprintf(stderr, "  rank %d: killed by signal %d\n", r, WTERMSIG(status));
       continue;
     }
     int code = WEXITSTATUS(status);
-    if (code == TEST_SKIP) any_skip = 1;
-    else if (code != TEST_PASS) any_fail = 1;
+    if (code == TEST_SKIP)
+      any_skip = 1;
+    else if (code != TEST_PASS)
+      any_fail = 1;
   }
   return any_fail ? TEST_FAIL : any_skip ? TEST_SKIP : TEST_PASS;
 }
@@ -233,8 +241,10 @@ int main(int argc, char **argv) {
     for (int v = 0; v < variants; v++) {
       int ranks = t->host_fn ? 0 : rank_list[v];
       char label[160];
-      if (t->host_fn) snprintf(label, sizeof label, "%s", t->name);
-      else snprintf(label, sizeof label, "%s [%d ranks]", t->name, ranks);
+      if (t->host_fn)
+        snprintf(label, sizeof label, "%s", t->name);
+      else
+        snprintf(label, sizeof label, "%s [%d ranks]", t->name, ranks);
       if (list_only) {
         printf("%s\n", label);
         continue;

@@ -37,79 +37,78 @@ void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s);
 /* Seed of the current test (host tests too). */
 uint64_t epx_test_seed(void);
 
-#define EPX_HOST_TEST(name, timeout_s)                                                \
-  static int name(void);                                                              \
-  __attribute__((constructor)) static void register_##name(void) {                    \
-    epx_test_register_host(#name, name, (timeout_s));                                 \
-  }                                                                                   \
+#define EPX_HOST_TEST(name, timeout_s)                             \
+  static int name(void);                                           \
+  __attribute__((constructor)) static void register_##name(void) { \
+    epx_test_register_host(#name, name, (timeout_s));              \
+  }                                                                \
   static int name(void)
 
-#define EPX_GPU_TEST(name, timeout_s)                                                 \
-  static int name(epx_test_rank_t *t);                                                \
-  __attribute__((constructor)) static void register_##name(void) {                    \
-    epx_test_register_gpu(#name, name, (timeout_s));                                  \
-  }                                                                                   \
+#define EPX_GPU_TEST(name, timeout_s)                              \
+  static int name(epx_test_rank_t *t);                             \
+  __attribute__((constructor)) static void register_##name(void) { \
+    epx_test_register_gpu(#name, name, (timeout_s));               \
+  }                                                                \
   static int name(epx_test_rank_t *t)
 
-#define EXPECT(cond)                                                                  \
-  do {                                                                                \
-    if (!(cond)) {                                                                    \
-      fprintf(stderr, "  FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond);             \
-      return TEST_FAIL;                                                               \
-    }                                                                                 \
+#define EXPECT(cond)                                                      \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      fprintf(stderr, "  FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+      return TEST_FAIL;                                                   \
+    }                                                                     \
   } while (0)
 
-#define EXPECTF(cond, ...)                                                            \
-  do {                                                                                \
-    if (!(cond)) {                                                                    \
-      fprintf(stderr, "  FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond);             \
-      fprintf(stderr, __VA_ARGS__);                                                   \
-      fputc('\n', stderr);                                                            \
-      return TEST_FAIL;                                                               \
-    }                                                                                 \
+#define EXPECTF(cond, ...)                                                \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      fprintf(stderr, "  FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                       \
+      fputc('\n', stderr);                                                \
+      return TEST_FAIL;                                                   \
+    }                                                                     \
   } while (0)
 
-#define EXPECT_EQ_INT(a, b)                                                           \
-  do {                                                                                \
-    long long a_ = (long long)(a), b_ = (long long)(b);                               \
-    if (a_ != b_) {                                                                   \
-      fprintf(stderr, "  FAILED %s:%d: %s == %s: %lld vs %lld\n", __FILE__, __LINE__, #a, \
-              #b, a_, b_);                                                            \
-      return TEST_FAIL;                                                               \
-    }                                                                                 \
+#define EXPECT_EQ_INT(a, b)                                                                       \
+  do {                                                                                            \
+    long long a_ = (long long)(a), b_ = (long long)(b);                                           \
+    if (a_ != b_) {                                                                               \
+      fprintf(stderr, "  FAILED %s:%d: %s == %s: %lld vs %lld\n", __FILE__, __LINE__, #a, #b, a_, \
+              b_);                                                                                \
+      return TEST_FAIL;                                                                           \
+    }                                                                                             \
   } while (0)
 
 /* An EPX call must return `want`; prints the status names and epx_last_error() if not. */
-#define EXPECT_STATUS(call, want)                                                     \
-  do {                                                                                \
-    epx_status_t got_ = (call);                                                       \
-    if (got_ != (want)) {                                                             \
-      fprintf(stderr, "  FAILED %s:%d: %s returned %d (%s), want %d; last error: %s\n", \
-              __FILE__, __LINE__, #call, (int)got_, epx_status_string(got_), (int)(want), \
-              epx_last_error());                                                      \
-      return TEST_FAIL;                                                               \
-    }                                                                                 \
+#define EXPECT_STATUS(call, want)                                                                  \
+  do {                                                                                             \
+    epx_status_t got_ = (call);                                                                    \
+    if (got_ != (want)) {                                                                          \
+      fprintf(stderr, "  FAILED %s:%d: %s returned %d (%s), want %d; last error: %s\n", __FILE__,  \
+              __LINE__, #call, (int)got_, epx_status_string(got_), (int)(want), epx_last_error()); \
+      return TEST_FAIL;                                                                            \
+    }                                                                                              \
   } while (0)
 #define EXPECT_OK(call) EXPECT_STATUS(call, EPX_OK)
 
-#define EXPECT_CUDA(call)                                                             \
-  do {                                                                                \
-    cudaError_t e_ = (call);                                                          \
-    if (e_ != cudaSuccess) {                                                          \
-      fprintf(stderr, "  FAILED %s:%d: %s: %s\n", __FILE__, __LINE__, #call,          \
-              cudaGetErrorString(e_));                                                \
-      return TEST_FAIL;                                                               \
-    }                                                                                 \
+#define EXPECT_CUDA(call)                                                    \
+  do {                                                                       \
+    cudaError_t e_ = (call);                                                 \
+    if (e_ != cudaSuccess) {                                                 \
+      fprintf(stderr, "  FAILED %s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+              cudaGetErrorString(e_));                                       \
+      return TEST_FAIL;                                                      \
+    }                                                                        \
   } while (0)
 
-#define EXPECT_NCCL(call)                                                             \
-  do {                                                                                \
-    ncclResult_t r_ = (call);                                                         \
-    if (r_ != ncclSuccess) {                                                          \
-      fprintf(stderr, "  FAILED %s:%d: %s: %s\n", __FILE__, __LINE__, #call,          \
-              ncclGetErrorString(r_));                                                \
-      return TEST_FAIL;                                                               \
-    }                                                                                 \
+#define EXPECT_NCCL(call)                                                    \
+  do {                                                                       \
+    ncclResult_t r_ = (call);                                                \
+    if (r_ != ncclSuccess) {                                                 \
+      fprintf(stderr, "  FAILED %s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+              ncclGetErrorString(r_));                                       \
+      return TEST_FAIL;                                                      \
+    }                                                                        \
   } while (0)
 
 /* Deterministic random numbers for tests (splitmix64). */

@@ -8,7 +8,8 @@
  *   group_refuses_mismatched_config    64, 1024/2048 on rank 1    INVALID_USAGE on all ranks
  *   group_refuses_invalid_config_on_one_rank  top_k 0 on rank 0   INVALID_ARGUMENT / INVALID_USAGE
  *   barrier_orders_peer_writes         64, 512, 2R, 2             500 rounds write-barrier-check
- *   barrier_times_out_on_missing_peer  timeout 500 ms             TIMEOUT names the peer, < budget+1s
+ *   barrier_times_out_on_missing_peer  timeout 500 ms             TIMEOUT names the peer, <
+ * budget+1s
  */
 #include <stdio.h>
 #include <string.h>
@@ -52,8 +53,9 @@ EPX_GPU_TEST(group_create_destroy_100_cycles, 300) {
     if (cycle == 0) free_after_first = free_now;
   }
   long long leaked = (long long)free_after_first - (long long)free_now;
-  printf("  rank %d: free device memory after cycle 1: %zu, after cycle 100: %zu (delta %lld bytes)\n",
-         t->rank, free_after_first, free_now, leaked);
+  printf(
+      "  rank %d: free device memory after cycle 1: %zu, after cycle 100: %zu (delta %lld bytes)\n",
+      t->rank, free_after_first, free_now, leaked);
   /* Any per-cycle leak of 10 KiB or more over 99 cycles exceeds this bound. */
   EXPECTF(leaked < (1 << 20), "leaked %lld bytes over 99 create/destroy cycles", leaked);
   return TEST_PASS;
@@ -79,14 +81,17 @@ EPX_GPU_TEST(group_refuses_invalid_config_on_one_rank, 120) {
   epx_group_t g = NULL;
   epx_status_t want = t->rank == 0 ? EPX_ERR_INVALID_ARGUMENT : EPX_ERR_INVALID_USAGE;
   EXPECT_STATUS(epx_group_create(t->comm, &c, &g), want);
-  EXPECTF(strstr(epx_last_error(), t->rank == 0 ? "top_k" : "rank 0") != NULL, "message: %s", epx_last_error());
+  EXPECTF(strstr(epx_last_error(), t->rank == 0 ? "top_k" : "rank 0") != NULL, "message: %s",
+          epx_last_error());
   /* Beyond what was compiled: refused as unsupported on every rank. */
   c = gpu_test_config(64, 1024, 4 * t->num_ranks, EPX_MAX_TOP_K + 1);
-  EXPECT_STATUS(epx_group_create(t->comm, &c, &g), t->rank == 0 ? EPX_ERR_UNSUPPORTED : EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_group_create(t->comm, &c, &g),
+                t->rank == 0 ? EPX_ERR_UNSUPPORTED : EPX_ERR_INVALID_USAGE);
   /* More SMs than the GPU has. */
   c = gpu_test_config(64, 1024, 4 * t->num_ranks, 4);
   c.num_sms = 1000;
-  EXPECT_STATUS(epx_group_create(t->comm, &c, &g), t->rank == 0 ? EPX_ERR_INVALID_ARGUMENT : EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_group_create(t->comm, &c, &g),
+                t->rank == 0 ? EPX_ERR_INVALID_ARGUMENT : EPX_ERR_INVALID_USAGE);
   return TEST_PASS;
 }
 
@@ -110,7 +115,8 @@ EPX_GPU_TEST(barrier_orders_peer_writes, 120) {
   }
   EXPECT_CUDA(cudaMemcpyAsync(wrong, wrong_dev, sizeof wrong, cudaMemcpyDeviceToHost, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-  for (int round = 0; round < 500; round++) EXPECTF(wrong[round] == 0, "round %d: %d stale slots", round, wrong[round]);
+  for (int round = 0; round < 500; round++)
+    EXPECTF(wrong[round] == 0, "round %d: %d stale slots", round, wrong[round]);
   epx_async_error_t err;
   EXPECT_OK(epx_group_get_async_error(g, &err));
   EXPECTF(err.status == EPX_OK, "unexpected async error: %s", err.message);

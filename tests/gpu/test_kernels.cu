@@ -36,7 +36,8 @@ extern "C" cudaError_t test_write_peer_slots(epx_group_t g, uint64_t value, cuda
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t test_count_wrong_slots(epx_group_t g, uint64_t value, int *wrong_dev, cudaStream_t stream) {
+extern "C" cudaError_t test_count_wrong_slots(epx_group_t g, uint64_t value, int *wrong_dev,
+                                              cudaStream_t stream) {
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   count_wrong_slots_kernel<<<1, 1, 0, stream>>>(ctx, value, wrong_dev);

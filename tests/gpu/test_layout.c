@@ -23,11 +23,18 @@
 
 #define MAX_T 4096
 
-typedef enum { ROUTE_UNIFORM, ROUTE_ONE_EXPERT, ROUTE_ONE_SLOT, ROUTE_EMPTY, ROUTE_HOLES, ROUTE_BAD } route_t;
+typedef enum {
+  ROUTE_UNIFORM,
+  ROUTE_ONE_EXPERT,
+  ROUTE_ONE_SLOT,
+  ROUTE_EMPTY,
+  ROUTE_HOLES,
+  ROUTE_BAD
+} route_t;
 
 typedef struct {
   const char *name;
-  int num_tokens; /* -1: random in [1, MAX_T] */
+  int num_tokens;  /* -1: random in [1, MAX_T] */
   int num_experts; /* 0: = R */
   int top_k;       /* 0: R/2 + 1, capped at R */
   route_t route;
@@ -39,9 +46,15 @@ static void make_routing(int64_t *idx, int T, int K, int E, route_t route, uint6
     for (int k = 0; k < K; k++) {
       int64_t e = -1;
       switch (route) {
-        case ROUTE_ONE_EXPERT: e = 7 % E; break;
-        case ROUTE_ONE_SLOT: e = k == 0 ? E - 1 : -1; break;
-        case ROUTE_EMPTY: e = -1; break;
+        case ROUTE_ONE_EXPERT:
+          e = 7 % E;
+          break;
+        case ROUTE_ONE_SLOT:
+          e = k == 0 ? E - 1 : -1;
+          break;
+        case ROUTE_EMPTY:
+          e = -1;
+          break;
         default: {
           /* distinct experts per token */
           int again;
@@ -133,28 +146,32 @@ static int run_case(epx_test_rank_t *t, const layout_case_t *lc, int use_int32, 
   EXPECT_CUDA(cudaMemcpy(got_rank, d_rank, R * sizeof(int), cudaMemcpyDeviceToHost));
   EXPECT_CUDA(cudaMemcpy(got_expert, d_expert, E * sizeof(int), cudaMemcpyDeviceToHost));
   EXPECT_CUDA(cudaMemcpy(got_in, d_in, (size_t)T * R + 1, cudaMemcpyDeviceToHost));
-  EXPECT_CUDA(cudaMemcpy(got_pos, d_pos, ((size_t)T * R + 1) * sizeof(int), cudaMemcpyDeviceToHost));
+  EXPECT_CUDA(
+      cudaMemcpy(got_pos, d_pos, ((size_t)T * R + 1) * sizeof(int), cudaMemcpyDeviceToHost));
 
   const char *label = lc->name;
   for (int r = 0; r < R; r++)
-    EXPECTF(got_rank[r] == ref_rank[r], "%s: num_tokens_per_rank[%d] = %d, ref %d", label, r, got_rank[r], ref_rank[r]);
+    EXPECTF(got_rank[r] == ref_rank[r], "%s: num_tokens_per_rank[%d] = %d, ref %d", label, r,
+            got_rank[r], ref_rank[r]);
   for (int e = 0; e < E; e++)
-    EXPECTF(got_expert[e] == ref_expert[e], "%s: num_tokens_per_expert[%d] = %d, ref %d", label, e, got_expert[e],
-            ref_expert[e]);
+    EXPECTF(got_expert[e] == ref_expert[e], "%s: num_tokens_per_expert[%d] = %d, ref %d", label, e,
+            got_expert[e], ref_expert[e]);
   for (size_t i = 0; i < (size_t)T * R; i++) {
-    EXPECTF(got_in[i] == ref_in[i], "%s: is_token_in_rank[%zu][%zu] = %d, ref %d", label, i / R, i % R, got_in[i],
-            ref_in[i]);
-    EXPECTF(got_pos[i] == ref_pos[i], "%s: token_pos_in_rank[%zu][%zu] = %d, ref %d", label, i / R, i % R,
-            got_pos[i], ref_pos[i]);
+    EXPECTF(got_in[i] == ref_in[i], "%s: is_token_in_rank[%zu][%zu] = %d, ref %d", label, i / R,
+            i % R, got_in[i], ref_in[i]);
+    EXPECTF(got_pos[i] == ref_pos[i], "%s: token_pos_in_rank[%zu][%zu] = %d, ref %d", label, i / R,
+            i % R, got_pos[i], ref_pos[i]);
   }
   /* Nothing written past the outputs. */
   EXPECTF(got_in[(size_t)T * R] == 0xAB, "%s: is_token_in_rank written past its end", label);
-  EXPECTF(got_pos[(size_t)T * R] == (int)0xABABABAB, "%s: token_pos_in_rank written past its end", label);
+  EXPECTF(got_pos[(size_t)T * R] == (int)0xABABABAB, "%s: token_pos_in_rank written past its end",
+          label);
 
   epx_async_error_t err;
   EXPECT_OK(epx_group_get_async_error(g, &err));
   if (bad_pos >= 0) {
-    EXPECTF(err.status == EPX_ERR_INVALID_ARGUMENT, "%s: async status %d (%s)", label, err.status, err.message);
+    EXPECTF(err.status == EPX_ERR_INVALID_ARGUMENT, "%s: async status %d (%s)", label, err.status,
+            err.message);
     EXPECT_EQ_INT(err.stage, EPX_STAGE_LAYOUT);
     EXPECT_EQ_INT(err.position, bad_pos);
     EXPECT_EQ_INT(err.value, bad_val);
@@ -199,7 +216,8 @@ EPX_GPU_TEST(layout_matches_reference, 300) {
     for (int use_int32 = 0; use_int32 < 2; use_int32++) {
       int r = run_case(t, &cases[i], use_int32, &rng);
       if (r != TEST_PASS) {
-        fprintf(stderr, "  rank %d: case %s (%s ids) failed\n", t->rank, cases[i].name, use_int32 ? "int32" : "int64");
+        fprintf(stderr, "  rank %d: case %s (%s ids) failed\n", t->rank, cases[i].name,
+                use_int32 ? "int32" : "int64");
         return r;
       }
     }
@@ -243,7 +261,8 @@ EPX_GPU_TEST(layout_refuses_bad_arguments, 120) {
   EXPECT_CUDA(cudaMemsetAsync(d_idx, 0xFF, 16 * 4 * sizeof(int64_t), t->stream)); /* all -1 */
   EXPECT_OK(epx_layout(g, &a, t->stream));
   int cnt[EPX_MAX_RANKS];
-  EXPECT_CUDA(cudaMemcpyAsync(cnt, d_cnt, t->num_ranks * sizeof(int), cudaMemcpyDeviceToHost, t->stream));
+  EXPECT_CUDA(
+      cudaMemcpyAsync(cnt, d_cnt, t->num_ranks * sizeof(int), cudaMemcpyDeviceToHost, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   for (int r = 0; r < t->num_ranks; r++) EXPECT_EQ_INT(cnt[r], 0);
   cudaFree(d_idx);

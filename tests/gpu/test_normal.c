@@ -28,7 +28,7 @@ typedef struct {
   const char *name;
   int max_tokens, hidden, experts, top_k; /* experts 0: = R */
   route_t route;
-  int tokens; /* -1: random in [0, max] per rank (uneven); else for every rank */
+  int tokens;     /* -1: random in [0, max] per rank (uneven); else for every rank */
   int empty_rank; /* a rank with 0 tokens, or -1 */
   int fp8;
 } normal_case_t;
@@ -45,13 +45,17 @@ typedef struct {
   epx_ref_world_t ref;
 } world_t;
 
-static float rand_unit(uint64_t *rng) { return (float)(epx_test_rand(rng) >> 40) / (float)(1ull << 24); }
+static float rand_unit(uint64_t *rng) {
+  return (float)(epx_test_rand(rng) >> 40) / (float)(1ull << 24);
+}
 
 static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64_t *rng) {
   for (int k = 0; k < K; k++) {
     int64_t e = -1;
-    if (route == ROUTE_ONE_EXPERT) e = E / 2;
-    else if (route == ROUTE_EMPTY) e = -1;
+    if (route == ROUTE_ONE_EXPERT)
+      e = E / 2;
+    else if (route == ROUTE_EMPTY)
+      e = -1;
     else {
       const int range = route == ROUTE_ONE_RANK ? E / R : E; /* ONE_RANK: only rank 0's experts */
       int again, tries = 0;
@@ -67,7 +71,8 @@ static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64
 }
 
 static void world_free(world_t *w) {
-  for (int s = 0; s < w->R; s++) free(w->idx[s]), free(w->w[s]), free(w->x[s]), free(w->x8[s]), free(w->sc[s]);
+  for (int s = 0; s < w->R; s++)
+    free(w->idx[s]), free(w->w[s]), free(w->x[s]), free(w->x8[s]), free(w->sc[s]);
   memset(w, 0, sizeof *w);
 }
 
@@ -86,7 +91,8 @@ static void world_make(world_t *w, int R, const normal_case_t *c, uint64_t *rng)
     w->x[s] = malloc(sizeof(uint16_t) * (TH + 1));
     w->x8[s] = malloc(TH + 1);
     w->sc[s] = malloc(sizeof(float) * ((size_t)T * (w->H / 128) + 1));
-    for (int t = 0; t < T; t++) route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, R, c->route, rng);
+    for (int t = 0; t < T; t++)
+      route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, R, c->route, rng);
     for (size_t i = 0; i < TK; i++) w->w[s][i] = rand_unit(rng);
     for (size_t i = 0; i < TH; i++) {
       w->x[s][i] = epx_ref_bf16_from_float(4.f * rand_unit(rng) - 2.f);
@@ -95,7 +101,8 @@ static void world_make(world_t *w, int R, const normal_case_t *c, uint64_t *rng)
       w->x8[s][i] = b;
     }
     for (size_t i = 0; i < (size_t)T * (w->H / 128); i++) w->sc[s][i] = 0.01f + rand_unit(rng);
-    w->ranks[s] = (epx_ref_rank_t){T, w->idx[s], w->w[s], w->x[s], c->fp8 ? w->x8[s] : NULL, c->fp8 ? w->sc[s] : NULL};
+    w->ranks[s] = (epx_ref_rank_t){
+        T, w->idx[s], w->w[s], w->x[s], c->fp8 ? w->x8[s] : NULL, c->fp8 ? w->sc[s] : NULL};
   }
   w->ref = (epx_ref_world_t){R, w->E, w->K, w->H, w->ranks};
 }
@@ -128,16 +135,20 @@ static int upload(const world_t *w, int me, dev_inputs_t *d, size_t cap_rows) {
 }
 
 static void dev_free(dev_inputs_t *d) {
-  cudaFree(d->x), cudaFree(d->x8), cudaFree(d->idx), cudaFree(d->w), cudaFree(d->sc), cudaFree(d->y), cudaFree(d->out);
+  cudaFree(d->x), cudaFree(d->x8), cudaFree(d->idx), cudaFree(d->w), cudaFree(d->sc),
+      cudaFree(d->y), cudaFree(d->out);
 }
 
 /* Compare what the GPU received with the reference, field by field, first mismatch printed. */
-static int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res, int fp8, int check_meta,
-                      const epx_ref_recv_t *ref, const char *label) {
+static int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res, int fp8,
+                      int check_meta, const epx_ref_recv_t *ref, const char *label) {
   const int n = ref->num_recv, H = w->H, K = w->K, R = w->R;
   int prefix[EPX_MAX_RANKS + 1];
-  EXPECT_CUDA(cudaMemcpy(prefix, res->recv_rank_prefix, sizeof(int) * (R + 1), cudaMemcpyDeviceToHost));
-  for (int s = 0; s <= R; s++) EXPECTF(prefix[s] == ref->rank_prefix[s], "%s: rank_prefix[%d] = %d, ref %d", label, s, prefix[s], ref->rank_prefix[s]);
+  EXPECT_CUDA(
+      cudaMemcpy(prefix, res->recv_rank_prefix, sizeof(int) * (R + 1), cudaMemcpyDeviceToHost));
+  for (int s = 0; s <= R; s++)
+    EXPECTF(prefix[s] == ref->rank_prefix[s], "%s: rank_prefix[%d] = %d, ref %d", label, s,
+            prefix[s], ref->rank_prefix[s]);
   int ndev = -1;
   EXPECT_CUDA(cudaMemcpy(&ndev, res->num_recv_device, sizeof ndev, cudaMemcpyDeviceToHost));
   EXPECT_EQ_INT(ndev, n);
@@ -147,8 +158,8 @@ static int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res
   const char *want = fp8 ? (const char *)ref->x_fp8 : (const char *)ref->x;
   for (int i = 0; i < n; i++)
     if (memcmp(got + i * row_bytes, want + i * row_bytes, row_bytes)) {
-      fprintf(stderr, "  %s: recv_x row %d (source rank %d token %d) differs from the reference\n", label, i,
-              ref->src_rank[i], ref->src_token[i]);
+      fprintf(stderr, "  %s: recv_x row %d (source rank %d token %d) differs from the reference\n",
+              label, i, ref->src_rank[i], ref->src_token[i]);
       free(got);
       return TEST_FAIL;
     }
@@ -171,10 +182,13 @@ static int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res
     for (int i = 0; i < n && bad < 0; i++) {
       if (src[i] != ref->src_token[i]) bad = i;
       for (int k = 0; k < K; k++)
-        if (idx[i * K + k] != ref->topk_idx[(size_t)i * K + k] || wt[i * K + k] != ref->topk_weights[(size_t)i * K + k]) bad = i;
+        if (idx[i * K + k] != ref->topk_idx[(size_t)i * K + k] ||
+            wt[i * K + k] != ref->topk_weights[(size_t)i * K + k])
+          bad = i;
     }
     free(idx), free(src), free(wt);
-    EXPECTF(bad < 0, "%s: row %d: topk ids, weights or source token differ from the reference", label, bad);
+    EXPECTF(bad < 0, "%s: row %d: topk ids, weights or source token differ from the reference",
+            label, bad);
   }
   (void)me;
   return TEST_PASS;
@@ -195,7 +209,8 @@ static uint16_t *expert_output(const world_t *w, int d, int *num_recv) {
 }
 
 /* out (BF16, on the GPU) within BF16 rounding of the float64 reference. */
-static int check_combine(const world_t *w, int me, const void *out_dev, const float *weights, const char *label) {
+static int check_combine(const world_t *w, int me, const void *out_dev, const float *weights,
+                         const char *label) {
   const int T = w->ranks[me].num_tokens, H = w->H;
   uint16_t *y[EPX_MAX_RANKS];
   int nrecv;
@@ -214,8 +229,8 @@ static int check_combine(const world_t *w, int me, const void *out_dev, const fl
   }
   int ok = bad < 0;
   if (!ok)
-    fprintf(stderr, "  %s: combine out[%lld][%lld] = %g, float64 reference %.8g\n", label, bad / H, bad % H,
-            epx_ref_bf16_to_float(got[bad]), ref[bad]);
+    fprintf(stderr, "  %s: combine out[%lld][%lld] = %g, float64 reference %.8g\n", label, bad / H,
+            bad % H, epx_ref_bf16_to_float(got[bad]), ref[bad]);
   for (int d = 0; d < w->R; d++) free(y[d]);
   free(ref), free(got);
   return ok ? TEST_PASS : TEST_FAIL;
@@ -238,7 +253,8 @@ static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
 
   epx_ref_recv_t ref;
   memset(&ref, 0, sizeof ref);
-  EXPECT(epx_ref_dispatch(&w.ref, me, c->fp8 ? EPX_REF_PAYLOAD_FP8 : EPX_REF_PAYLOAD_BF16, align ? align : 1, &ref) == 0);
+  EXPECT(epx_ref_dispatch(&w.ref, me, c->fp8 ? EPX_REF_PAYLOAD_FP8 : EPX_REF_PAYLOAD_BF16,
+                          align ? align : 1, &ref) == 0);
 
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = c->fp8 ? d.x8 : d.x;
@@ -255,10 +271,12 @@ static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   EXPECT_EQ_INT(res.num_recv, ref.num_recv);
   for (int j = 0; j < w.E / R; j++)
-    EXPECTF(per_expert[j] == ref.num_recv_per_expert_aligned[j], "%s: per-expert[%d] = %d, ref %d (align %d)", c->name, j,
-            per_expert[j], ref.num_recv_per_expert_aligned[j], align);
+    EXPECTF(per_expert[j] == ref.num_recv_per_expert_aligned[j],
+            "%s: per-expert[%d] = %d, ref %d (align %d)", c->name, j, per_expert[j],
+            ref.num_recv_per_expert_aligned[j], align);
   int dev_pe[EPX_MAX_EXPERTS];
-  EXPECT_CUDA(cudaMemcpy(dev_pe, res.num_recv_per_expert_device, sizeof(int) * (w.E / R), cudaMemcpyDeviceToHost));
+  EXPECT_CUDA(cudaMemcpy(dev_pe, res.num_recv_per_expert_device, sizeof(int) * (w.E / R),
+                         cudaMemcpyDeviceToHost));
   for (int j = 0; j < w.E / R; j++) EXPECT_EQ_INT(dev_pe[j], per_expert[j]);
   if (check_recv(&w, me, &res, c->fp8, 1, &ref, c->name) != TEST_PASS) return TEST_FAIL;
   epx_ref_recv_free(&ref);
@@ -270,7 +288,8 @@ static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   free(y);
   for (int weighted = 1; weighted >= 0; weighted--) {
-    EXPECT_CUDA(cudaMemsetAsync(d.out, 0xFF, (size_t)w.ranks[me].num_tokens * w.H * 2, t->stream)); /* NaN */
+    EXPECT_CUDA(cudaMemsetAsync(d.out, 0xFF, (size_t)w.ranks[me].num_tokens * w.H * 2,
+                                t->stream)); /* NaN */
     epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
     ca.x = d.y;
     ca.out = d.out;
@@ -279,13 +298,16 @@ static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
     char label[96];
     snprintf(label, sizeof label, "%s (%s combine)", c->name, weighted ? "weighted" : "unweighted");
-    if (check_combine(&w, me, d.out, weighted ? w.w[me] : NULL, label) != TEST_PASS) return TEST_FAIL;
+    if (check_combine(&w, me, d.out, weighted ? w.w[me] : NULL, label) != TEST_PASS)
+      return TEST_FAIL;
   }
 
   /* Cached dispatch of fresh payload with the same routing. */
   for (int s = 0; s < R; s++)
-    for (size_t i = 0; i < (size_t)w.ranks[s].num_tokens * w.H; i++) w.x[s][i] = epx_ref_bf16_from_float(rand_unit(rng) - 0.5f);
-  EXPECT_CUDA(cudaMemcpyAsync(d.x, w.x[me], (size_t)w.ranks[me].num_tokens * w.H * 2, cudaMemcpyHostToDevice, t->stream));
+    for (size_t i = 0; i < (size_t)w.ranks[s].num_tokens * w.H; i++)
+      w.x[s][i] = epx_ref_bf16_from_float(rand_unit(rng) - 0.5f);
+  EXPECT_CUDA(cudaMemcpyAsync(d.x, w.x[me], (size_t)w.ranks[me].num_tokens * w.H * 2,
+                              cudaMemcpyHostToDevice, t->stream));
   EXPECT_OK(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   memset(&ref, 0, sizeof ref);
@@ -369,7 +391,8 @@ EPX_GPU_TEST(normal_graph_replay, 300) {
       for (int s = 0; s < R; s++)
         for (size_t i = 0; i < (size_t)w.ranks[s].num_tokens * w.H; i++)
           w.x[s][i] = epx_ref_bf16_from_float(4.f * rand_unit(&rng) - 2.f);
-      EXPECT_CUDA(cudaMemcpyAsync(d.x, w.x[me], (size_t)w.ranks[me].num_tokens * w.H * 2, cudaMemcpyHostToDevice, t->stream));
+      EXPECT_CUDA(cudaMemcpyAsync(d.x, w.x[me], (size_t)w.ranks[me].num_tokens * w.H * 2,
+                                  cudaMemcpyHostToDevice, t->stream));
     }
     EXPECT_CUDA(cudaGraphLaunch(exec, t->stream));
     if (replay % 20 == 19) {
@@ -392,7 +415,8 @@ EPX_GPU_TEST(normal_graph_replay, 300) {
       long long bad = -1;
       for (size_t i = 0; i < n && bad < 0; i++)
         if (got[i] != want[i]) bad = (long long)i;
-      EXPECTF(bad < 0, "replay %d: out[%lld] = 0x%04x, reference 0x%04x", replay, bad / w.H, got[bad], want[bad]);
+      EXPECTF(bad < 0, "replay %d: out[%lld] = 0x%04x, reference 0x%04x", replay, bad / w.H,
+              got[bad], want[bad]);
       for (int dd = 0; dd < R; dd++) free(y[dd]);
       free(want), free(got);
     }
@@ -421,7 +445,8 @@ EPX_GPU_TEST(normal_loop_1000, 600) {
   EXPECT_OK(epx_handle_create(g, &h));
   for (int it = 0; it < 1000; it++) {
     const route_t routes[] = {ROUTE_UNIFORM, ROUTE_HOLES, ROUTE_ONE_RANK, ROUTE_UNIFORM};
-    const normal_case_t c = {"loop", T_max, H, E, K, routes[it % 4], -1, it % 7 == 3 ? it % R : -1, 0};
+    const normal_case_t c = {"loop", T_max, H, E, K, routes[it % 4], -1, it % 7 == 3 ? it % R : -1,
+                             0};
     world_t w;
     world_make(&w, R, &c, &rng);
     dev_inputs_t d;
@@ -436,7 +461,8 @@ EPX_GPU_TEST(normal_loop_1000, 600) {
     epx_ref_recv_t ref;
     memset(&ref, 0, sizeof ref);
     EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
-    EXPECTF(res.num_recv == ref.num_recv, "iteration %d: num_recv %d, ref %d", it, res.num_recv, ref.num_recv);
+    EXPECTF(res.num_recv == ref.num_recv, "iteration %d: num_recv %d, ref %d", it, res.num_recv,
+            ref.num_recv);
     char label[64];
     snprintf(label, sizeof label, "iteration %d", it);
     if (check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
@@ -505,24 +531,28 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   bad[nb] = bad_case("too many tokens", a, "num_tokens"), bad[nb++].args.num_tokens = 65;
   bad[nb] = bad_case("null x", a, "x"), bad[nb++].args.x = NULL;
   bad[nb] = bad_case("misaligned x", a, "aligned"), bad[nb++].args.x = (char *)d.x + 8;
-  bad[nb] = bad_case("fp8 on a bf16 group", a, "x_dtype"), bad[nb++].args.x_dtype = EPX_DTYPE_FP8_E4M3;
+  bad[nb] = bad_case("fp8 on a bf16 group", a, "x_dtype"),
+  bad[nb++].args.x_dtype = EPX_DTYPE_FP8_E4M3;
   bad[nb] = bad_case("null topk_idx", a, "topk_idx"), bad[nb++].args.topk_idx = NULL;
   bad[nb] = bad_case("host topk_idx", a, "topk_idx"), bad[nb++].args.topk_idx = w.idx[me];
   bad[nb] = bad_case("bad size", a, "size"), bad[nb++].args.size = 3;
   for (int i = 0; i < nb; i++) {
     epx_status_t s = epx_dispatch(g, h, &bad[i].args, &res, t->stream);
     EXPECTF(s == EPX_ERR_INVALID_ARGUMENT, "%s: got %s", bad[i].name, epx_status_string(s));
-    EXPECTF(strstr(epx_last_error(), bad[i].must_name) != NULL, "%s: message '%s' does not name %s", bad[i].name,
-            epx_last_error(), bad[i].must_name);
+    EXPECTF(strstr(epx_last_error(), bad[i].must_name) != NULL, "%s: message '%s' does not name %s",
+            bad[i].name, epx_last_error(), bad[i].must_name);
   }
-  EXPECT_STATUS(epx_dispatch(g, h2, &a, &res, t->stream), EPX_ERR_INVALID_USAGE); /* another group's handle */
+  EXPECT_STATUS(epx_dispatch(g, h2, &a, &res, t->stream),
+                EPX_ERR_INVALID_USAGE); /* another group's handle */
   EXPECT(strstr(epx_last_error(), "another group") != NULL);
   EXPECT_STATUS(epx_combine(g, h, NULL, t->stream), EPX_ERR_INVALID_ARGUMENT);
   epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
   ca.x = d.y;
   ca.out = d.out;
-  EXPECT_STATUS(epx_combine(g, h, &ca, t->stream), EPX_ERR_INVALID_USAGE); /* nothing dispatched yet */
-  EXPECT_STATUS(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream), EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_combine(g, h, &ca, t->stream),
+                EPX_ERR_INVALID_USAGE); /* nothing dispatched yet */
+  EXPECT_STATUS(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream),
+                EPX_ERR_INVALID_USAGE);
 
   /* The group still works. */
   EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));

@@ -22,7 +22,8 @@ EPX_HOST_TEST(status_strings_are_distinct_and_total, 10) {
   for (int s = 0; s < EPX_NUM_STATUS; s++) {
     const char *a = epx_status_string((epx_status_t)s);
     EXPECTF(a && *a, "status %d has no string", s);
-    for (int u = 0; u < s; u++) EXPECTF(strcmp(a, epx_status_string((epx_status_t)u)) != 0, "%d and %d", s, u);
+    for (int u = 0; u < s; u++)
+      EXPECTF(strcmp(a, epx_status_string((epx_status_t)u)) != 0, "%d and %d", s, u);
   }
   EXPECT(strcmp(epx_status_string(EPX_OK), "success") == 0);
   EXPECT(strstr(epx_status_string(EPX_ERR_TIMEOUT), "epx_group_get_async_error") != NULL);
@@ -53,10 +54,13 @@ typedef struct {
 
 static void set_field(epx_group_config_t *c, size_t offset, long long value) {
   if (offset == (size_t)-1) return;
-  if (offset == offsetof(epx_group_config_t, size)) c->size = (size_t)value;
-  else if (offset == offsetof(epx_group_config_t, dtypes) || offset == offsetof(epx_group_config_t, modes))
+  if (offset == offsetof(epx_group_config_t, size))
+    c->size = (size_t)value;
+  else if (offset == offsetof(epx_group_config_t, dtypes) ||
+           offset == offsetof(epx_group_config_t, modes))
     *(unsigned *)((char *)c + offset) = (unsigned)value;
-  else *(int *)((char *)c + offset) = (int)value;
+  else
+    *(int *)((char *)c + offset) = (int)value;
 }
 
 EPX_HOST_TEST(config_validation_names_the_field, 10) {
@@ -64,7 +68,8 @@ EPX_HOST_TEST(config_validation_names_the_field, 10) {
 #define NONE ((size_t)-1)
   const config_case_t cases[] = {
       {"max_tokens_per_rank", 4, F(max_tokens_per_rank), 0, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
-      {"max_tokens_per_rank", 4, F(max_tokens_per_rank), EPX_MAX_TOKENS_PER_RANK + 1, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"max_tokens_per_rank", 4, F(max_tokens_per_rank), EPX_MAX_TOKENS_PER_RANK + 1, NONE, 0,
+       EPX_ERR_UNSUPPORTED},
       {"hidden", 4, F(hidden), 1001, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"hidden", 4, F(hidden), -8, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"hidden", 4, F(hidden), EPX_MAX_HIDDEN + 8, NONE, 0, EPX_ERR_UNSUPPORTED},
@@ -83,7 +88,8 @@ EPX_HOST_TEST(config_validation_names_the_field, 10) {
       {"num_ranks", EPX_MAX_RANKS + 1, F(num_experts), 18, NONE, 0, EPX_ERR_UNSUPPORTED},
       {"config.size", 4, F(size), 4, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"config.size", 4, F(size), sizeof(epx_group_config_t) + 8, NONE, 0, EPX_ERR_UNSUPPORTED},
-      {"config.version", 4, F(version), (EPX_VERSION_MAJOR + 1) * 10000, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"config.version", 4, F(version), (EPX_VERSION_MAJOR + 1) * 10000, NONE, 0,
+       EPX_ERR_INVALID_ARGUMENT},
   };
 #undef F
 #undef NONE
@@ -94,8 +100,8 @@ EPX_HOST_TEST(config_validation_names_the_field, 10) {
     epx_status_t s = epx_config_validate(&c, cases[i].num_ranks);
     EXPECTF(s == cases[i].want, "case %zu (%s): got %s, want %s; message: %s", i, cases[i].field,
             epx_status_string(s), epx_status_string(cases[i].want), epx_last_error());
-    EXPECTF(strstr(epx_last_error(), cases[i].field) != NULL, "case %zu: message '%s' does not name %s", i,
-            epx_last_error(), cases[i].field);
+    EXPECTF(strstr(epx_last_error(), cases[i].field) != NULL,
+            "case %zu: message '%s' does not name %s", i, epx_last_error(), cases[i].field);
     size_t bytes = 12345;
     EXPECT_STATUS(epx_workspace_size(&c, cases[i].num_ranks, &bytes), cases[i].want);
   }
@@ -153,7 +159,8 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   d.top_k = 8;
   EXPECT_OK(epx_workspace_size(&d, 4, &bytes));
   epx__ws_layout_t l;
-  epx__ws_layout_init(&l, 4, 4096, 7168, 256, 8, EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3, EPX_MODE_NORMAL);
+  epx__ws_layout_init(&l, 4, 4096, 7168, 256, 8, EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3,
+                      EPX_MODE_NORMAL);
   EXPECT_EQ_INT(bytes, l.total_bytes);
   EXPECT_EQ_INT(l.normal_offset % 4096, 0);
   EXPECT_EQ_INT(l.notify_offset % 4096, 0);

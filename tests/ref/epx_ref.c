@@ -6,9 +6,9 @@
  * (row positions, prefixes) instead of sharing hidden state, so each can be read alone.
  *
  * Key invariant: float32 arithmetic here is exactly IEEE binary32 with round-to-nearest-even.
- * FLT_EVAL_METHOD must be 0 (no excess precision), and every product that is then added goes
- * through mul_f32() so that no compiler (gnu11 with FMA enabled, clang's default contraction)
- * can fuse it into a multiply-add.
+ * Floats must be evaluated as floats (no excess precision), and every product that is then added
+ * goes through mul_f32() (float64: mul_f64()) so that no compiler (gnu11 with FMA enabled,
+ * clang's default contraction) can fuse it into a multiply-add.
  */
 #include "ref/epx_ref.h"
 
@@ -19,8 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
-#error "epx_ref.c needs float arithmetic without excess precision (FLT_EVAL_METHOD == 0)"
+/* 0: float arithmetic in float; 16 (gcc -march with AVX512-FP16): only _Float16 is widened. */
+#if !defined(FLT_EVAL_METHOD) || (FLT_EVAL_METHOD != 0 && FLT_EVAL_METHOD != 16)
+#error "epx_ref.c needs float arithmetic without excess precision (FLT_EVAL_METHOD 0)"
 #endif
 
 /* ---------------------------------------------------------------------------------------------
@@ -46,7 +47,23 @@ static float mul_f32(float a, float b) {
   return p;
 }
 
+/* The same for the float64 sums: they are exact-order too, whatever the compiler flags. */
+static double mul_f64(double a, double b) {
+  volatile double p = a * b;
+  return p;
+}
+
+static int quiet_refusals;
+
+int epx_ref_set_quiet(int quiet) {
+  const int previous = quiet_refusals;
+  quiet_refusals = quiet;
+  return previous;
+}
+
+/* Prints one "epx_ref: ..." line (unless quiet) and returns -1. */
 static int fail(const char *fmt, ...) {
+  if (quiet_refusals) return -1;
   va_list ap;
   va_start(ap, fmt);
   fputs("epx_ref: ", stderr);
@@ -441,7 +458,7 @@ static int combine_impl(const epx_ref_world_t *world, int src_rank, const uint16
       for (int c = 0; c < H; c++) {
         const float v = epx_ref_bf16_to_float(yrow[c]);
         acc32[c] = acc32[c] + mul_f32(factor32, v);
-        acc64[c] = acc64[c] + factor64 * (double)v;
+        acc64[c] = acc64[c] + mul_f64(factor64, (double)v);
       }
     }
     for (int c = 0; c < H; c++) {
@@ -612,7 +629,7 @@ static int ll_combine_impl(const epx_ref_world_t *world, int src_rank, int max_t
       for (int c = 0; c < H; c++) {
         const float v = epx_ref_bf16_to_float(yrow[c]);
         acc32[c] = acc32[c] + mul_f32(w, v);
-        acc64[c] = acc64[c] + (double)w * (double)v;
+        acc64[c] = acc64[c] + mul_f64((double)w, (double)v);
       }
     }
     for (int c = 0; c < H; c++) {

@@ -24,8 +24,9 @@
  *   - Nothing is written outside the documented output extents.
  *
  * Return codes: the functions that take a world return 0 on success and -1 on invalid
- * arguments or allocation failure, after printing one "epx_ref: ..." line to stderr; their
- * outputs are then unspecified (the low-latency dispatch writes nothing).
+ * arguments or allocation failure, after printing one "epx_ref: ..." line to stderr (unless
+ * epx_ref_set_quiet(1)); their outputs are then unspecified (the low-latency dispatch writes
+ * nothing).
  */
 #ifndef EPX_TESTS_REF_H_
 #define EPX_TESTS_REF_H_
@@ -35,6 +36,12 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* epx_ref_set_quiet - 1: do not print the "epx_ref: ..." line of a refusal (for tests that
+ * expect one); 0: print it (the default). Process-wide, not thread-safe.
+ *   quiet - [IN] 0 or 1
+ * Returns the previous setting. */
+int epx_ref_set_quiet(int quiet);
 
 /* Channels per FP8 scale. */
 #define EPX_REF_FP8_GROUP 128
