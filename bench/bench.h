@@ -1,0 +1,263 @@
+/*
+ * bench.h - shared declarations of epx_bench (docs/bench.md): options, the per-rank context,
+ * result rows and their table, the timing harness, the EP workload, and the extern "C"
+ * launchers of bench_kernels.cu.
+ *
+ * Process model: the parent never touches CUDA; it forks one process per GPU (procs.c), each
+ * of which measures, gathers its figures across ranks, and fills the same table. Only rank 0
+ * prints. Every reported time is the maximum over ranks of each rank's median.
+ */
+#ifndef EPX_BENCH_H_
+#define EPX_BENCH_H_
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BENCH_MAX_LIST 16 /* entries of --tokens and --sms */
+
+/* ---------------------------------------------------------------------------------------------
+ * Options (options.c)
+ * ------------------------------------------------------------------------------------------- */
+typedef struct bench_options {
+  int tokens[BENCH_MAX_LIST]; /* --tokens: tokens per rank, one workload each */
+  int num_tokens;
+  int sms[BENCH_MAX_LIST]; /* --sms: SM counts of the ceiling sweep */
+  int num_sms;
+  int epx_sms[BENCH_MAX_LIST]; /* --epx-sms: SM budgets of the EPX rows (one group each) */
+  int num_epx_sms;
+  int hidden, top_k, num_experts;
+  int iters, warmup;
+  int ranks;     /* --ranks: 0 = every visible GPU (at most EPX_MAX_RANKS) */
+  int timeout_s; /* --timeout: the whole run, after which the ranks are killed */
+  uint64_t seed;
+  const char *json_path; /* --json, or NULL */
+} bench_options_t;
+
+/* Parse argv. Returns 0 to run, 1 after printing --help, 2 after printing a bad flag. */
+int bench_parse_options(int argc, char **argv, bench_options_t *opt);
+/* The group config of a run: the flags' sizes, normal mode, max tokens = the largest --tokens. */
+epx_group_config_t bench_group_config(const bench_options_t *opt);
+
+/* ---------------------------------------------------------------------------------------------
+ * Processes (procs.c). The parent must not initialize CUDA: both functions fork.
+ * ------------------------------------------------------------------------------------------- */
+/* GPUs visible to a child process (0 if CUDA cannot start). */
+int bench_count_gpus(void);
+/* One rank's whole run; returns its exit code (0 = success). */
+typedef int (*bench_rank_fn)(const bench_options_t *opt, int rank, int num_ranks,
+                             const ncclUniqueId *id);
+/* Fork num_ranks children, relay rank 0's NCCL unique id to the others, wait for all of them
+ * within opt->timeout_s and kill the rest on expiry. Returns 0 if every rank exited with 0. */
+int bench_launch(const bench_options_t *opt, int num_ranks, bench_rank_fn fn);
+
+/* ---------------------------------------------------------------------------------------------
+ * Error checks of rank code: print the failing call with the rank, then return -1.
+ * ------------------------------------------------------------------------------------------- */
+extern int bench_log_rank; /* this process's rank, -1 in the parent */
+void bench_report_failure(const char *file, int line, const char *expr, const char *why);
+
+#define BENCH_CUDA(call)                                                       \
+  do {                                                                         \
+    cudaError_t e_ = (call);                                                   \
+    if (e_ != cudaSuccess) {                                                   \
+      bench_report_failure(__FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      return -1;                                                               \
+    }                                                                          \
+  } while (0)
+
+#define BENCH_NCCL(call)                                                       \
+  do {                                                                         \
+    ncclResult_t r_ = (call);                                                  \
+    if (r_ != ncclSuccess) {                                                   \
+      bench_report_failure(__FILE__, __LINE__, #call, ncclGetErrorString(r_)); \
+      return -1;                                                               \
+    }                                                                          \
+  } while (0)
+
+#define BENCH_EPX(call)                                                  \
+  do {                                                                   \
+    epx_status_t s_ = (call);                                            \
+    if (s_ != EPX_OK) {                                                  \
+      bench_report_failure(__FILE__, __LINE__, #call, epx_last_error()); \
+      return -1;                                                         \
+    }                                                                    \
+  } while (0)
+
+/* A bench function that already reported its failure. */
+#define BENCH_TRY(call)         \
+  do {                          \
+    if ((call) != 0) return -1; \
+  } while (0)
+
+/* ---------------------------------------------------------------------------------------------
+ * Result rows (report.c). Integer fields are -1 where they do not apply, doubles NAN.
+ * ------------------------------------------------------------------------------------------- */
+#define BENCH_OP_CEILING "ceiling push"
+#define BENCH_OP_NCCL_DISPATCH "nccl dispatch (full path)"
+#define BENCH_OP_NCCL_A2A "nccl a2a only"
+#define BENCH_OP_NCCL_COMBINE "nccl combine"
+
+typedef struct bench_row {
+  char op[32];
+  int tokens, hidden, top_k, experts, ranks, sms;
+  double median_us;     /* max over ranks of each rank's median */
+  double min_us;        /* min over ranks and iterations */
+  double max_us;        /* max over ranks and iterations */
+  double bytes;         /* logical bytes per rank, mean over ranks (docs/bench.md) */
+  double gbps;          /* logical GB/s: bytes / median_us */
+  double push_gbps;     /* ceiling rows: bytes leaving each GPU / median_us */
+  double ratio_ceiling; /* gbps over the logical ceiling (same SM count, or the best) */
+  double ratio_nccl;    /* gbps over NCCL's on the same workload (EPX rows) */
+  long long wrong;      /* wrong rows summed over ranks; -1 = not checked */
+} bench_row_t;
+
+typedef struct bench_table {
+  bench_row_t *rows;
+  int num_rows, capacity;
+} bench_table_t;
+
+/* A row with every field "not applicable" and the given op name. */
+bench_row_t bench_row_init(const char *op);
+/* Append a copy of row. Returns 0, or -1 when out of host memory. */
+int bench_table_add(bench_table_t *t, const bench_row_t *row);
+void bench_table_free(bench_table_t *t);
+/* Logical GB/s of the ceiling row measured with `sms` SMs, or of the best one; NAN if none. */
+double bench_table_ceiling(const bench_table_t *t, int sms);
+double bench_table_best_ceiling(const bench_table_t *t);
+/* Table lines: the column header, and one row. */
+void bench_print_columns(FILE *f);
+void bench_print_row(FILE *f, const bench_row_t *row);
+/* Every row as a JSON array of objects. Returns 0, or -1 after printing why. */
+int bench_write_json(const bench_table_t *t, const char *path);
+
+/* ---------------------------------------------------------------------------------------------
+ * One rank's context (epx_bench.c) and the timing harness (timing.c).
+ * ------------------------------------------------------------------------------------------- */
+typedef struct bench_rank {
+  const bench_options_t *opt;
+  int rank, num_ranks, device_sms;
+  ncclComm_t comm;
+  cudaStream_t stream; /* every measured operation runs here */
+  epx_group_t group;
+  double *gather_dev; /* [(R + 1) x BENCH_GATHER_FIELDS] for bench_finish_row */
+  bench_table_t table;
+} bench_rank_t;
+
+#define BENCH_GATHER_FIELDS 5 /* median, min, max, wrong, bytes */
+
+/* One rank's times of one operation, in microseconds. */
+typedef struct bench_stats {
+  double median_us, min_us, max_us;
+} bench_stats_t;
+
+/* One iteration of an operation, queued on stream (it may synchronize the host). Returns 0, or
+ * -1 after reporting the failure. */
+typedef int (*bench_iter_fn)(void *arg, cudaStream_t stream);
+
+/* Run opt->warmup then opt->iters iterations of fn, each preceded by epx_group_barrier so that
+ * all ranks start together, timed with CUDA events recorded after the barrier and after fn.
+ * Fails if the group recorded an async error (e.g. a barrier timeout). */
+int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stats);
+
+/* Gather every rank's stats, wrong rows (-1 = not checked) and logical bytes, and fill row's
+ * median_us, min_us, max_us, bytes, gbps and wrong. Collective. */
+int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wrong, double bytes,
+                     bench_row_t *row);
+
+/* Rank 0 prints the row and every rank appends it to its table. */
+int bench_emit_row(bench_rank_t *b, const bench_row_t *row);
+
+/* ---------------------------------------------------------------------------------------------
+ * The EP workload of one token count (workload.c): routing, payload, and what to expect.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct bench_workload {
+  int max_tokens, num_tokens;
+  int64_t *topk_idx;     /* device [T, K]: K distinct experts per token, uniform, seeded */
+  void *x;               /* device [T, H] BF16: x[t][h] = bench value of (seed, rank, t, h) */
+  int *ranks_per_token;  /* device [T]: distinct ranks each token goes to (combine check) */
+  int32_t *expected_src; /* device [R x max_tokens, 2]: (source rank, source token) of each
+                            row this rank should receive, source-rank then token order */
+  int expected_recv[EPX_MAX_RANKS]; /* rows this rank should receive from each source */
+  unsigned long long *wrong_dev;    /* device counter of the check kernels */
+} bench_workload_t;
+
+int bench_workload_create(bench_rank_t *b, int max_tokens, bench_workload_t *w);
+/* New routing and payload for num_tokens tokens (deterministic in seed, rank, token). */
+int bench_workload_fill(bench_rank_t *b, bench_workload_t *w, int num_tokens);
+int bench_workload_destroy(bench_workload_t *w);
+/* Received rows [sum of recv_counts, H] BF16, recv_counts[s] rows from source s in source
+ * order, compared with what every source must have sent; missing or extra rows count as
+ * wrong. Synchronizes the stream. */
+int bench_check_dispatch(bench_rank_t *b, const bench_workload_t *w, const void *recv_x,
+                         const int *recv_counts, long long *wrong);
+/* out [T, H] BF16 of a combine that returned every dispatched row unchanged: out[t] must be
+ * ranks_per_token[t] * x[t] (exact in float32). Synchronizes the stream. */
+int bench_check_combine(bench_rank_t *b, const bench_workload_t *w, const void *out,
+                        long long *wrong);
+
+/* ---------------------------------------------------------------------------------------------
+ * Row producers.
+ * ------------------------------------------------------------------------------------------- */
+/* ceiling.c: one "ceiling push" row per --sms entry. */
+int bench_ceiling_rows(bench_rank_t *b);
+
+/* nccl_ep.c: the NCCL baseline of one workload: dispatch (full path), a2a only, combine. */
+typedef struct bench_nccl bench_nccl_t;
+int bench_nccl_create(bench_rank_t *b, int max_tokens, bench_nccl_t **n);
+int bench_nccl_rows(bench_nccl_t *n, bench_workload_t *w);
+int bench_nccl_destroy(bench_nccl_t *n);
+
+/* epx_rows.c: EPX's normal-mode rows of one workload, for every --epx-sms entry. */
+int bench_epx_rows(bench_rank_t *b, bench_workload_t *w);
+
+/* ---------------------------------------------------------------------------------------------
+ * Kernels (bench_kernels.cu). Each launcher returns the launch's cudaError_t.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct bench_push_args {
+  const void *src[EPX_MAX_RANKS - 1]; /* [bytes_per_pair] source of the j-th peer */
+  void *dst[EPX_MAX_RANKS - 1];       /* [bytes_per_pair] in the j-th peer's memory */
+  int num_peers;
+  size_t bytes_per_pair; /* a multiple of BENCH_PUSH_UNIT_BYTES */
+  int num_blocks;        /* = SMs used */
+} bench_push_args_t;
+
+#define BENCH_PUSH_UNIT_BYTES 4096 /* one warp's step: 32 lanes x 8 x 16 bytes */
+
+typedef struct bench_rows_args {
+  void *rows;                   /* [.., H] BF16, in blocks by rank */
+  int prefix[EPX_MAX_RANKS];    /* first row of each rank's block in rows */
+  const int *token_pos_in_rank; /* [T, R] from epx_layout; -1 = not sent */
+  void *x;                      /* pack: [IN] [T, H]; reduce: [OUT] [T, H] */
+  int num_tokens, hidden, num_ranks;
+} bench_rows_args_t;
+
+cudaError_t bench_push_launch(const bench_push_args_t *a, cudaStream_t stream);
+/* x[t][h] = bench value of (seed, rank, t, h), t < num_tokens. */
+cudaError_t bench_fill_x_launch(void *x, int num_tokens, int hidden, uint64_t seed, int rank,
+                                cudaStream_t stream);
+/* rows[prefix[r] + pos[t][r]] = x[t] for every (t, r) with pos[t][r] >= 0. */
+cudaError_t bench_pack_launch(const bench_rows_args_t *a, cudaStream_t stream);
+/* x[t] = BF16(sum over r with pos[t][r] >= 0 of rows[prefix[r] + pos[t][r]]), in float32. */
+cudaError_t bench_reduce_launch(const bench_rows_args_t *a, cudaStream_t stream);
+/* Adds to *wrong the rows of rows [num_rows, H] that differ from x of (seed, expected[2i],
+ * expected[2i + 1]). */
+cudaError_t bench_check_rows_launch(const void *rows, const int32_t *expected, int num_rows,
+                                    int hidden, uint64_t seed, unsigned long long *wrong,
+                                    cudaStream_t stream);
+/* Adds to *wrong the tokens t of out [T, H] that differ from BF16(mult[t] * x(seed, rank, t)). */
+cudaError_t bench_check_scaled_launch(const void *out, const int *mult, int num_tokens, int hidden,
+                                      uint64_t seed, int rank, unsigned long long *wrong,
+                                      cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_BENCH_H_ */

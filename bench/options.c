@@ -1,0 +1,153 @@
+/*
+ * options.c - epx_bench's flags (nccl-tests style: "--flag value"), their defaults and checks.
+ * Checks here are the bench's own (list lengths, ranges); the group config is validated by
+ * epx_config_validate once the rank count is known (epx_bench.c).
+ */
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+
+static const char usage[] =
+    "usage: epx_bench [flags]\n"
+    "  --tokens N[,N...]  tokens per rank, one workload each (default 4096)\n"
+    "  --hidden H         elements per token (default 7168)\n"
+    "  --topk K           experts per token (default 8)\n"
+    "  --experts E        experts in total, a multiple of the rank count (default 256)\n"
+    "  --iters N          timed iterations per row (default 20)\n"
+    "  --warmup N         untimed iterations before them (default 5)\n"
+    "  --sms N[,N...]     SM counts of the ceiling sweep (default 8,16,24,32,48,64,96)\n"
+    "  --epx-sms N[,N...] SM budgets of the EPX rows, one group each (default 24)\n"
+    "  --ranks N          use N GPUs (default: every visible GPU, at most 8)\n"
+    "  --seed N           seed of routing and payload (default 1)\n"
+    "  --json FILE        also write every row as a JSON array of objects\n"
+    "  --timeout S        kill the run after S seconds (default 1200)\n"
+    "  --help             this text\n"
+    "Rows, formulas and timing method: docs/bench.md.\n";
+
+static void set_defaults(bench_options_t *opt) {
+  static const int default_sms[] = {8, 16, 24, 32, 48, 64, 96};
+  memset(opt, 0, sizeof *opt);
+  opt->tokens[0] = 4096;
+  opt->num_tokens = 1;
+  opt->num_sms = (int)(sizeof default_sms / sizeof default_sms[0]);
+  memcpy(opt->sms, default_sms, sizeof default_sms);
+  opt->epx_sms[0] = 24;
+  opt->num_epx_sms = 1;
+  opt->hidden = 7168;
+  opt->top_k = 8;
+  opt->num_experts = 256;
+  opt->iters = 20;
+  opt->warmup = 5;
+  opt->timeout_s = 1200;
+  opt->seed = 1;
+}
+
+/* A whole-string integer in [lo, hi]. Returns 0, or -1 after printing why. */
+static int parse_int(const char *flag, const char *s, int lo, int hi, int *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > hi) {
+    fprintf(stderr, "epx_bench: %s %s: expected an integer in [%d, %d]\n", flag, s, lo, hi);
+    return -1;
+  }
+  *out = (int)v;
+  return 0;
+}
+
+/* A comma-separated list of integers in [lo, hi], at most BENCH_MAX_LIST. */
+static int parse_list(const char *flag, const char *s, int lo, int hi, int *out, int *count) {
+  char buf[256];
+  if (strlen(s) >= sizeof buf) {
+    fprintf(stderr, "epx_bench: %s: list too long\n", flag);
+    return -1;
+  }
+  strcpy(buf, s);
+  *count = 0;
+  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    if (*count == BENCH_MAX_LIST) {
+      fprintf(stderr, "epx_bench: %s: at most %d values\n", flag, BENCH_MAX_LIST);
+      return -1;
+    }
+    if (parse_int(flag, tok, lo, hi, &out[(*count)++])) return -1;
+  }
+  if (*count == 0) {
+    fprintf(stderr, "epx_bench: %s: empty list\n", flag);
+    return -1;
+  }
+  return 0;
+}
+
+static int parse_seed(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 0);
+  if (errno || end == s || *end) {
+    fprintf(stderr, "epx_bench: --seed %s: expected an unsigned integer\n", s);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+/* One "--flag value" pair. Returns 0, or -1 after printing why. */
+static int parse_flag(bench_options_t *o, const char *flag, const char *v) {
+  if (!strcmp(flag, "--tokens"))
+    return parse_list(flag, v, 1, EPX_MAX_TOKENS_PER_RANK, o->tokens, &o->num_tokens);
+  if (!strcmp(flag, "--sms")) return parse_list(flag, v, 1, 1024, o->sms, &o->num_sms);
+  if (!strcmp(flag, "--epx-sms")) return parse_list(flag, v, 1, 1024, o->epx_sms, &o->num_epx_sms);
+  if (!strcmp(flag, "--hidden")) return parse_int(flag, v, 8, EPX_MAX_HIDDEN, &o->hidden);
+  if (!strcmp(flag, "--topk")) return parse_int(flag, v, 1, EPX_MAX_TOP_K, &o->top_k);
+  if (!strcmp(flag, "--experts")) return parse_int(flag, v, 1, EPX_MAX_EXPERTS, &o->num_experts);
+  if (!strcmp(flag, "--iters")) return parse_int(flag, v, 1, 100000, &o->iters);
+  if (!strcmp(flag, "--warmup")) return parse_int(flag, v, 0, 100000, &o->warmup);
+  if (!strcmp(flag, "--ranks")) return parse_int(flag, v, 2, EPX_MAX_RANKS, &o->ranks);
+  if (!strcmp(flag, "--timeout")) return parse_int(flag, v, 1, INT_MAX, &o->timeout_s);
+  if (!strcmp(flag, "--seed")) return parse_seed(v, &o->seed);
+  if (!strcmp(flag, "--json")) {
+    o->json_path = v;
+    return 0;
+  }
+  fprintf(stderr, "epx_bench: unknown flag %s\n%s", flag, usage);
+  return -1;
+}
+
+int bench_parse_options(int argc, char **argv, bench_options_t *opt) {
+  set_defaults(opt);
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      fputs(usage, stdout);
+      return 1;
+    }
+    if (i + 1 >= argc) {
+      fprintf(stderr, "epx_bench: %s needs a value\n%s", argv[i], usage);
+      return 2;
+    }
+    if (parse_flag(opt, argv[i], argv[i + 1])) return 2;
+    i++;
+  }
+  if (opt->top_k > opt->num_experts) {
+    fprintf(stderr, "epx_bench: --topk %d: more than --experts %d\n", opt->top_k, opt->num_experts);
+    return 2;
+  }
+  return 0;
+}
+
+epx_group_config_t bench_group_config(const bench_options_t *opt) {
+  epx_group_config_t c = EPX_GROUP_CONFIG_INIT;
+  int max_tokens = 0;
+  for (int i = 0; i < opt->num_tokens; i++)
+    if (opt->tokens[i] > max_tokens) max_tokens = opt->tokens[i];
+  c.max_tokens_per_rank = max_tokens;
+  c.hidden = opt->hidden;
+  c.num_experts = opt->num_experts;
+  c.top_k = opt->top_k;
+  c.modes = EPX_MODE_NORMAL; /* the ceiling writes into the normal receive region */
+  /* NOTE: generous, so that NCCL's lazy connection setup on one rank cannot time out a peer's
+   * barrier; a real hang still ends as an async error long before --timeout. */
+  c.timeout_ms = 60000;
+  return c;
+}

@@ -1,0 +1,132 @@
+/*
+ * timing.c - how epx_bench times an operation and turns per-rank times into one row.
+ *
+ * Each iteration is: epx_group_barrier (a device barrier, so every rank starts together),
+ * start event, the operation, stop event; all on the rank's stream. Warmup iterations run the
+ * same way untimed. A rank's figure is the median of its iterations; a row reports the MAX
+ * over ranks of those medians (the collective is as slow as its slowest rank), plus the
+ * smallest and largest single iteration seen on any rank.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "bench.h"
+
+static int compare_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* Median, min and max of n > 0 samples (sorted in place). */
+static bench_stats_t summarize(double *us, int n) {
+  qsort(us, (size_t)n, sizeof *us, compare_double);
+  bench_stats_t s;
+  s.median_us = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
+  s.min_us = us[0];
+  s.max_us = us[n - 1];
+  return s;
+}
+
+/* Fail if a kernel of the group recorded an async error (e.g. a barrier that timed out).
+ * The caller has synchronized the stream. */
+static int check_async_error(bench_rank_t *b) {
+  epx_async_error_t err;
+  BENCH_EPX(epx_group_get_async_error(b->group, &err));
+  if (err.status == EPX_OK) return 0;
+  bench_report_failure(__FILE__, __LINE__, "epx_group_get_async_error", err.message);
+  return -1;
+}
+
+/* The timed loop proper, with events already created: ev[2i] and ev[2i + 1] bound iteration i. */
+static int timed_loop(bench_rank_t *b, bench_iter_fn fn, void *arg, cudaEvent_t *ev, double *us) {
+  const int n = b->opt->iters;
+  for (int i = 0; i < b->opt->warmup; i++) {
+    BENCH_EPX(epx_group_barrier(b->group, b->stream));
+    BENCH_TRY(fn(arg, b->stream));
+  }
+  for (int i = 0; i < n; i++) {
+    BENCH_EPX(epx_group_barrier(b->group, b->stream));
+    BENCH_CUDA(cudaEventRecord(ev[2 * i], b->stream));
+    BENCH_TRY(fn(arg, b->stream));
+    BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], b->stream));
+  }
+  BENCH_CUDA(cudaStreamSynchronize(b->stream));
+  BENCH_TRY(check_async_error(b));
+  for (int i = 0; i < n; i++) {
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us[i] = ms * 1e3;
+  }
+  return 0;
+}
+
+int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stats) {
+  const int n = b->opt->iters;
+  cudaEvent_t *ev = (cudaEvent_t *)calloc(2 * (size_t)n, sizeof *ev);
+  double *us = (double *)calloc((size_t)n, sizeof *us);
+  int rc = ev && us ? 0 : -1, created = 0;
+  if (rc) bench_report_failure(__FILE__, __LINE__, "calloc", "out of host memory");
+  for (; rc == 0 && created < 2 * n; created++) {
+    cudaError_t e = cudaEventCreate(&ev[created]);
+    if (e != cudaSuccess) {
+      bench_report_failure(__FILE__, __LINE__, "cudaEventCreate", cudaGetErrorString(e));
+      rc = -1;
+      break;
+    }
+  }
+  if (rc == 0) rc = timed_loop(b, fn, arg, ev, us);
+  if (rc == 0) *stats = summarize(us, n);
+  for (int i = 0; i < created; i++) {
+    cudaError_t e = cudaEventDestroy(ev[i]);
+    if (e != cudaSuccess && rc == 0) {
+      bench_report_failure(__FILE__, __LINE__, "cudaEventDestroy", cudaGetErrorString(e));
+      rc = -1;
+    }
+  }
+  free(ev);
+  free(us);
+  return rc;
+}
+
+/* all[q * BENCH_GATHER_FIELDS + f] = field f of rank q, through b->gather_dev. */
+static int gather(bench_rank_t *b, const double *mine, double *all) {
+  const size_t one = BENCH_GATHER_FIELDS * sizeof(double);
+  double *send = b->gather_dev + (size_t)b->num_ranks * BENCH_GATHER_FIELDS;
+  BENCH_CUDA(cudaMemcpyAsync(send, mine, one, cudaMemcpyHostToDevice, b->stream));
+  BENCH_NCCL(
+      ncclAllGather(send, b->gather_dev, BENCH_GATHER_FIELDS, ncclFloat64, b->comm, b->stream));
+  BENCH_CUDA(
+      cudaMemcpyAsync(all, b->gather_dev, one * b->num_ranks, cudaMemcpyDeviceToHost, b->stream));
+  BENCH_CUDA(cudaStreamSynchronize(b->stream));
+  return 0;
+}
+
+int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wrong, double bytes,
+                     bench_row_t *row) {
+  enum { MEDIAN, MIN, MAX, WRONG, BYTES };
+  const double mine[BENCH_GATHER_FIELDS] = {stats->median_us, stats->min_us, stats->max_us,
+                                            (double)wrong, bytes};
+  double all[EPX_MAX_RANKS * BENCH_GATHER_FIELDS];
+  BENCH_TRY(gather(b, mine, all));
+  row->median_us = row->max_us = 0;
+  row->min_us = INFINITY;
+  row->bytes = 0;
+  row->wrong = 0;
+  for (int q = 0; q < b->num_ranks; q++) {
+    const double *f = &all[q * BENCH_GATHER_FIELDS];
+    row->median_us = fmax(row->median_us, f[MEDIAN]);
+    row->min_us = fmin(row->min_us, f[MIN]);
+    row->max_us = fmax(row->max_us, f[MAX]);
+    row->bytes += f[BYTES] / b->num_ranks;
+    /* one rank that did not check makes the row unchecked */
+    if (row->wrong >= 0) row->wrong = f[WRONG] < 0 ? -1 : row->wrong + (long long)f[WRONG];
+  }
+  /* bytes / (us * 1e-6) / 1e9 */
+  row->gbps = row->bytes / row->median_us * 1e-3;
+  return 0;
+}
+
+int bench_emit_row(bench_rank_t *b, const bench_row_t *row) {
+  if (b->rank == 0) bench_print_row(stdout, row);
+  return bench_table_add(&b->table, row);
+}
