@@ -29,6 +29,7 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;
+constexpr int kReduceUnroll = 2;
 
 __device__ __forceinline__ epx__control_t *control_of(const epx__kernel_ctx_t &ctx, int rank) {
   return (epx__control_t *)(ctx.peer_base[rank] + ctx.layout.control_offset);
@@ -289,6 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       e = (long long)topk[(size_t)t * K + lane];
       w = a.topk_weights[(size_t)t * K + lane];
     }
+    /* Row pointers and factors stay in registers: every index below is a compile-time one. */
     const int4 *src[EPX_MAX_RANKS];
     float factor[EPX_MAX_RANKS];
 #pragma unroll
@@ -301,24 +303,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       factor[r] = a.topk_weights ? f : 1.f;
     }
     int4 *out = (int4 *)((char *)a.out + (size_t)t * H * 2);
-    for (int i = lane; i < n16; i += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (unsigned m = mask; m; m &= m - 1) {
-        const int r = __ffs(m) - 1;
-        int4 v = src[r][i];
-        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+    /* kReduceUnroll chunks x up to R rows of loads in flight per lane before any arithmetic.
+     * NOTE: plain loads, not .nc: peers wrote these rows during this kernel. */
+    for (int i0 = lane; i0 < n16; i0 += 32 * kReduceUnroll) {
+      int4 v[kReduceUnroll][EPX_MAX_RANKS];
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-          const float2 f2 = __bfloat1622float2(h[j]);
-          acc[2 * j] += factor[r] * f2.x;
-          acc[2 * j + 1] += factor[r] * f2.y;
+      for (int u = 0; u < kReduceUnroll; u++)
+#pragma unroll
+        for (int r = 0; r < EPX_MAX_RANKS; r++)
+          if (((mask >> r) & 1u) && i0 + u * 32 < n16) v[u][r] = src[r][i0 + u * 32];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; u++) {
+        if (i0 + u * 32 >= n16) break;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int r = 0; r < EPX_MAX_RANKS; r++) {
+          if (!((mask >> r) & 1u)) continue;
+          const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[u][r];
+#pragma unroll
+          for (int j = 0; j < 4; j++) {
+            const float2 f2 = __bfloat1622float2(h2[j]);
+            acc[2 * j] += factor[r] * f2.x;
+            acc[2 * j + 1] += factor[r] * f2.y;
+          }
         }
-      }
-      int4 o;
-      __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
+        int4 o;
+        __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
 #pragma unroll
-      for (int j = 0; j < 4; j++) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-      out[i] = o;
+        for (int j = 0; j < 4; j++) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+        out[i0 + u * 32] = o;
+      }
     }
   }
 

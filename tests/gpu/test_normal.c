@@ -458,6 +458,8 @@ EPX_GPU_TEST(normal_loop_1000, 600) {
     a.num_tokens = w.ranks[me].num_tokens;
     epx_dispatch_result_t res;
     EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+    /* epx_dispatch returns once the counts are known; the data may still be in flight. */
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
     epx_ref_recv_t ref;
     memset(&ref, 0, sizeof ref);
     EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
