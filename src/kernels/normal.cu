@@ -29,7 +29,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;
-constexpr int kReduceUnroll = 2;
 
 __device__ __forceinline__ epx__control_t *control_of(const epx__kernel_ctx_t &ctx, int rank) {
   return (epx__control_t *)(ctx.peer_base[rank] + ctx.layout.control_offset);
@@ -240,9 +239,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 /* ------------------------------------------------------------------------------------------
  * combine: send this rank's received rows back, then reduce this rank's own tokens.
  * ---------------------------------------------------------------------------------------- */
-template <typename IdxT>
+/* kRanks: the rank count, a compile-time constant so that the reduce keeps kRanks x
+ * kReduceUnroll(kRanks) rows of loads in registers (more in flight with fewer ranks). */
+template <int kRanks>
+constexpr int reduce_unroll() {
+  return kRanks <= 4 ? 4 : 2;
+}
+
+template <typename IdxT, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1)
     combine_kernel(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a) {
+  constexpr int kReduceUnroll = reduce_unroll<kRanks>();
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int H = a.hidden, K = a.top_k, epr = a.num_experts / R, n16 = H * 2 / 16;
   const epx__recv_meta_t *meta = a.routing.meta;
@@ -291,10 +298,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       w = a.topk_weights[(size_t)t * K + lane];
     }
     /* Row pointers and factors stay in registers: every index below is a compile-time one. */
-    const int4 *src[EPX_MAX_RANKS];
-    float factor[EPX_MAX_RANKS];
+    const int4 *src[kRanks];
+    float factor[kRanks];
 #pragma unroll
-    for (int r = 0; r < EPX_MAX_RANKS; r++) {
+    for (int r = 0; r < kRanks; r++) {
       const int pos = __shfl_sync(0xffffffffu, my_pos, r);
       src[r] = (const int4 *)(slab_base + ((size_t)r * a.max_tokens + pos) * H * 2);
       float f = (e >= 0 && e < a.num_experts && e / epr == r) ? w : 0.f;
@@ -306,18 +313,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     /* kReduceUnroll chunks x up to R rows of loads in flight per lane before any arithmetic.
      * NOTE: plain loads, not .nc: peers wrote these rows during this kernel. */
     for (int i0 = lane; i0 < n16; i0 += 32 * kReduceUnroll) {
-      int4 v[kReduceUnroll][EPX_MAX_RANKS];
+      int4 v[kReduceUnroll][kRanks];
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; u++)
 #pragma unroll
-        for (int r = 0; r < EPX_MAX_RANKS; r++)
+        for (int r = 0; r < kRanks; r++)
           if (((mask >> r) & 1u) && i0 + u * 32 < n16) v[u][r] = src[r][i0 + u * 32];
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; u++) {
         if (i0 + u * 32 >= n16) break;
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-        for (int r = 0; r < EPX_MAX_RANKS; r++) {
+        for (int r = 0; r < kRanks; r++) {
           if (!((mask >> r) & 1u)) continue;
           const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[u][r];
 #pragma unroll
