@@ -390,10 +390,29 @@ extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                             const epx__combine_launch_args_t *args,
                                             cudaStream_t stream) {
   const dim3 grid(args->num_blocks), block(kThreads);
-  if (args->idx_is_int64)
-    combine_kernel<long long><<<grid, block, 0, stream>>>(*ctx, *args);
-  else
-    combine_kernel<int><<<grid, block, 0, stream>>>(*ctx, *args);
+  /* The rank count is a specialization axis: 2, 4 and 8 get their own kernels; 3, 5, 6 and 7
+   * run the next larger one (ranks beyond num_ranks never have their mask bit set). */
+  const int ranks = ctx->num_ranks <= 2 ? 2 : ctx->num_ranks <= 4 ? 4 : 8;
+  switch (ranks * 2 + (args->idx_is_int64 ? 1 : 0)) {
+    case 4:
+      combine_kernel<int, 2><<<grid, block, 0, stream>>>(*ctx, *args);
+      break;
+    case 5:
+      combine_kernel<long long, 2><<<grid, block, 0, stream>>>(*ctx, *args);
+      break;
+    case 8:
+      combine_kernel<int, 4><<<grid, block, 0, stream>>>(*ctx, *args);
+      break;
+    case 9:
+      combine_kernel<long long, 4><<<grid, block, 0, stream>>>(*ctx, *args);
+      break;
+    case 16:
+      combine_kernel<int, 8><<<grid, block, 0, stream>>>(*ctx, *args);
+      break;
+    default:
+      combine_kernel<long long, 8><<<grid, block, 0, stream>>>(*ctx, *args);
+      break;
+  }
   CUDA_CHECK(cudaGetLastError());
   return EPX_OK;
 }
