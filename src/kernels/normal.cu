@@ -239,17 +239,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 /* ------------------------------------------------------------------------------------------
  * combine: send this rank's received rows back, then reduce this rank's own tokens.
  * ---------------------------------------------------------------------------------------- */
-/* kRanks: the rank count, a compile-time constant so that the reduce keeps kRanks x
- * kReduceUnroll(kRanks) rows of loads in registers (more in flight with fewer ranks). */
-template <int kRanks>
-constexpr int reduce_unroll() {
-  return kRanks <= 4 ? 4 : 2;
-}
-
+/* kRanks: the rank count as a compile-time constant, so that the reduce keeps kRanks x
+ * kReduceUnroll rows of loads in registers (more chunks in flight with fewer ranks). */
 template <typename IdxT, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1)
     combine_kernel(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a) {
-  constexpr int kReduceUnroll = reduce_unroll<kRanks>();
+  constexpr int kReduceUnroll = kRanks <= 4 ? 4 : 2;
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int H = a.hidden, K = a.top_k, epr = a.num_experts / R, n16 = H * 2 / 16;
   const epx__recv_meta_t *meta = a.routing.meta;
