@@ -252,7 +252,8 @@ typedef struct epx_handle *epx_handle_t;
 /* epx_handle_create - device buffers for one routing (layout of max_tokens_per_rank tokens).
  * Not collective. Create handles once and reuse them: dispatch allocates nothing. */
 epx_status_t epx_handle_create(epx_group_t group, epx_handle_t *handle);
-/* epx_handle_destroy - release a handle (synchronizes the device). destroy(NULL) is EPX_OK. */
+/* epx_handle_destroy - release a handle (synchronizes the device). destroy(NULL) is EPX_OK.
+ * Destroy a group's handles before the group: afterwards they are refused (INVALID_USAGE). */
 epx_status_t epx_handle_destroy(epx_handle_t handle);
 
 typedef struct epx_dispatch_args {

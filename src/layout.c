@@ -41,6 +41,11 @@ EPX_EXPORT epx_status_t epx_layout(epx_group_t g, const epx_layout_args_t *args,
   if (args->num_tokens_per_expert)
     EPX_CHECK(check_device_ptr(args->num_tokens_per_expert, 4, "args->num_tokens_per_expert"));
 
+  return epx__layout_enqueue(g, args, stream);
+}
+
+epx_status_t epx__layout_enqueue(epx_group_t g, const epx_layout_args_t *args,
+                                 cudaStream_t stream) {
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   epx__layout_launch_args_t la = {args->topk_idx,

@@ -180,17 +180,15 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   h->num_tokens = a->num_tokens;
-  epx__layout_launch_args_t la = {a->topk_idx,
-                                  a->topk_idx_dtype == EPX_DTYPE_INT64,
-                                  a->num_tokens,
-                                  g->config.top_k,
-                                  g->config.num_experts,
-                                  g->num_ranks,
-                                  h->num_tokens_per_rank,
-                                  h->num_tokens_per_expert,
-                                  h->is_token_in_rank,
-                                  h->token_pos_in_rank};
-  EPX_CHECK(epx__layout_launch(&ctx, &la, stream));
+  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
+  la.topk_idx = a->topk_idx;
+  la.topk_idx_dtype = a->topk_idx_dtype;
+  la.num_tokens = a->num_tokens;
+  la.num_tokens_per_rank = h->num_tokens_per_rank;
+  la.num_tokens_per_expert = h->num_tokens_per_expert;
+  la.is_token_in_rank = h->is_token_in_rank;
+  la.token_pos_in_rank = h->token_pos_in_rank;
+  EPX_CHECK(epx__layout_enqueue(g, &la, stream));
   epx__notify_launch_args_t na = {routing_of(h), g->config.num_experts, a->expert_alignment,
                                   g->config.max_tokens_per_rank,
                                   a->sync_counts ? h->host_counts_dev : NULL};

@@ -82,6 +82,8 @@ epx_status_t epx__registry_add(const void *object);
 void epx__registry_remove(const void *object);
 /* EPX_OK if h is a live handle of the live group g. */
 epx_status_t epx__handle_check(epx_group_t g, epx_handle_t h);
+/* Queue the layout kernel for already-checked arguments (epx_layout and epx_dispatch). */
+epx_status_t epx__layout_enqueue(epx_group_t g, const epx_layout_args_t *args, cudaStream_t stream);
 /* Refuse NULL, misaligned or host-only pointers, naming `what`. */
 epx_status_t epx__check_device_ptr(const void *p, size_t align, const char *what);
 
