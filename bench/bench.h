@@ -171,6 +171,9 @@ int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stat
 int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wrong, double bytes,
                      bench_row_t *row);
 
+/* bench_row_init plus the workload columns (tokens, hidden, top-k, experts, ranks) of a run. */
+bench_row_t bench_workload_row(const bench_rank_t *b, const char *op, int tokens);
+
 /* Rank 0 prints the row and every rank appends it to its table. */
 int bench_emit_row(bench_rank_t *b, const bench_row_t *row);
 

@@ -85,12 +85,7 @@ static int emit(epx_op_t *op, const char *name, bench_iter_fn fn, int sms, doubl
   long long wrong = -1;
   if (check == 1) BENCH_TRY(bench_check_dispatch(b, op->w, op->result.recv_x, counts, &wrong));
   if (check == 2) BENCH_TRY(bench_check_combine(b, op->w, op->out, &wrong));
-  bench_row_t row = bench_row_init(name);
-  row.tokens = op->w->num_tokens;
-  row.hidden = b->opt->hidden;
-  row.top_k = b->opt->top_k;
-  row.experts = b->opt->num_experts;
-  row.ranks = b->num_ranks;
+  bench_row_t row = bench_workload_row(b, name, op->w->num_tokens);
   row.sms = sms;
   BENCH_TRY(bench_finish_row(b, &st, wrong, (double)prefix[b->num_ranks] * row_bytes, &row));
   row.ratio_ceiling = row.gbps / bench_table_ceiling(&b->table, sms);

@@ -167,12 +167,7 @@ static int poison(bench_nccl_t *n, void *buf, size_t rows) {
 static int emit(bench_nccl_t *n, const char *op, const bench_stats_t *stats, long long wrong,
                 int rows_received) {
   bench_rank_t *b = n->b;
-  bench_row_t row = bench_row_init(op);
-  row.tokens = n->w->num_tokens;
-  row.hidden = b->opt->hidden;
-  row.top_k = b->opt->top_k;
-  row.experts = b->opt->num_experts;
-  row.ranks = b->num_ranks;
+  bench_row_t row = bench_workload_row(b, op, n->w->num_tokens);
   BENCH_TRY(bench_finish_row(b, stats, wrong, (double)rows_received * n->row_bytes, &row));
   row.ratio_ceiling = row.gbps / bench_table_best_ceiling(&b->table);
   return bench_emit_row(b, &row);

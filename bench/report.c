@@ -30,6 +30,16 @@ bench_row_t bench_row_init(const char *op) {
   return r;
 }
 
+bench_row_t bench_workload_row(const bench_rank_t *b, const char *op, int tokens) {
+  bench_row_t row = bench_row_init(op);
+  row.tokens = tokens;
+  row.hidden = b->opt->hidden;
+  row.top_k = b->opt->top_k;
+  row.experts = b->opt->num_experts;
+  row.ranks = b->num_ranks;
+  return row;
+}
+
 int bench_table_add(bench_table_t *t, const bench_row_t *row) {
   if (t->num_rows == t->capacity) {
     int cap = t->capacity ? 2 * t->capacity : 32;
