@@ -114,10 +114,28 @@ typedef struct epx_group_config {
   int num_sms;             /* SM budget of normal-mode kernels; 0 = auto (24) */
   int timeout_ms;          /* budget of every wait on a peer; 0 = auto (EPX_TIMEOUT_MS or
                               5000) */
+  int ll_num_sms;          /* blocks (one per SM) of low-latency kernels; 0 = auto (EPX_LL_NUM_SMS,
+                              else every SM of the GPU); must come out equal on every rank */
+  int ll_route;            /* epx_ll_route_t of low-latency calls; 0 = auto (EPX_LL_ROUTE, else
+                              the measured default, see docs/low-latency.md) */
 } epx_group_config_t;
 
-#define EPX_GROUP_CONFIG_INIT \
-  { sizeof(epx_group_config_t), EPX_VERSION_CODE, 0, 0, 0, 0, 0u, 0u, EPX_AUTO, EPX_AUTO }
+#define EPX_GROUP_CONFIG_INIT                                                             \
+  {                                                                                       \
+    sizeof(epx_group_config_t), EPX_VERSION_CODE, 0, 0, 0, 0, 0u, 0u, EPX_AUTO, EPX_AUTO, \
+        EPX_AUTO, EPX_AUTO                                                                \
+  }
+
+/* How low-latency mode moves a token to the experts of one rank. Every rank of a group uses the
+ * same route (it is part of the config, checked at group creation). */
+typedef enum epx_ll_route {
+  EPX_LL_ROUTE_AUTO = 0,   /* the measured default (docs/low-latency.md) */
+  EPX_LL_ROUTE_DIRECT = 1, /* one NVLink copy per (token, expert), written into its final row;
+                              combine returns one row per (token, expert) */
+  EPX_LL_ROUTE_BY_RANK = 2 /* one NVLink copy per (token, destination rank), fanned out to the
+                              rank's experts by the receiver; combine sums a token's rows on the
+                              expert side and returns one partial per (token, rank) */
+} epx_ll_route_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each
  * GPU, before anything is allocated. Uses the same layout code as the kernels.
@@ -333,6 +351,132 @@ typedef struct epx_combine_args {
  * stream, no host synchronization; capturable in a CUDA graph. */
 epx_status_t epx_combine(epx_group_t group, epx_handle_t handle, const epx_combine_args_t *args,
                          cudaStream_t stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * Low-latency mode (decode): fixed-slot dispatch and combine. Needs EPX_MODE_LOW_LATENCY and a
+ * hidden size that is a multiple of 128. How it works: docs/low-latency.md.
+ *
+ * With L = E/R local experts and M = max_tokens_per_rank, each rank owns, in the group's
+ * workspace, an expert-major receive buffer of L x (R*M) rows. Source rank s writes its rows of
+ * local expert j at the FIXED slots [j][s*M + i], i = 0, 1, ... in ascending token order, one
+ * row per distinct (token, expert) pair (a token listing an expert twice sends it once). So a
+ * sender computes every address alone: no count exchange, no host synchronization, no copy on
+ * the receiver. The rows of expert j are the R segments [s*M, s*M + num[j][s]); rows between
+ * segments are stale. A grouped GEMM takes the segments (begin, num) or masks by source.
+ *
+ * Two buffers alternate between consecutive dispatches, so two micro-batches can be in flight:
+ * a dispatch's outputs stay valid until the dispatch after next. Nothing is zeroed between
+ * calls: every signal carries a call epoch kept on the device, so a CUDA graph with both calls
+ * replays correctly.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Completes the receive half of a split call (epx_ll_recv). id 0 means nothing is pending. */
+typedef struct epx_ll_hook {
+  unsigned long long id;
+} epx_ll_hook_t;
+
+typedef struct epx_ll_dispatch_args {
+  size_t size;                /* sizeof(epx_ll_dispatch_args_t); set by EPX_LL_DISPATCH_ARGS_INIT */
+  const void *x;              /* [IN] [T, H] BF16, 16-byte aligned */
+  const void *topk_idx;       /* [IN] [T, K] expert ids, -1 = empty slot */
+  epx_dtype_t topk_idx_dtype; /* EPX_DTYPE_INT64 or EPX_DTYPE_INT32 */
+  const float *topk_weights;  /* [IN] [T, K] float32 combine weights, or NULL (all 1) */
+  int num_tokens;             /* T, 0..max_tokens_per_rank */
+  epx_dtype_t recv_dtype;     /* EPX_DTYPE_BF16 (copied) or EPX_DTYPE_FP8_E4M3 (quantized on the
+                                 fly, one float32 scale per 128 channels) */
+  int ue8m0;                  /* FP8: 1 = round every scale up to a power of two */
+  int split;                  /* 1: return after issuing the sends; epx_ll_recv(result->hook)
+                                 completes the receive later. 0: one kernel does both */
+} epx_ll_dispatch_args_t;
+
+#define EPX_LL_DISPATCH_ARGS_INIT \
+  { sizeof(epx_ll_dispatch_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, EPX_DTYPE_BF16, 0, 0 }
+
+typedef struct epx_ll_dispatch_result {
+  int num_tokens;        /* T this rank dispatched (the rows its combine returns) */
+  int num_local_experts; /* L = E/R */
+  int rows_per_expert;   /* R x max_tokens_per_rank */
+  int max_tokens_per_rank;
+  epx_dtype_t recv_dtype;
+  /* Device arrays in the workspace, valid until the dispatch after next: */
+  void *recv_x;               /* [L, R*M, H] BF16 or FP8 E4M3 */
+  float *recv_x_scales;       /* FP8: [L, R*M, H/128] float32 scales, else NULL */
+  int *recv_src_info;         /* [L, R*M, 4] int32 per row: source rank, source token, the source's
+                                 first top-k slot naming the expert, 0 */
+  int *recv_count;            /* [L] rows of local expert j (summed over sources) */
+  int *recv_begin;            /* [L, R] first row of source s in expert j: always s*M */
+  int *recv_num;              /* [L, R] rows of source s in expert j */
+  void *combine_input;        /* [L, R*M, H] BF16 in the workspace: an expert GEMM may write its
+                                 output here and pass NULL (or this pointer) as epx_ll_combine x */
+  int buffer;                 /* which of the two buffers (0 or 1) this dispatch used */
+  unsigned long long call_id; /* identifies this dispatch to epx_ll_combine */
+  epx_ll_hook_t hook;         /* split: pass to epx_ll_recv before using the outputs; else id 0 */
+} epx_ll_dispatch_result_t;
+
+/* epx_ll_dispatch - send this rank's tokens to the experts they chose, low-latency mode.
+ * COLLECTIVE: every rank calls it (T may be 0), in the same order as the group's other
+ * low-latency calls. Ordered on stream; no host synchronization; capturable in a CUDA graph.
+ *   args   - [IN] tokens, routing, receive dtype, split.
+ *   result - [OUT] where this rank's received rows are; keep it for epx_ll_combine.
+ * With args->split = 1 the kernel returns once its sends are issued and holds no SM afterwards;
+ * the outputs are valid only after epx_ll_recv(group, &result->hook, stream) has run.
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument (nothing is sent, the
+ * group still works); EPX_ERR_INVALID_USAGE (group without low-latency mode, or the buffer this
+ * call would use still has a receive pending). Expert ids outside [-1, E) are reported
+ * asynchronously (EPX_ERR_INVALID_ARGUMENT, stage EPX_STAGE_LL_DISPATCH) and treated as empty.
+ * A peer that does not answer within timeout_ms is masked (EPX_ERR_PEER_FAILED, see
+ * epx_group_get_peer_mask): the call completes without it. */
+epx_status_t epx_ll_dispatch(epx_group_t group, const epx_ll_dispatch_args_t *args,
+                             epx_ll_dispatch_result_t *result, cudaStream_t stream);
+
+typedef struct epx_ll_combine_args {
+  size_t size;   /* sizeof(epx_ll_combine_args_t); set by EPX_LL_COMBINE_ARGS_INIT */
+  const void *x; /* [IN] [L, R*M, H] BF16 expert outputs, row for row as the dispatch delivered
+                    them (only the rows of each (expert, source) segment are read); NULL = the
+                    dispatch's combine_input in the workspace (zero copy) */
+  const epx_ll_dispatch_result_t *dispatch; /* [IN] the dispatch whose rows these are */
+  void *out;                                /* [OUT] [T, H] BF16, T = dispatch->num_tokens */
+  int split;           /* 1: return after the sends; epx_ll_recv(hook) writes out later */
+  epx_ll_hook_t *hook; /* [OUT] split only: the hook to pass to epx_ll_recv */
+} epx_ll_combine_args_t;
+
+#define EPX_LL_COMBINE_ARGS_INIT \
+  { sizeof(epx_ll_combine_args_t), NULL, NULL, NULL, 0, NULL }
+
+/* epx_ll_combine - return every row of a low-latency dispatch to its source token:
+ *   out[t] = BF16( sum over the token's valid top-k slots k of w[t][k] * x[row of (t, e_k)] )
+ * summed in float32, w = the dispatch's topk_weights (1 when NULL); tokens with no valid slot,
+ * and slots on masked peers, contribute nothing (a token with none is +0). COLLECTIVE, ordered
+ * on stream, no host synchronization, capturable in a CUDA graph. The dispatch must be one of
+ * the two most recent and its receive complete. With args->split = 1 the kernel returns after
+ * its sends; out is written by epx_ll_recv(group, args->hook, stream).
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument; EPX_ERR_INVALID_USAGE
+ * (stale or still-pending dispatch). */
+epx_status_t epx_ll_combine(epx_group_t group, const epx_ll_combine_args_t *args,
+                            cudaStream_t stream);
+
+/* epx_ll_recv - the receive half of a split epx_ll_dispatch or epx_ll_combine: waits (on the
+ * GPU, bounded by timeout_ms) for the peers' data, then writes the outputs. COLLECTIVE in the
+ * sense that every rank must eventually call it for the same split calls, in the same order as
+ * the sends. Must be ordered after the send on the GPU (same stream, or an event); other work
+ * may run in between. Capturable.
+ *   hook - [IN/OUT] the hook of the split call; its id is set to 0.
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT (NULL hook); EPX_ERR_INVALID_USAGE (the
+ * hook is not pending: completed already, or from another group). */
+epx_status_t epx_ll_recv(epx_group_t group, epx_ll_hook_t *hook, cudaStream_t stream);
+
+/* epx_group_get_peer_mask - the peers this rank has masked (bit p = rank p) after they stopped
+ * answering a low-latency call within timeout_ms. Reads the device word without waiting for
+ * any stream. Not collective.
+ *   mask - [OUT] 0 when every peer answers. */
+epx_status_t epx_group_get_peer_mask(epx_group_t group, unsigned int *mask);
+
+/* epx_group_clear_peer_mask - unmask every peer once the failed ranks are back. COLLECTIVE over
+ * every rank (the recovered ones included); synchronizes the device and the ranks (an NCCL
+ * all-reduce), then moves every low-latency epoch of every rank to one common value so that no
+ * signal of the failed period can be mistaken for a new one. The async error record is kept
+ * (clear it with epx_group_clear_async_error). */
+epx_status_t epx_group_clear_peer_mask(epx_group_t group);
 
 #ifdef __cplusplus
 }

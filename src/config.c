@@ -15,6 +15,8 @@
 #define KNOWN_MODES ((unsigned)(EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY))
 #define MAX_SMS 1024
 #define MAX_TIMEOUT_MS (3600 * 1000)
+/* The route of EPX_LL_ROUTE_AUTO (docs/low-latency.md says how it was chosen). */
+#define EPX_LL_ROUTE_DEFAULT EPX_LL_ROUTE_BY_RANK
 
 static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
   if (num_ranks < 2)
@@ -63,6 +65,26 @@ static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
                 "config.num_sms = %d: must be 0 (auto) or 1..%d", c->num_sms, MAX_SMS);
   EPX_ARG_CHECK(c->timeout_ms > 0 && c->timeout_ms <= MAX_TIMEOUT_MS,
                 "config.timeout_ms = %d: must be 0 (auto) or 1..%d", c->timeout_ms, MAX_TIMEOUT_MS);
+  /* ll_num_sms may still be 0 here: group creation resolves it to the GPU's SM count. */
+  EPX_ARG_CHECK(c->ll_num_sms >= 0 && c->ll_num_sms <= EPX_LL_MAX_BLOCKS,
+                "config.ll_num_sms = %d: must be 0 (auto) or 1..%d", c->ll_num_sms,
+                EPX_LL_MAX_BLOCKS);
+  EPX_ARG_CHECK(c->ll_route == EPX_LL_ROUTE_DIRECT || c->ll_route == EPX_LL_ROUTE_BY_RANK,
+                "config.ll_route = %d: must be 0 (auto), EPX_LL_ROUTE_DIRECT or "
+                "EPX_LL_ROUTE_BY_RANK",
+                c->ll_route);
+  if (c->modes & EPX_MODE_LOW_LATENCY) {
+    EPX_ARG_CHECK(c->hidden % 128 == 0,
+                  "config.hidden = %d: low-latency mode needs a multiple of 128", c->hidden);
+    const size_t bitmap = epx__ll_bitmap_bytes(c->num_experts, c->max_tokens_per_rank);
+    if (bitmap > EPX_LL_MAX_BITMAP_BYTES)
+      return epx__set_error(EPX_ERR_UNSUPPORTED,
+                            "config.max_tokens_per_rank = %d with config.num_experts = %d: "
+                            "low-latency dispatch keeps E x ceil(T/32) words (%zu bytes) in "
+                            "shared memory, at most %d",
+                            c->max_tokens_per_rank, c->num_experts, bitmap,
+                            EPX_LL_MAX_BITMAP_BYTES);
+  }
   return EPX_OK;
 }
 
@@ -88,6 +110,9 @@ epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
   if (c.modes == 0) c.modes = EPX_MODE_NORMAL;
   if (c.num_sms == EPX_AUTO) c.num_sms = (int)epx__param_NumSms();
   if (c.timeout_ms == EPX_AUTO) c.timeout_ms = (int)epx__param_TimeoutMs();
+  if (c.ll_num_sms == EPX_AUTO) c.ll_num_sms = (int)epx__param_LlNumSms();
+  if (c.ll_route == EPX_LL_ROUTE_AUTO) c.ll_route = (int)epx__param_LlRoute();
+  if (c.ll_route == EPX_LL_ROUTE_AUTO) c.ll_route = EPX_LL_ROUTE_DEFAULT;
   EPX_CHECK(validate(&c, num_ranks));
   *out = c;
   return EPX_OK;

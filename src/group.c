@@ -139,14 +139,16 @@ enum {
   FP_MODES,
   FP_NUM_SMS,
   FP_TIMEOUT_MS,
+  FP_LL_NUM_SMS,
+  FP_LL_ROUTE,
   FP_COUNT
 };
 static const char *const fp_names[FP_COUNT] = {
-    "local status",     "NCCL runtime version",   "EPX version",
-    "rank count",       "NVLink (LSA) team size", "config.max_tokens_per_rank",
-    "config.hidden",    "config.num_experts",     "config.top_k",
-    "config.dtypes",    "config.modes",           "config.num_sms",
-    "config.timeout_ms"};
+    "local status",      "NCCL runtime version",   "EPX version",
+    "rank count",        "NVLink (LSA) team size", "config.max_tokens_per_rank",
+    "config.hidden",     "config.num_experts",     "config.top_k",
+    "config.dtypes",     "config.modes",           "config.num_sms",
+    "config.timeout_ms", "config.ll_num_sms",      "config.ll_route"};
 
 /* All-gather `mine` over comm into all[num_ranks][FP_COUNT] through a small device buffer. */
 static epx_status_t allgather_fingerprint(ncclComm_t comm, int num_ranks, const long long *mine,
@@ -215,6 +217,12 @@ static epx_status_t local_checks(ncclComm_t comm, int num_ranks, const epx_group
   if (cfg->num_sms > *num_device_sms)
     return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "config.num_sms = %d: the GPU has only %d SMs",
                           cfg->num_sms, *num_device_sms);
+  /* Low-latency blocks must all be resident at once (one per SM): at most the SM count. */
+  if (cfg->ll_num_sms == EPX_AUTO) cfg->ll_num_sms = *num_device_sms;
+  if (cfg->ll_num_sms > *num_device_sms)
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
+                          "config.ll_num_sms = %d: the GPU has only %d SMs", cfg->ll_num_sms,
+                          *num_device_sms);
   EPX_CHECK(epx__transport_lsa_size(comm, lsa_size));
   if (*lsa_size != num_ranks)
     return epx__set_error(
@@ -243,11 +251,11 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   char local_msg[512];
   snprintf(local_msg, sizeof local_msg, "%s", epx_last_error());
 
-  long long mine[FP_COUNT] = {local,         NCCL_VERSION_CODE, EPX_VERSION_CODE,
-                              num_ranks,     lsa_size,          cfg.max_tokens_per_rank,
-                              cfg.hidden,    cfg.num_experts,   cfg.top_k,
-                              cfg.dtypes,    cfg.modes,         cfg.num_sms,
-                              cfg.timeout_ms};
+  long long mine[FP_COUNT] = {local,          NCCL_VERSION_CODE, EPX_VERSION_CODE,
+                              num_ranks,      lsa_size,          cfg.max_tokens_per_rank,
+                              cfg.hidden,     cfg.num_experts,   cfg.top_k,
+                              cfg.dtypes,     cfg.modes,         cfg.num_sms,
+                              cfg.timeout_ms, cfg.ll_num_sms,    cfg.ll_route};
   long long *all = (long long *)calloc((size_t)num_ranks * FP_COUNT, sizeof(long long));
   if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
   epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all);

@@ -38,6 +38,20 @@ typedef struct epx__kernel_ctx {
 
 struct epx__transport_ops;
 
+/* Host-side bookkeeping of low-latency calls (src/ll.c). Every rank makes the same collective
+ * calls, so these evolve identically on every rank; a captured graph replays its calls with the
+ * buffers chosen at capture time. */
+typedef struct epx__ll_host {
+  unsigned long long seq;            /* low-latency calls issued; call ids are seq values */
+  int next_parity;                   /* buffer of the next dispatch */
+  unsigned long long dispatch_id[2]; /* call id of the latest dispatch on each buffer */
+  int dispatch_tokens[2];            /* its num_tokens */
+  int dispatch_fp8[2];               /* its receive dtype is FP8 */
+  void *combine_out[2];              /* out of a split combine, for its epx_ll_recv */
+  unsigned long long pending[2][2];  /* [0 dispatch, 1 combine][buffer]: hook id of a split call
+                                        awaiting epx_ll_recv, or 0 */
+} epx__ll_host_t;
+
 struct epx_group {
   int rank, num_ranks, cuda_device, num_device_sms;
   ncclComm_t comm;
@@ -49,6 +63,7 @@ struct epx_group {
   char *peer_base[EPX_MAX_RANKS]; /* resolved by the transport */
   epx__error_record_t *error_host, *error_dev;
   cudaStream_t setup_stream; /* internal work at create/destroy/clear */
+  epx__ll_host_t ll;         /* low-latency bookkeeping; zero at creation */
 };
 
 /* Transports behind one table, chosen at group creation; common code never branches on it. */

@@ -31,5 +31,7 @@ int64_t epx__param_env_int(const char *name, int64_t def);
 /* Every knob of the library (docs/env.md). */
 EPX_PARAM(TimeoutMs, "TIMEOUT_MS", 5000)
 EPX_PARAM(NumSms, "NUM_SMS", 24)
+EPX_PARAM(LlNumSms, "LL_NUM_SMS", 0) /* 0: every SM of the GPU */
+EPX_PARAM(LlRoute, "LL_ROUTE", 0)    /* 0: the library default; 1 DIRECT, 2 BY_RANK */
 
 #endif /* EPX_PARAM_H_ */

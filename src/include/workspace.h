@@ -10,8 +10,20 @@
  *   notify   count exchange: R sources x (R + E/R) epoch-tagged 64-bit words (sized R x (R + E))
  *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
  *            combine slab 2 x [R, max_tokens, H] BF16
- *   ll       (EPX_MODE_LOW_LATENCY) 2 parity buffers x (dispatch receive + combine receive +
- * signals)
+ *   ll       (EPX_MODE_LOW_LATENCY) 2 buffers ("parities") of the arrays below, then the
+ *            per-block epochs. Per parity, with L = E/R, M = max_tokens, RM = R x M:
+ *              x           [L, RM, H] payload (2 bytes/element if BF16 is supported, else 1)
+ *              scales      [L, RM, H/128] float32 (FP8 groups only)
+ *              src_info    [L, RM] int4: source rank, token, slot, 0
+ *              cnt         [L, R] int: rows of (local expert, source), written by the source
+ *              recv_count  [L], recv_begin [L, R], recv_num [L, R] int: this rank's outputs
+ *              stage       [R, M] rows of (144-byte header, payload, scales): route BY_RANK
+ *              combine_in  [L, RM, H] BF16: the zero-copy combine input
+ *              combine_recv [max(K, R), M, H] BF16: rows returned to this rank
+ *              my_ids, my_w [M, K] int32 / float32: this rank's routing, kept for combine
+ *              dflag, cflag [R, EPX_LL_MAX_BLOCKS] u64: dispatch / combine signals, written by
+ *                          block b of source s at [s][b]: (epoch << 32) | low word
+ *            epochs [2 kinds][2 parities][EPX_LL_MAX_BLOCKS] u32, each advanced by its block
  */
 #ifndef EPX_WORKSPACE_H_
 #define EPX_WORKSPACE_H_
@@ -44,7 +56,10 @@ typedef struct epx__control {
   unsigned int combine_blocks_done;
   /* combine_calls: combines completed by this rank (selects the combine slab parity). */
   unsigned int combine_calls;
-  int reserved[28];
+  /* ll_peer_mask: bit p set once this rank gave up on peer p in a low-latency call (set by the
+   * waiting kernel with atomicOr; cleared by epx_group_clear_peer_mask). */
+  unsigned int ll_peer_mask;
+  int reserved[27];
   /* dispatch_done[s] / combine_done[s]: blocks of rank s that finished writing to this rank
    * (added by s with release semantics; monotonic). *_expected[s]: what this rank has consumed. */
   unsigned long long dispatch_done[EPX_MAX_RANKS];
@@ -67,8 +82,19 @@ typedef struct epx__ws_layout {
   size_t combine_slab_offset;      /* 2 parities x [R, max_tokens, H] BF16: row (d, p) = rank d's
                                       output for the p-th token this rank sent to d */
   size_t combine_slab_bytes;       /* one parity */
+  /* ll: two parities of ll_parity_bytes from ll_offset, then the epochs. Offsets of the
+   * arrays are relative to the start of a parity (see the header comment). */
   size_t ll_offset, ll_bytes;
-  size_t ll_msg_bytes; /* one (token, expert) row of low-latency dispatch */
+  size_t ll_parity_bytes;
+  size_t ll_rows;       /* rows per local expert: R x max_tokens */
+  size_t ll_elem_bytes; /* bytes per element of x and stage payloads: 2 (BF16 supported) or 1 */
+  size_t ll_x_offset, ll_scales_offset, ll_src_info_offset, ll_cnt_offset;
+  size_t ll_recv_count_offset, ll_recv_begin_offset, ll_recv_num_offset;
+  size_t ll_stage_offset, ll_stage_row_bytes;
+  size_t ll_combine_in_offset, ll_combine_recv_offset;
+  size_t ll_my_ids_offset, ll_my_w_offset;
+  size_t ll_dflag_offset, ll_cflag_offset;
+  size_t ll_epoch_offset; /* relative to ll_offset */
   size_t total_bytes;
 } epx__ws_layout_t;
 
@@ -89,11 +115,22 @@ EPX_HD size_t epx__payload_elem_bytes(unsigned dtypes) {
   return (dtypes & EPX_DTYPE_BF16) ? 2 : 1;
 }
 
-/* One low-latency row: a 16-byte header (source token, source rank), the payload, the scales. */
-EPX_HD size_t epx__ll_msg_bytes(int hidden, unsigned dtypes) {
-  size_t payload = (size_t)hidden * 2;
-  (void)dtypes; /* BF16 is the widest; FP8 rows fit in the same slot */
-  return epx__align_up(16 + payload, 16);
+/* Low-latency limits: blocks of one low-latency kernel (signals are sized for this many), the
+ * bytes of a staged row's header, and the shared memory of the per-expert token bitmaps that a
+ * low-latency dispatch builds (E x ceil(max_tokens / 32) words). */
+#define EPX_LL_MAX_BLOCKS 1024
+#define EPX_LL_HEADER_BYTES 144
+#define EPX_LL_MAX_BITMAP_BYTES (160 * 1024)
+
+EPX_HD size_t epx__ll_bitmap_bytes(int num_experts, int num_tokens) {
+  return (size_t)num_experts * (size_t)((num_tokens + 31) / 32) * 4;
+}
+
+/* Bytes of one staged row: header, payload (widest supported dtype), FP8 scales if supported. */
+EPX_HD size_t epx__ll_stage_row_bytes(int hidden, unsigned dtypes) {
+  size_t n = EPX_LL_HEADER_BYTES + (size_t)hidden * epx__payload_elem_bytes(dtypes);
+  if (dtypes & EPX_DTYPE_FP8_E4M3) n += (size_t)(hidden / 128) * 4;
+  return epx__align_up(n, 16);
 }
 
 /* Fill *l for a resolved config (auto fields already filled in) and R ranks. */
@@ -136,16 +173,49 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->normal_bytes = (modes & EPX_MODE_NORMAL) ? epx__align_up(n, EPX_WS_ALIGN) : 0;
   off += l->normal_bytes;
 
-  /* ll: 2 parities x (E x max_tokens dispatch rows + max_tokens x top_k combine rows of BF16 +
-   * one int64 signal per (expert, source)) */
-  l->ll_msg_bytes = epx__ll_msg_bytes(hidden, dtypes);
+  /* ll: two parities of the arrays listed at the top, each array 256-byte aligned, then the
+   * epochs. Sized only when low-latency mode is asked for. */
+  const size_t L = (size_t)(num_experts / num_ranks), R = (size_t)num_ranks;
+  const size_t M = (size_t)max_tokens, K = (size_t)top_k, H = (size_t)hidden;
+  const size_t rows = R * M, lrows = L * rows;
+  l->ll_rows = rows;
+  l->ll_elem_bytes = epx__payload_elem_bytes(dtypes);
+  l->ll_stage_row_bytes = epx__ll_stage_row_bytes(hidden, dtypes);
+  n = 0;
+  l->ll_x_offset = n;
+  n += epx__align_up(lrows * H * l->ll_elem_bytes, 256);
+  l->ll_scales_offset = n;
+  if (dtypes & EPX_DTYPE_FP8_E4M3) n += epx__align_up(lrows * (H / 128) * 4, 256);
+  l->ll_src_info_offset = n;
+  n += epx__align_up(lrows * 16, 256);
+  l->ll_cnt_offset = n;
+  n += epx__align_up(L * R * 4, 256);
+  l->ll_recv_count_offset = n;
+  n += epx__align_up(L * 4, 256);
+  l->ll_recv_begin_offset = n;
+  n += epx__align_up(L * R * 4, 256);
+  l->ll_recv_num_offset = n;
+  n += epx__align_up(L * R * 4, 256);
+  l->ll_stage_offset = n;
+  n += epx__align_up(rows * l->ll_stage_row_bytes, 256);
+  l->ll_combine_in_offset = n;
+  n += epx__align_up(lrows * H * 2, 256);
+  l->ll_combine_recv_offset = n;
+  n += epx__align_up((K > R ? K : R) * M * H * 2, 256);
+  l->ll_my_ids_offset = n;
+  n += epx__align_up(M * K * 4, 256);
+  l->ll_my_w_offset = n;
+  n += epx__align_up(M * K * 4, 256);
+  l->ll_dflag_offset = n;
+  n += epx__align_up(R * EPX_LL_MAX_BLOCKS * 8, 256);
+  l->ll_cflag_offset = n;
+  n += epx__align_up(R * EPX_LL_MAX_BLOCKS * 8, 256);
+  l->ll_parity_bytes = epx__align_up(n, EPX_WS_ALIGN);
+  l->ll_epoch_offset = 2 * l->ll_parity_bytes;
   l->ll_offset = off;
   l->ll_bytes = 0;
-  if (modes & EPX_MODE_LOW_LATENCY) {
-    size_t per_parity = (size_t)num_experts * max_tokens * l->ll_msg_bytes +
-                        (size_t)max_tokens * top_k * hidden * 2 + (size_t)num_experts * 8;
-    l->ll_bytes = epx__align_up(2 * per_parity, EPX_WS_ALIGN);
-  }
+  if (modes & EPX_MODE_LOW_LATENCY)
+    l->ll_bytes = epx__align_up(l->ll_epoch_offset + 2 * 2 * EPX_LL_MAX_BLOCKS * 4, EPX_WS_ALIGN);
   off += l->ll_bytes;
   l->total_bytes = off;
 }

@@ -84,6 +84,10 @@ EPX_HOST_TEST(config_validation_names_the_field, 10) {
       {"modes", 4, F(modes), 1 << 5, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"num_sms", 4, F(num_sms), -1, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"timeout_ms", 4, F(timeout_ms), -5, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"ll_num_sms", 4, F(ll_num_sms), -1, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"ll_num_sms", 4, F(ll_num_sms), 1025, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"ll_route", 4, F(ll_route), 3, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"hidden", 4, F(hidden), 1000, F(modes), EPX_MODE_LOW_LATENCY, EPX_ERR_INVALID_ARGUMENT},
       {"num_ranks", 1, NONE, 0, NONE, 0, EPX_ERR_UNSUPPORTED},
       {"num_ranks", EPX_MAX_RANKS + 1, F(num_experts), 18, NONE, 0, EPX_ERR_UNSUPPORTED},
       {"config.size", 4, F(size), 4, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
@@ -105,6 +109,15 @@ EPX_HOST_TEST(config_validation_names_the_field, 10) {
     size_t bytes = 12345;
     EXPECT_STATUS(epx_workspace_size(&c, cases[i].num_ranks, &bytes), cases[i].want);
   }
+  /* Low-latency token bitmaps: 1024 experts x ceil(8192 / 32) words = 1 MiB of shared memory. */
+  epx_group_config_t big = small_config();
+  big.modes = EPX_MODE_LOW_LATENCY;
+  big.num_experts = 1024;
+  big.max_tokens_per_rank = 8192;
+  EXPECT_STATUS(epx_config_validate(&big, 4), EPX_ERR_UNSUPPORTED);
+  EXPECT(strstr(epx_last_error(), "max_tokens_per_rank") != NULL);
+  big.max_tokens_per_rank = 1024; /* 128 KiB */
+  EXPECT_OK(epx_config_validate(&big, 4));
   EXPECT_STATUS(epx_config_validate(NULL, 4), EPX_ERR_INVALID_ARGUMENT);
   epx_group_config_t ok = small_config();
   EXPECT_OK(epx_config_validate(&ok, 2));
@@ -135,13 +148,22 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   EXPECT_EQ_INT(both, 4096 + 4096 + 777 * 4096);
   bytes = both;
 
-  /* Low-latency adds 2 x (E*T*row + T*K*H*2 + E*8), row = align16(16 + 2H). */
+  /* Low-latency adds two buffers and the epochs. L = 4 local experts, R*M = 512 rows each:
+   *   x 2048 rows x 1024 x 2 = 4194304; scales 2048 x 8 x 4 = 65536; src_info 2048 x 16 = 32768;
+   *   cnt, recv_count, recv_begin, recv_num 4 x 256 (each under 256 bytes);
+   *   stage 512 rows x (144 + 2048 + 32) = 1138688; combine_in 4194304;
+   *   combine_recv max(K, R) = 4 x 128 x 1024 x 2 = 1048576; my_ids, my_w 2 x 2048;
+   *   dflag, cflag 2 x 4 x 1024 x 8 = 65536; sum 10744832 -> 2624 pages (10747904) per buffer;
+   *   2 buffers + epochs 2 x 2 x 1024 x 4 = 16384: 21512192. */
   c.modes = EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY;
   size_t with_ll = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &with_ll));
-  size_t ll = 2 * ((size_t)16 * 128 * 2064 + (size_t)128 * 4 * 1024 * 2 + 16 * 8);
-  ll = (ll + 4095) / 4096 * 4096;
-  EXPECT_EQ_INT(with_ll, bytes + ll);
+  EXPECT_EQ_INT(with_ll, bytes + 21512192);
+  /* ... and only low-latency mode: the control and notify pages plus the same region. */
+  c.modes = EPX_MODE_LOW_LATENCY;
+  size_t ll_only = 0;
+  EXPECT_OK(epx_workspace_size(&c, 4, &ll_only));
+  EXPECT_EQ_INT(ll_only, 4096 + 4096 + 21512192);
 
   /* Doubling the tokens grows the normal slab; the size is always a 4 KiB multiple. */
   c.modes = EPX_MODE_NORMAL;

@@ -1,0 +1,825 @@
+/*
+ * ll.cu - low-latency mode over NVLink: dispatch and combine (docs/low-latency.md).
+ *
+ * Fixed slots: source s writes its rows of local expert j of rank d at [j][s*M + pos] of d's
+ * receive buffer, pos = the rank of the token among s's tokens that chose that expert (one row
+ * per distinct (token, expert)). Every dispatch block first builds, in shared memory, a bitmap
+ * of this rank's tokens per expert (E x ceil(T/32) words) from the whole topk_idx, so a
+ * position is a popcount and the sender knows every address alone.
+ *
+ * Grid: config.ll_num_sms blocks of 512 threads, the same on every rank. Block b of a rank
+ * handles the tokens t = b, b + G, b + 2G, ... of that rank.
+ *   dispatch send: warp 0 plans a token (its distinct experts, their slots, the destinations),
+ *     then the 16 warps copy it in 512-channel chunks (16 channels per lane), quantized to FP8
+ *     once per token. Route DIRECT writes one row per (token, expert) into its final slot on
+ *     the expert's rank. Route BY_RANK writes one staged row per (token, destination rank) at
+ *     stage[s][t] of the destination, after a header listing the token's experts there (local
+ *     id, slot, weight); the own rank's rows are written directly (its header too, for
+ *     combine). Block b also writes cnt[j][s] on rank d for the experts e % G == b. When all
+ *     its stores are issued, block b signals every rank r: dflag[me][b] on r = (epoch, T).
+ *   dispatch receive: block b waits for dflag[s][b] of every source s, so blocks pair up one
+ *     to one across ranks: receiver block b needs only sender block b. Route BY_RANK: it fans
+ *     out the rows sender block b staged. Then it writes the counts of its local experts
+ *     e % G == b (which sender block b wrote).
+ *   combine DIRECT: rank d sends each row it received back to combine_recv[t*K + k] on the
+ *     source (k = the source's first slot naming the expert); the source waits for every block
+ *     of every rank, then sums w[t][k] * row over the token's valid slots.
+ *   combine BY_RANK: block b of rank d sums, for each token staged at stage[s][t] (t % G == b),
+ *     w * y over the token's experts on d (from the dispatch header) and sends one BF16 partial
+ *     to combine_recv[d*M + t] on s; block b of s waits for block b of every rank and adds the
+ *     partials of the token's ranks.
+ *
+ * Signals are 64-bit words (epoch << 32) | value: written with a system-scope release after a
+ * __syncthreads and a system fence, read with acquire loads in bounded waits. Each block keeps
+ * its own epoch per (kind, buffer) in this rank's workspace and advances it once per call, so
+ * all blocks of all ranks agree on a call's epoch and nothing is ever zeroed. A wait that runs
+ * past the budget masks the peer (control->ll_peer_mask) and raises EPX_ERR_PEER_FAILED; masked
+ * peers are neither sent to nor waited for. Data that peers wrote during this kernel is read
+ * with ld.global.cg (L2, never a stale L1 line); every index read from a peer is range-checked.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "checks.h"
+#include "kernels/api.h"
+#include "kernels/timeout.cuh"
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 512; /* channels of one warp unit: 16 per lane */
+constexpr int kMaxDst = EPX_MAX_TOP_K + EPX_MAX_RANKS;
+constexpr int kKindDispatch = 0, kKindCombine = 1;
+constexpr uint32_t kNoSignal = 0xffffffffu; /* wait_signal: the peer is masked */
+constexpr unsigned kFull = 0xffffffffu;
+
+/* Staged-row header (EPX_LL_HEADER_BYTES): epoch, token, entries, 0 | packed[16] | weight[16].
+ * packed = pos | local expert << 16 | slot << 26. */
+constexpr int kHdrPacked = 16, kHdrWeights = 80;
+
+/* ------------------------------------------------------------------------------------------
+ * Addresses and signals
+ * ---------------------------------------------------------------------------------------- */
+/* Buffer `parity` of rank r's low-latency region (arrays at the layout's ll_*_offset). */
+__device__ __forceinline__ char *ll_buf(const epx__kernel_ctx_t &ctx, int r, int parity) {
+  return ctx.peer_base[r] + ctx.layout.ll_offset + (size_t)parity * ctx.layout.ll_parity_bytes;
+}
+
+__device__ __forceinline__ epx__control_t *control_of(const epx__kernel_ctx_t &ctx) {
+  return (epx__control_t *)(ctx.peer_base[ctx.rank] + ctx.layout.control_offset);
+}
+
+/* This rank's epoch of block `block` for (kind, parity). */
+__device__ __forceinline__ uint32_t *epoch_slot(const epx__kernel_ctx_t &ctx, int kind, int parity,
+                                                int block) {
+  uint32_t *epochs =
+      (uint32_t *)(ctx.peer_base[ctx.rank] + ctx.layout.ll_offset + ctx.layout.ll_epoch_offset);
+  return epochs + (kind * 2 + parity) * EPX_LL_MAX_BLOCKS + block;
+}
+
+__device__ __forceinline__ unsigned read_mask(const epx__kernel_ctx_t &ctx) {
+  return *(volatile unsigned *)&control_of(ctx)->ll_peer_mask;
+}
+
+/* Give up on `peer`: set its mask bit; the first block to do so records the async error. */
+__device__ void mask_peer(const epx__kernel_ctx_t &ctx, int peer, int stage, uint32_t epoch) {
+  const unsigned bit = 1u << peer;
+  const unsigned old = atomicOr(&control_of(ctx)->ll_peer_mask, bit);
+  if (!(old & bit)) epx::raise_error(ctx, EPX_ERR_PEER_FAILED, stage, peer, -1, (long long)epoch);
+}
+
+/* Wait until *sig carries `epoch`; its low word, or kNoSignal once the peer is masked (here,
+ * after the budget, or meanwhile by another block). */
+__device__ uint32_t wait_signal(const epx__kernel_ctx_t &ctx, const uint64_t *sig, uint32_t epoch,
+                                int peer, int stage) {
+  uint64_t v = epx::ld_acquire_sys(sig);
+  if ((uint32_t)(v >> 32) == epoch) return (uint32_t)v;
+  const unsigned bit = 1u << peer;
+  const uint64_t start = epx::globaltimer_ns();
+  for (;;) {
+    v = epx::ld_acquire_sys(sig);
+    if ((uint32_t)(v >> 32) == epoch) return (uint32_t)v;
+    if (read_mask(ctx) & bit) return kNoSignal;
+    if (epx::globaltimer_ns() - start > ctx.timeout_ns) {
+      mask_peer(ctx, peer, stage, epoch);
+      return kNoSignal;
+    }
+  }
+}
+
+/* Block b's signal to every unmasked rank r, at [me][b] of the flag array at flag_offset in r's
+ * buffer `parity`. NOTE: the __syncthreads orders every store of the block before thread r's
+ * system fence, and the release store publishes them together with the signal. */
+__device__ void signal_ranks(const epx__kernel_ctx_t &ctx, unsigned mask, size_t flag_offset,
+                             int parity, uint32_t epoch, uint32_t low) {
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r < ctx.num_ranks && !((mask >> r) & 1u)) {
+    __threadfence_system();
+    uint64_t *sig = (uint64_t *)(ll_buf(ctx, r, parity) + flag_offset) +
+                    (size_t)ctx.rank * EPX_LL_MAX_BLOCKS + blockIdx.x;
+    epx::st_release_sys(sig, ((uint64_t)epoch << 32) | low);
+  }
+}
+
+/* Position of token t among the tokens whose bit is set in bits (ascending token order). */
+__device__ __forceinline__ int position(const uint32_t *bits, int t) {
+  int n = 0;
+  for (int w = 0; w < (t >> 5); w++) n += __popc(bits[w]);
+  return n + __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u));
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Number formats
+ * ---------------------------------------------------------------------------------------- */
+__device__ __forceinline__ void bf16x8_to_float(const int4 &v, float *f) {
+  const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const float2 t = __bfloat1622float2(h[j]);
+    f[2 * j] = t.x;
+    f[2 * j + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ void acc_bf16x8(const int4 &v, float w, float *acc) {
+  const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const float2 t = __bfloat1622float2(h[j]);
+    acc[2 * j] += w * t.x;
+    acc[2 * j + 1] += w * t.y;
+  }
+}
+
+__device__ __forceinline__ int4 float8_to_bf16x8(const float *f) {
+  int4 o;
+  __nv_bfloat162 *h = (__nv_bfloat162 *)&o;
+#pragma unroll
+  for (int j = 0; j < 4; j++) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return o;
+}
+
+/* FP8 E4M3 of this lane's 16 channels by the per-128 rule of tests/ref/epx_ref.h, bit for bit:
+ * a 128-channel group is 8 consecutive lanes. Every lane of the warp must call it (the group
+ * max is a shuffle); lanes past the hidden size pass zeros. */
+__device__ __forceinline__ int4 quantize16(const int4 &a, const int4 &b, bool ue8m0,
+                                           float *scale_out) {
+  float f[16];
+  bf16x8_to_float(a, f);
+  bf16x8_to_float(b, f + 8);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(f[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
+  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 4));
+  amax = fmaxf(amax, 1e-4f);
+  float scale = __fdiv_rn(amax, 448.0f);
+  if (ue8m0) {
+    uint32_t u = __float_as_uint(scale);
+    if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;
+    scale = __uint_as_float(u);
+  }
+  const float inv = __fdiv_rn(1.0f, scale);
+  int4 q;
+  __nv_fp8x2_storage_t *q2 = (__nv_fp8x2_storage_t *)&q;
+#pragma unroll
+  for (int j = 0; j < 8; j++)
+    q2[j] = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(f[2 * j], inv), __fmul_rn(f[2 * j + 1], inv)), __NV_SATFINITE,
+        __NV_E4M3);
+  *scale_out = scale;
+  return q;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Dispatch
+ * ---------------------------------------------------------------------------------------- */
+struct Entry {
+  int d, j, pos, k; /* rank, local expert there, slot, the token's first top-k slot naming it */
+  float w;          /* sum of the token's weights of that expert (slot order) */
+};
+
+/* Where one token's chunks go: payload (and, FP8, scales) of each destination row. */
+struct Plan {
+  int num_dst;
+  char *payload[kMaxDst];
+  float *scales[kMaxDst];
+};
+
+/* Warp 0: the send plan of token t. Writes the src_info of rows written in place, the staged
+ * headers (BY_RANK) and this rank's routing (for combine); fills *plan. */
+template <typename IdxT, bool kFp8, bool kByRank>
+__device__ void plan_token(const epx__kernel_ctx_t &ctx, const epx__ll_dispatch_launch_args_t &a,
+                           const uint32_t *bitmap, int nw, unsigned mask, uint32_t epoch, int t,
+                           Entry *ent, Plan *plan) {
+  const int lane = threadIdx.x & 31, R = ctx.num_ranks, me = ctx.rank;
+  const int K = a.top_k, E = a.num_experts, L = E / R, M = a.max_tokens, H = a.hidden;
+  const int p = a.parity, elem = kFp8 ? 1 : 2, nsc = H / 128;
+  const epx__ws_layout_t &lay = ctx.layout;
+  const size_t RM = lay.ll_rows;
+
+  int e = -1;
+  float w = 1.f;
+  if (lane < K) {
+    const long long v = (long long)((const IdxT *)a.topk_idx)[(size_t)t * K + lane];
+    e = (v >= 0 && v < E) ? (int)v : -1; /* bad ids were reported by block 0 */
+    if (a.topk_weights) w = a.topk_weights[(size_t)t * K + lane];
+    char *own = ll_buf(ctx, me, p);
+    ((int *)(own + lay.ll_my_ids_offset))[(size_t)t * K + lane] = e;
+    ((float *)(own + lay.ll_my_w_offset))[(size_t)t * K + lane] = w;
+  }
+  /* First slot naming the expert, and the sum of its slots' weights in slot order. */
+  bool first = e >= 0;
+  float wsum = 0.f;
+  for (int k = 0; k < K; k++) {
+    const int ek = __shfl_sync(kFull, e, k);
+    const float wk = __shfl_sync(kFull, w, k);
+    if (ek == e) {
+      if (k < lane) first = false;
+      wsum += wk;
+    }
+  }
+  const int d = first ? e / L : 0;
+  const bool live = first && !((mask >> d) & 1u);
+  const unsigned live_ballot = __ballot_sync(kFull, live);
+  const int n = __popc(live_ballot);
+  if (live) {
+    Entry en;
+    en.d = d;
+    en.j = e - d * L;
+    en.pos = position(bitmap + (size_t)e * nw, t);
+    en.k = lane;
+    en.w = wsum;
+    ent[__popc(live_ballot & ((1u << lane) - 1u))] = en;
+  }
+  __syncwarp();
+
+  /* Rows written in place: every entry (DIRECT) or the own rank's (BY_RANK). */
+  const bool in_place = lane < n && (!kByRank || ent[lane].d == me);
+  const unsigned ip_ballot = __ballot_sync(kFull, in_place);
+  if (in_place) {
+    const Entry en = ent[lane];
+    char *base = ll_buf(ctx, en.d, p);
+    const size_t row = (size_t)en.j * RM + (size_t)me * M + en.pos;
+    const int i = __popc(ip_ballot & ((1u << lane) - 1u));
+    plan->payload[i] = base + lay.ll_x_offset + row * H * elem;
+    plan->scales[i] = kFp8 ? (float *)(base + lay.ll_scales_offset) + row * nsc : nullptr;
+    ((int4 *)(base + lay.ll_src_info_offset))[row] = make_int4(me, t, en.k, 0);
+  }
+  int num_dst = __popc(ip_ballot);
+  if (kByRank) {
+    const unsigned ranks = __reduce_or_sync(kFull, lane < n ? 1u << ent[lane].d : 0u);
+    /* Staged rows: one per other rank of the token. */
+    const bool staged = lane < R && lane != me && ((ranks >> lane) & 1u);
+    const unsigned st_ballot = __ballot_sync(kFull, staged);
+    if (staged) {
+      char *row = ll_buf(ctx, lane, p) + lay.ll_stage_offset +
+                  ((size_t)me * M + t) * lay.ll_stage_row_bytes + EPX_LL_HEADER_BYTES;
+      const int i = num_dst + __popc(st_ballot & ((1u << lane) - 1u));
+      plan->payload[i] = row;
+      plan->scales[i] = kFp8 ? (float *)(row + H) : nullptr;
+    }
+    num_dst += __popc(st_ballot);
+    /* Headers, the own rank's included (combine reads it). */
+    for (unsigned rest = ranks; rest; rest &= rest - 1) {
+      const int r = __ffs(rest) - 1;
+      char *hdr =
+          ll_buf(ctx, r, p) + lay.ll_stage_offset + ((size_t)me * M + t) * lay.ll_stage_row_bytes;
+      const bool mine = lane < n && ent[lane].d == r;
+      const unsigned mb = __ballot_sync(kFull, mine);
+      if (mine) {
+        const Entry en = ent[lane];
+        const int i = __popc(mb & ((1u << lane) - 1u));
+        ((uint32_t *)(hdr + kHdrPacked))[i] =
+            (uint32_t)en.pos | ((uint32_t)en.j << 16) | ((uint32_t)en.k << 26);
+        ((float *)(hdr + kHdrWeights))[i] = en.w;
+      }
+      if (lane == 0) *(int4 *)hdr = make_int4((int)epoch, t, __popc(mb), 0);
+    }
+  }
+  if (lane == 0) plan->num_dst = num_dst;
+}
+
+/* All warps: token t's chunks to every destination of the plan. */
+template <bool kFp8>
+__device__ void send_token(const epx__ll_dispatch_launch_args_t &a, int t, const Plan *plan) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = a.hidden;
+  const int nch = (H + kChunk - 1) / kChunk, num_dst = plan->num_dst;
+  const int4 *src = (const int4 *)((const char *)a.x + (size_t)t * H * 2);
+  if (num_dst == 0) return; /* no valid expert on a live rank */
+  for (int ch = warp; ch < nch; ch += kWarps) {
+    const int c0 = ch * kChunk + lane * 16;
+    const bool act = c0 < H;
+    int4 v0 = make_int4(0, 0, 0, 0), v1 = v0;
+    if (act) {
+      v0 = epx::ld_nc_na_v4(src + c0 / 8);
+      v1 = epx::ld_nc_na_v4(src + c0 / 8 + 1);
+    }
+    if (kFp8) {
+      float scale;
+      const int4 q = quantize16(v0, v1, a.ue8m0 != 0, &scale);
+      if (act)
+        for (int i = 0; i < num_dst; i++) {
+          *(int4 *)(plan->payload[i] + c0) = q;
+          if ((lane & 7) == 0) plan->scales[i][c0 / 128] = scale;
+        }
+    } else if (act) {
+      for (int i = 0; i < num_dst; i++) {
+        int4 *dst = (int4 *)(plan->payload[i] + (size_t)c0 * 2);
+        dst[0] = v0;
+        dst[1] = v1;
+      }
+    }
+  }
+}
+
+/* Route BY_RANK, receive: fan the rows that block b of source s staged here out to their
+ * experts' slots (token t is staged for this rank iff its header carries this call's epoch). */
+template <bool kFp8>
+__device__ void fan_out(const epx__kernel_ctx_t &ctx, const epx__ll_dispatch_launch_args_t &a,
+                        int s, int num_src_tokens, uint32_t epoch, Plan *plan) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int R = ctx.num_ranks, me = ctx.rank, G = gridDim.x;
+  const int K = a.top_k, L = a.num_experts / R, M = a.max_tokens, H = a.hidden;
+  const int p = a.parity, elem = kFp8 ? 1 : 2, nsc = H / 128, nch = (H + kChunk - 1) / kChunk;
+  const epx__ws_layout_t &lay = ctx.layout;
+  const size_t RM = lay.ll_rows;
+  char *own = ll_buf(ctx, me, p);
+  for (int t = blockIdx.x; t < num_src_tokens; t += G) {
+    const char *row = own + lay.ll_stage_offset + ((size_t)s * M + t) * lay.ll_stage_row_bytes;
+    if (warp == 0) {
+      const int4 head = __ldcg((const int4 *)row);
+      int n = ((uint32_t)head.x == epoch && head.y == t) ? head.z : 0;
+      n = n < 0 ? 0 : n > K ? K : n;
+      const uint32_t pk = lane < n ? __ldcg((const unsigned *)(row + kHdrPacked) + lane) : 0u;
+      const int pos = (int)(pk & 0xffffu), j = (int)((pk >> 16) & 0x3ffu), k = (int)(pk >> 26);
+      const bool ok = lane < n && j < L && pos < M && k < K;
+      const unsigned ob = __ballot_sync(kFull, ok);
+      if (ok) {
+        const size_t r = (size_t)j * RM + (size_t)s * M + pos;
+        const int i = __popc(ob & ((1u << lane) - 1u));
+        plan->payload[i] = own + lay.ll_x_offset + r * H * elem;
+        plan->scales[i] = kFp8 ? (float *)(own + lay.ll_scales_offset) + r * nsc : nullptr;
+        ((int4 *)(own + lay.ll_src_info_offset))[r] = make_int4(s, t, k, 0);
+      }
+      if (lane == 0) plan->num_dst = __popc(ob);
+    }
+    __syncthreads();
+    const int num_dst = plan->num_dst;
+    const char *src = row + EPX_LL_HEADER_BYTES;
+    for (int ch = warp; num_dst > 0 && ch < nch; ch += kWarps) {
+      const int c0 = ch * kChunk + lane * 16;
+      if (c0 >= H) continue;
+      if (kFp8) {
+        const int4 v = __ldcg((const int4 *)(src + c0));
+        const float sc = (lane & 7) == 0 ? __ldcg((const float *)(src + H) + c0 / 128) : 0.f;
+        for (int i = 0; i < num_dst; i++) {
+          *(int4 *)(plan->payload[i] + c0) = v;
+          if ((lane & 7) == 0) plan->scales[i][c0 / 128] = sc;
+        }
+      } else {
+        const int4 v0 = __ldcg((const int4 *)(src + (size_t)c0 * 2));
+        const int4 v1 = __ldcg((const int4 *)(src + (size_t)c0 * 2) + 1);
+        for (int i = 0; i < num_dst; i++) {
+          int4 *dst = (int4 *)(plan->payload[i] + (size_t)c0 * 2);
+          dst[0] = v0;
+          dst[1] = v1;
+        }
+      }
+    }
+    __syncthreads(); /* the plan is rewritten for the next token */
+  }
+}
+
+template <typename IdxT, bool kFp8, bool kByRank>
+__global__ void __launch_bounds__(kThreads, 1)
+    ll_dispatch_kernel(epx__kernel_ctx_t ctx, epx__ll_dispatch_launch_args_t a) {
+  extern __shared__ uint32_t bitmap[]; /* [E][nw]: bit t of expert e = token t chose e */
+  __shared__ uint32_t s_epoch;
+  __shared__ unsigned s_mask;
+  __shared__ unsigned long long s_first_bad;
+  __shared__ Entry s_ent[EPX_MAX_TOP_K];
+  __shared__ Plan s_plan;
+  __shared__ uint32_t s_src_tokens[EPX_MAX_RANKS]; /* per source: T, or kNoSignal */
+
+  const int tid = threadIdx.x, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
+  const int R = ctx.num_ranks, me = ctx.rank;
+  const int K = a.top_k, E = a.num_experts, L = E / R, M = a.max_tokens, T = a.num_tokens;
+  const int p = a.parity;
+  const epx__ws_layout_t &lay = ctx.layout;
+
+  if (tid == 0) {
+    uint32_t *slot = epoch_slot(ctx, kKindDispatch, p, b);
+    uint32_t epoch = *slot;
+    if (a.phases & EPX_LL_PHASE_SEND) *slot = ++epoch;
+    s_epoch = epoch;
+    s_mask = read_mask(ctx);
+    s_first_bad = ~0ull;
+  }
+  __syncthreads();
+  const uint32_t epoch = s_epoch;
+
+  if (a.phases & EPX_LL_PHASE_SEND) {
+    const unsigned mask = s_mask;
+    const int nw = (T + 31) / 32;
+    const IdxT *topk = (const IdxT *)a.topk_idx;
+    /* 1. Token bitmaps of every expert. Block 0 also finds the first id outside [-1, E). */
+    for (int i = tid; i < E * nw; i += kThreads) bitmap[i] = 0;
+    __syncthreads();
+    for (int i = tid; i < T * K; i += kThreads) {
+      const long long e = (long long)topk[i];
+      const int t = i / K;
+      if (e >= 0 && e < E)
+        atomicOr(&bitmap[(size_t)e * nw + (t >> 5)], 1u << (t & 31));
+      else if (e != -1 && b == 0)
+        atomicMin(&s_first_bad, (unsigned long long)i);
+    }
+    __syncthreads();
+    if (b == 0 && tid == 0 && s_first_bad != ~0ull)
+      epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_LL_DISPATCH, -1,
+                       (long long)s_first_bad, (long long)topk[s_first_bad]);
+    /* 2. Rows of (expert, me) for the experts e % G == b, into cnt[j][me] on their rank. */
+    for (int e = b + tid * G; e < E; e += kThreads * G) {
+      const int d = e / L;
+      if ((mask >> d) & 1u) continue;
+      int n = 0;
+      for (int w = 0; w < nw; w++) n += __popc(bitmap[(size_t)e * nw + w]);
+      ((int *)(ll_buf(ctx, d, p) + lay.ll_cnt_offset))[(size_t)(e - d * L) * R + me] = n;
+    }
+    /* 3. The tokens of this block. */
+    for (int t = b; t < T; t += G) {
+      if (warp == 0)
+        plan_token<IdxT, kFp8, kByRank>(ctx, a, bitmap, nw, mask, epoch, t, s_ent, &s_plan);
+      __syncthreads();
+      send_token<kFp8>(a, t, &s_plan);
+      __syncthreads(); /* the plan is rewritten for the next token */
+    }
+    /* 4. Everything of this block is issued: tell every rank, with this rank's token count. */
+    signal_ranks(ctx, mask, lay.ll_dflag_offset, p, epoch, (uint32_t)T);
+  }
+
+  if (a.phases & EPX_LL_PHASE_RECV) {
+    char *own = ll_buf(ctx, me, p);
+    /* Block b of every source, the own rank first (already done), then the others. */
+    for (int i = 0; i < R; i++) {
+      const int s = (me + i) % R;
+      if (tid == 0) {
+        uint32_t v = kNoSignal;
+        if (!((read_mask(ctx) >> s) & 1u)) {
+          const uint64_t *sig =
+              (const uint64_t *)(own + lay.ll_dflag_offset) + (size_t)s * EPX_LL_MAX_BLOCKS + b;
+          v = wait_signal(ctx, sig, epoch, s, EPX_STAGE_LL_DISPATCH);
+        }
+        s_src_tokens[s] = v == kNoSignal ? kNoSignal : (v > (uint32_t)M ? (uint32_t)M : v);
+      }
+      __syncthreads();
+      if (kByRank && s != me && s_src_tokens[s] != kNoSignal)
+        fan_out<kFp8>(ctx, a, s, (int)s_src_tokens[s], epoch, &s_plan);
+    }
+    /* Counts of the local experts e % G == b: sender blocks b wrote their cnt words. */
+    const int *cnt = (const int *)(own + lay.ll_cnt_offset);
+    int *count = (int *)(own + lay.ll_recv_count_offset);
+    int *begin = (int *)(own + lay.ll_recv_begin_offset);
+    int *num = (int *)(own + lay.ll_recv_num_offset);
+    for (int j = tid; j < L; j += kThreads) {
+      if ((me * L + j) % G != b) continue;
+      int total = 0;
+      for (int s = 0; s < R; s++) {
+        int n = 0;
+        if (s_src_tokens[s] != kNoSignal) {
+          n = __ldcg(cnt + (size_t)j * R + s);
+          n = n < 0 ? 0 : n > M ? M : n;
+        }
+        num[j * R + s] = n;
+        begin[j * R + s] = s * M;
+        total += n;
+      }
+      count[j] = total;
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Combine
+ * ---------------------------------------------------------------------------------------- */
+/* acc[16] += sum over n rows of w_i * row_i[this lane's 16 channels from c0], with 4 rows'
+ * loads in flight. n must be the same on every lane and every lane must call it (row_of may
+ * shuffle); lanes with act = false load nothing. */
+template <typename RowFn>
+__device__ __forceinline__ void accumulate_rows(int n, RowFn row_of, int c0, bool act, float *acc) {
+  for (int i0 = 0; i0 < n; i0 += 4) {
+    int4 v[4][2];
+    float w[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      w[u] = 0.f;
+      v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
+      if (i0 + u < n) {
+        const char *row = row_of(i0 + u, &w[u]);
+        if (act) {
+          const int4 *r = (const int4 *)(row + (size_t)c0 * 2);
+          v[u][0] = __ldcg(r);
+          v[u][1] = __ldcg(r + 1);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      if (i0 + u >= n) break;
+      acc_bf16x8(v[u][0], w[u], acc);
+      acc_bf16x8(v[u][1], w[u], acc + 8);
+    }
+  }
+}
+
+__device__ __forceinline__ void store_acc(void *row, int c0, const float *acc) {
+  int4 *o = (int4 *)((char *)row + (size_t)c0 * 2);
+  o[0] = float8_to_bf16x8(acc);
+  o[1] = float8_to_bf16x8(acc + 8);
+}
+
+/* Exclusive prefix of v[0..n) into prefix[0..n] (n <= 2 * kThreads), all threads. */
+__device__ void block_prefix(const int *v, int n, int *prefix, int *warp_sums) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int a0 = 2 * tid < n ? v[2 * tid] : 0, a1 = 2 * tid + 1 < n ? v[2 * tid + 1] : 0;
+  int x = a0 + a1;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int s = lane < kWarps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, s, o);
+      if (lane >= o) s += y;
+    }
+    if (lane < kWarps) warp_sums[lane] = s; /* inclusive */
+  }
+  __syncthreads();
+  const int excl = x - a0 - a1 + (warp > 0 ? warp_sums[warp - 1] : 0);
+  if (2 * tid < n) prefix[2 * tid] = excl;
+  if (2 * tid + 1 < n) prefix[2 * tid + 1] = excl + a0;
+  if (tid == 0) prefix[n] = warp_sums[kWarps - 1];
+  __syncthreads();
+}
+
+struct CombineRows {
+  int n;
+  const char *src[EPX_MAX_TOP_K]; /* rows of y */
+  float w[EPX_MAX_TOP_K];
+  char *dst; /* the partial's row on the source rank */
+};
+
+template <bool kByRank>
+__global__ void __launch_bounds__(kThreads, 1)
+    ll_combine_kernel(epx__kernel_ctx_t ctx, epx__ll_combine_launch_args_t a) {
+  __shared__ uint32_t s_epoch, s_dispatch_epoch;
+  __shared__ unsigned s_mask, s_ok;
+  __shared__ int s_prefix[EPX_MAX_EXPERTS + 1];
+  __shared__ int s_warp_sums[kWarps];
+  __shared__ CombineRows s_rows;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
+  const int R = ctx.num_ranks, me = ctx.rank;
+  const int H = a.hidden, K = a.top_k, L = a.num_experts / R, M = a.max_tokens;
+  const int p = a.parity, nch = (H + kChunk - 1) / kChunk;
+  const epx__ws_layout_t &lay = ctx.layout;
+  const size_t RM = lay.ll_rows;
+  char *own = ll_buf(ctx, me, p);
+
+  if (tid == 0) {
+    uint32_t *slot = epoch_slot(ctx, kKindCombine, p, b);
+    uint32_t epoch = *slot;
+    if (a.phases & EPX_LL_PHASE_SEND) *slot = ++epoch;
+    s_epoch = epoch;
+    s_dispatch_epoch = *epoch_slot(ctx, kKindDispatch, p, b);
+    s_mask = read_mask(ctx);
+  }
+  __syncthreads();
+  const uint32_t epoch = s_epoch, dispatch_epoch = s_dispatch_epoch;
+
+  if (a.phases & EPX_LL_PHASE_SEND) {
+    const unsigned mask = s_mask;
+    if (kByRank) {
+      /* Partials of the tokens staged here by block b of each source in the dispatch. */
+      for (int i = 1; i <= R; i++) {
+        const int s = (me + i) % R;
+        if ((mask >> s) & 1u) continue;
+        const uint64_t f = __ldcg((const unsigned long long *)(own + lay.ll_dflag_offset) +
+                                  (size_t)s * EPX_LL_MAX_BLOCKS + b);
+        if ((uint32_t)(f >> 32) != dispatch_epoch) continue; /* s did not reach us */
+        const int Ts = (int)((uint32_t)f > (uint32_t)M ? (uint32_t)M : (uint32_t)f);
+        for (int t = b; t < Ts; t += G) {
+          if (warp == 0) {
+            const char *hdr =
+                own + lay.ll_stage_offset + ((size_t)s * M + t) * lay.ll_stage_row_bytes;
+            const int4 head = __ldcg((const int4 *)hdr);
+            int n = ((uint32_t)head.x == dispatch_epoch && head.y == t) ? head.z : 0;
+            n = n < 0 ? 0 : n > K ? K : n;
+            const uint32_t pk = lane < n ? __ldcg((const unsigned *)(hdr + kHdrPacked) + lane) : 0u;
+            const float w = lane < n ? __ldcg((const float *)(hdr + kHdrWeights) + lane) : 0.f;
+            const int pos = (int)(pk & 0xffffu), j = (int)((pk >> 16) & 0x3ffu);
+            const bool ok = lane < n && j < L && pos < M;
+            const unsigned ob = __ballot_sync(kFull, ok);
+            if (ok) {
+              const int idx = __popc(ob & ((1u << lane) - 1u));
+              s_rows.src[idx] = (const char *)a.x + ((size_t)j * RM + (size_t)s * M + pos) * H * 2;
+              s_rows.w[idx] = w;
+            }
+            if (lane == 0) {
+              s_rows.n = __popc(ob);
+              s_rows.dst =
+                  ll_buf(ctx, s, p) + lay.ll_combine_recv_offset + ((size_t)me * M + t) * H * 2;
+            }
+          }
+          __syncthreads();
+          const int n = s_rows.n;
+          for (int ch = warp; n > 0 && ch < nch; ch += kWarps) {
+            const int c0 = ch * kChunk + lane * 16;
+            float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f,
+                             0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            accumulate_rows(
+                n,
+                [&](int i, float *wi) {
+                  *wi = s_rows.w[i];
+                  return s_rows.src[i];
+                },
+                c0, c0 < H, acc);
+            if (c0 < H) store_acc(s_rows.dst, c0, acc);
+          }
+          __syncthreads();
+        }
+      }
+    } else {
+      /* Every row this rank received goes back to its token's slot on the source. Rows are
+       * numbered over (local expert, source) segments; block b takes rows b, b + G, ... */
+      const int *num = (const int *)(own + lay.ll_recv_num_offset);
+      /* s_prefix first holds the segments' row counts, then (in place) their prefix. */
+      for (int i = tid; i < L * R; i += kThreads)
+        s_prefix[i] = ((mask >> (i % R)) & 1u) ? 0 : num[i];
+      __syncthreads();
+      block_prefix(s_prefix, L * R, s_prefix, s_warp_sums);
+      const int total = s_prefix[L * R];
+      const int4 *info = (const int4 *)(own + lay.ll_src_info_offset);
+      for (int u = warp;; u += kWarps) {
+        const int g = b + (u / nch) * G, ch = u % nch;
+        if (g >= total) break;
+        int lo = 0, hi = L * R; /* the segment holding row g: prefix[lo] <= g < prefix[lo+1] */
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) / 2;
+          if (s_prefix[mid] <= g)
+            lo = mid;
+          else
+            hi = mid;
+        }
+        const int j = lo / R, s = lo % R, i = g - s_prefix[lo];
+        const size_t row = (size_t)j * RM + (size_t)s * M + i;
+        const int4 src_info = __ldcg(info + row);
+        const int t = src_info.y, k = src_info.z;
+        const int c0 = ch * kChunk + lane * 16;
+        if (t < 0 || t >= M || k < 0 || k >= K || c0 >= H) continue;
+        const int4 *src = (const int4 *)((const char *)a.x + (row * H + c0) * 2);
+        int4 *dst = (int4 *)(ll_buf(ctx, s, p) + lay.ll_combine_recv_offset +
+                             (((size_t)t * K + k) * H + c0) * 2);
+        const int4 x0 = epx::ld_nc_na_v4(src), x1 = epx::ld_nc_na_v4(src + 1);
+        dst[0] = x0;
+        dst[1] = x1;
+      }
+    }
+    signal_ranks(ctx, mask, lay.ll_cflag_offset, p, epoch, 0u);
+  }
+
+  if (a.phases & EPX_LL_PHASE_RECV) {
+    const int T = a.num_tokens;
+    if (tid == 0) s_ok = (1u << R) - 1u;
+    __syncthreads();
+    /* BY_RANK: block b of every rank. DIRECT: every block of every rank. */
+    const int waits = kByRank ? R : R * G;
+    for (int i = tid; i < waits; i += kThreads) {
+      const int d = kByRank ? i : i / G, blk = kByRank ? b : i % G;
+      uint32_t v = kNoSignal;
+      if (!((read_mask(ctx) >> d) & 1u)) {
+        const uint64_t *sig =
+            (const uint64_t *)(own + lay.ll_cflag_offset) + (size_t)d * EPX_LL_MAX_BLOCKS + blk;
+        v = wait_signal(ctx, sig, epoch, d, EPX_STAGE_LL_COMBINE);
+      }
+      if (v == kNoSignal) atomicAnd(&s_ok, ~(1u << d));
+    }
+    __syncthreads();
+    const unsigned ok = s_ok;
+    const int *my_ids = (const int *)(own + lay.ll_my_ids_offset);
+    const float *my_w = (const float *)(own + lay.ll_my_w_offset);
+    const char *recv = own + lay.ll_combine_recv_offset;
+    /* Units (token, chunk): BY_RANK the tokens t % G == b; DIRECT units u % G == b. */
+    const int per_block = kByRank ? ((T - b + G - 1) / G) * nch : 0;
+    for (int u = kByRank ? warp : b + warp * G;; u += kByRank ? kWarps : kWarps * G) {
+      int t, ch;
+      if (kByRank) {
+        if (u >= per_block) break;
+        t = b + (u / nch) * G;
+        ch = u % nch;
+      } else {
+        if (u >= T * nch) break;
+        t = u / nch;
+        ch = u % nch;
+      }
+      const int e = lane < K ? my_ids[(size_t)t * K + lane] : -1;
+      const float w = lane < K ? my_w[(size_t)t * K + lane] : 0.f;
+      const int d = e >= 0 ? e / L : 0;
+      const bool valid = e >= 0 && e < a.num_experts && ((ok >> d) & 1u);
+      const int c0 = ch * kChunk + lane * 16;
+      float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f,
+                       0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (kByRank) {
+        /* The partials of the token's ranks, in rank order. */
+        const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << d : 0u);
+        accumulate_rows(
+            __popc(ranks),
+            [&](int i, float *wi) {
+              unsigned rest = ranks;
+              for (int q = 0; q < i; q++) rest &= rest - 1;
+              *wi = 1.f;
+              return recv + ((size_t)(__ffs(rest) - 1) * M + t) * H * 2;
+            },
+            c0, c0 < H, acc);
+      } else {
+        /* The valid slots in slot order; slot k reads the row of the token's first slot naming
+         * the same expert (one row per distinct expert was sent). */
+        int first = lane;
+        for (int k = K - 1; k >= 0; k--)
+          if (__shfl_sync(kFull, e, k) == e && k < lane) first = k;
+        const unsigned vb = __ballot_sync(kFull, valid);
+        accumulate_rows(
+            __popc(vb),
+            [&](int i, float *wi) {
+              unsigned rest = vb;
+              for (int q = 0; q < i; q++) rest &= rest - 1;
+              const int k = __ffs(rest) - 1;
+              *wi = __shfl_sync(kFull, w, k);
+              const int kf = __shfl_sync(kFull, first, k);
+              return recv + ((size_t)t * K + kf) * H * 2;
+            },
+            c0, c0 < H, acc);
+      }
+      if (c0 < H) store_acc((char *)a.out + (size_t)t * H * 2, c0, acc);
+    }
+  }
+}
+
+template <typename IdxT, bool kFp8, bool kByRank>
+epx_status_t launch_dispatch(const epx__kernel_ctx_t *ctx, const epx__ll_dispatch_launch_args_t *a,
+                             size_t smem, cudaStream_t stream) {
+  auto kernel = ll_dispatch_kernel<IdxT, kFp8, kByRank>;
+  if (smem > 48 * 1024)
+    CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<a->num_blocks, kThreads, smem, stream>>>(*ctx, *a);
+  CUDA_CHECK(cudaGetLastError());
+  return EPX_OK;
+}
+
+}  // namespace
+
+extern "C" epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,
+                                                const epx__ll_dispatch_launch_args_t *args,
+                                                cudaStream_t stream) {
+  const size_t smem = (args->phases & EPX_LL_PHASE_SEND)
+                          ? epx__ll_bitmap_bytes(args->num_experts, args->num_tokens)
+                          : 0;
+  switch ((args->idx_is_int64 ? 1 : 0) | (args->fp8 ? 2 : 0) | (args->by_rank ? 4 : 0)) {
+    case 0:
+      return launch_dispatch<int, false, false>(ctx, args, smem, stream);
+    case 1:
+      return launch_dispatch<long long, false, false>(ctx, args, smem, stream);
+    case 2:
+      return launch_dispatch<int, true, false>(ctx, args, smem, stream);
+    case 3:
+      return launch_dispatch<long long, true, false>(ctx, args, smem, stream);
+    case 4:
+      return launch_dispatch<int, false, true>(ctx, args, smem, stream);
+    case 5:
+      return launch_dispatch<long long, false, true>(ctx, args, smem, stream);
+    case 6:
+      return launch_dispatch<int, true, true>(ctx, args, smem, stream);
+    default:
+      return launch_dispatch<long long, true, true>(ctx, args, smem, stream);
+  }
+}
+
+extern "C" epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
+                                               const epx__ll_combine_launch_args_t *args,
+                                               cudaStream_t stream) {
+  if (args->by_rank)
+    ll_combine_kernel<true><<<args->num_blocks, kThreads, 0, stream>>>(*ctx, *args);
+  else
+    ll_combine_kernel<false><<<args->num_blocks, kThreads, 0, stream>>>(*ctx, *args);
+  CUDA_CHECK(cudaGetLastError());
+  return EPX_OK;
+}

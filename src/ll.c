@@ -1,0 +1,314 @@
+/*
+ * ll.c - the host side of low-latency mode: epx_ll_dispatch, epx_ll_combine, epx_ll_recv and
+ * the peer-mask calls. Checks every argument (nothing is queued when one is refused), keeps
+ * the bookkeeping of buffers and split calls (epx__ll_host_t in group.h), then queues the
+ * kernels of src/kernels/ll.cu on the caller's stream.
+ *
+ * Buffers: dispatches alternate between the two buffers of the workspace's ll region; a
+ * combine uses its dispatch's buffer. A split call leaves its buffer "pending" until its hook
+ * is passed to epx_ll_recv; a dispatch or combine that would reuse a pending buffer is refused.
+ * Hook ids are (seq << 2) | (kind << 1) | buffer with seq >= 1, so 0 never names a call.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checks.h"
+#include "group.h"
+#include "kernels/api.h"
+
+enum { KIND_DISPATCH = 0, KIND_COMBINE = 1 };
+
+static unsigned long long hook_id(unsigned long long seq, int kind, int parity) {
+  return (seq << 2) | ((unsigned long long)kind << 1) | (unsigned long long)parity;
+}
+
+static epx_status_t require_ll(epx_group_t g, const char *fn) {
+  if (!(g->config.modes & EPX_MODE_LOW_LATENCY))
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the group was created without EPX_MODE_LOW_LATENCY in config.modes",
+                          fn);
+  return EPX_OK;
+}
+
+static char *ll_buffer(epx_group_t g, int parity) {
+  return g->workspace + g->layout.ll_offset + (size_t)parity * g->layout.ll_parity_bytes;
+}
+
+static void fill_result(epx_group_t g, int parity, int num_tokens, epx_dtype_t dtype,
+                        epx_ll_dispatch_result_t *out) {
+  const epx__ws_layout_t *l = &g->layout;
+  char *base = ll_buffer(g, parity);
+  memset(out, 0, sizeof *out);
+  out->num_tokens = num_tokens;
+  out->num_local_experts = g->config.num_experts / g->num_ranks;
+  out->rows_per_expert = (int)l->ll_rows;
+  out->max_tokens_per_rank = g->config.max_tokens_per_rank;
+  out->recv_dtype = dtype;
+  out->recv_x = base + l->ll_x_offset;
+  out->recv_x_scales = dtype == EPX_DTYPE_FP8_E4M3 ? (float *)(base + l->ll_scales_offset) : NULL;
+  out->recv_src_info = (int *)(base + l->ll_src_info_offset);
+  out->recv_count = (int *)(base + l->ll_recv_count_offset);
+  out->recv_begin = (int *)(base + l->ll_recv_begin_offset);
+  out->recv_num = (int *)(base + l->ll_recv_num_offset);
+  out->combine_input = base + l->ll_combine_in_offset;
+  out->buffer = parity;
+}
+
+static epx__ll_dispatch_launch_args_t dispatch_launch_args(epx_group_t g, int parity, int fp8,
+                                                           int phases) {
+  epx__ll_dispatch_launch_args_t d;
+  memset(&d, 0, sizeof d);
+  d.idx_is_int64 = 1;
+  d.num_tokens = g->ll.dispatch_tokens[parity];
+  d.hidden = g->config.hidden;
+  d.top_k = g->config.top_k;
+  d.num_experts = g->config.num_experts;
+  d.max_tokens = g->config.max_tokens_per_rank;
+  d.fp8 = fp8;
+  d.by_rank = g->config.ll_route == EPX_LL_ROUTE_BY_RANK;
+  d.parity = parity;
+  d.phases = phases;
+  d.num_blocks = g->config.ll_num_sms;
+  return d;
+}
+
+static epx__ll_combine_launch_args_t combine_launch_args(epx_group_t g, int parity, const void *x,
+                                                         void *out, int phases) {
+  epx__ll_combine_launch_args_t c;
+  memset(&c, 0, sizeof c);
+  c.x = x;
+  c.out = out;
+  c.num_tokens = g->ll.dispatch_tokens[parity];
+  c.hidden = g->config.hidden;
+  c.top_k = g->config.top_k;
+  c.num_experts = g->config.num_experts;
+  c.max_tokens = g->config.max_tokens_per_rank;
+  c.by_rank = g->config.ll_route == EPX_LL_ROUTE_BY_RANK;
+  c.parity = parity;
+  c.phases = phases;
+  c.num_blocks = g->config.ll_num_sms;
+  return c;
+}
+
+EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_args_t *a,
+                                        epx_ll_dispatch_result_t *out, cudaStream_t stream) {
+  static const char fn[] = "epx_ll_dispatch";
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(a != NULL, "%s: args is NULL", fn);
+  EPX_ARG_CHECK(out != NULL, "%s: result is NULL", fn);
+  EPX_CHECK(require_ll(g, fn));
+  EPX_ARG_CHECK(a->size == sizeof(epx_ll_dispatch_args_t),
+                "%s: args->size = %zu, expected %zu; initialize with EPX_LL_DISPATCH_ARGS_INIT", fn,
+                a->size, sizeof(epx_ll_dispatch_args_t));
+  EPX_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= g->config.max_tokens_per_rank,
+                "%s: args->num_tokens = %d: must be in [0, max_tokens_per_rank = %d]", fn,
+                a->num_tokens, g->config.max_tokens_per_rank);
+  EPX_ARG_CHECK(a->topk_idx_dtype == EPX_DTYPE_INT64 || a->topk_idx_dtype == EPX_DTYPE_INT32,
+                "%s: args->topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32", fn,
+                (int)a->topk_idx_dtype);
+  EPX_ARG_CHECK(a->recv_dtype == EPX_DTYPE_BF16 || a->recv_dtype == EPX_DTYPE_FP8_E4M3,
+                "%s: args->recv_dtype = %d: must be EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3", fn,
+                (int)a->recv_dtype);
+  EPX_ARG_CHECK(g->config.dtypes & a->recv_dtype,
+                "%s: args->recv_dtype = %s, but the group was created without it (config.dtypes "
+                "= 0x%x)",
+                fn, a->recv_dtype == EPX_DTYPE_BF16 ? "BF16" : "FP8_E4M3", g->config.dtypes);
+  EPX_ARG_CHECK(a->ue8m0 == 0 || a->ue8m0 == 1, "%s: args->ue8m0 = %d: must be 0 or 1", fn,
+                a->ue8m0);
+  EPX_ARG_CHECK(!a->ue8m0 || a->recv_dtype == EPX_DTYPE_FP8_E4M3,
+                "%s: args->ue8m0 = 1 needs args->recv_dtype = EPX_DTYPE_FP8_E4M3", fn);
+  EPX_ARG_CHECK(a->split == 0 || a->split == 1, "%s: args->split = %d: must be 0 or 1", fn,
+                a->split);
+  if (a->num_tokens > 0) {
+    EPX_CHECK(epx__check_device_ptr(a->x, 16, "epx_ll_dispatch: args->x"));
+    EPX_CHECK(epx__check_device_ptr(a->topk_idx, a->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4,
+                                    "epx_ll_dispatch: args->topk_idx"));
+    if (a->topk_weights)
+      EPX_CHECK(epx__check_device_ptr(a->topk_weights, 4, "epx_ll_dispatch: args->topk_weights"));
+  }
+  const int parity = g->ll.next_parity;
+  if (g->ll.pending[KIND_DISPATCH][parity] || g->ll.pending[KIND_COMBINE][parity])
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: buffer %d, which this dispatch would reuse, still has a split %s "
+                          "waiting for epx_ll_recv",
+                          fn, parity,
+                          g->ll.pending[KIND_DISPATCH][parity] ? "dispatch" : "combine");
+
+  const int fp8 = a->recv_dtype == EPX_DTYPE_FP8_E4M3;
+  g->ll.dispatch_tokens[parity] = a->num_tokens;
+  epx__ll_dispatch_launch_args_t d = dispatch_launch_args(
+      g, parity, fp8, a->split ? EPX_LL_PHASE_SEND : EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV);
+  d.x = a->x;
+  d.topk_idx = a->topk_idx;
+  d.idx_is_int64 = a->topk_idx_dtype == EPX_DTYPE_INT64;
+  d.topk_weights = a->topk_weights;
+  d.ue8m0 = a->ue8m0;
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  EPX_CHECK(epx__ll_dispatch_launch(&ctx, &d, stream));
+
+  const unsigned long long seq = ++g->ll.seq;
+  g->ll.dispatch_id[parity] = seq;
+  g->ll.dispatch_fp8[parity] = fp8;
+  g->ll.next_parity = parity ^ 1;
+  fill_result(g, parity, a->num_tokens, a->recv_dtype, out);
+  out->call_id = seq;
+  if (a->split) {
+    out->hook.id = hook_id(seq, KIND_DISPATCH, parity);
+    g->ll.pending[KIND_DISPATCH][parity] = out->hook.id;
+  }
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_t *a,
+                                       cudaStream_t stream) {
+  static const char fn[] = "epx_ll_combine";
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(a != NULL, "%s: args is NULL", fn);
+  EPX_CHECK(require_ll(g, fn));
+  EPX_ARG_CHECK(a->size == sizeof(epx_ll_combine_args_t),
+                "%s: args->size = %zu, expected %zu; initialize with EPX_LL_COMBINE_ARGS_INIT", fn,
+                a->size, sizeof(epx_ll_combine_args_t));
+  EPX_ARG_CHECK(a->dispatch != NULL, "%s: args->dispatch is NULL", fn);
+  const epx_ll_dispatch_result_t *d = a->dispatch;
+  EPX_ARG_CHECK(d->buffer == 0 || d->buffer == 1,
+                "%s: args->dispatch->buffer = %d: not a dispatch result of this group", fn,
+                d->buffer);
+  const int parity = d->buffer;
+  if (d->call_id == 0 || d->call_id != g->ll.dispatch_id[parity])
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: args->dispatch (call %llu) is not one of the two latest dispatches "
+                          "of this group: its buffer %d has been reused (or it is from another "
+                          "group)",
+                          fn, d->call_id, parity);
+  if (g->ll.pending[KIND_DISPATCH][parity])
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the receive of args->dispatch is still pending; call "
+                          "epx_ll_recv(&result->hook) first",
+                          fn);
+  if (g->ll.pending[KIND_COMBINE][parity])
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: a split combine of args->dispatch still waits for epx_ll_recv", fn);
+  EPX_ARG_CHECK(a->split == 0 || a->split == 1, "%s: args->split = %d: must be 0 or 1", fn,
+                a->split);
+  EPX_ARG_CHECK(!a->split || a->hook != NULL, "%s: args->split = 1 needs args->hook", fn);
+  const int T = g->ll.dispatch_tokens[parity];
+  if (T > 0) EPX_CHECK(epx__check_device_ptr(a->out, 16, "epx_ll_combine: args->out"));
+  const void *x =
+      a->x ? a->x : (const void *)(ll_buffer(g, parity) + g->layout.ll_combine_in_offset);
+  /* Expert outputs may be 0 rows on this rank, but the pointer must still be device memory. */
+  if (a->x) EPX_CHECK(epx__check_device_ptr(a->x, 16, "epx_ll_combine: args->x"));
+
+  epx__ll_combine_launch_args_t c = combine_launch_args(
+      g, parity, x, a->out, a->split ? EPX_LL_PHASE_SEND : EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV);
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  EPX_CHECK(epx__ll_combine_launch(&ctx, &c, stream));
+  const unsigned long long seq = ++g->ll.seq;
+  if (a->split) {
+    a->hook->id = hook_id(seq, KIND_COMBINE, parity);
+    g->ll.pending[KIND_COMBINE][parity] = a->hook->id;
+    g->ll.combine_out[parity] = a->out;
+  }
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_ll_recv(epx_group_t g, epx_ll_hook_t *hook, cudaStream_t stream) {
+  static const char fn[] = "epx_ll_recv";
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(hook != NULL, "%s: hook is NULL", fn);
+  EPX_CHECK(require_ll(g, fn));
+  const unsigned long long id = hook->id;
+  const int kind = (int)((id >> 1) & 1u), parity = (int)(id & 1u);
+  if (id == 0 || g->ll.pending[kind][parity] != id)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: hook %llu is not pending on this group (completed already, not "
+                          "from a split call, or from another group)",
+                          fn, id);
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  if (kind == KIND_DISPATCH) {
+    epx__ll_dispatch_launch_args_t d =
+        dispatch_launch_args(g, parity, g->ll.dispatch_fp8[parity], EPX_LL_PHASE_RECV);
+    EPX_CHECK(epx__ll_dispatch_launch(&ctx, &d, stream));
+  } else {
+    epx__ll_combine_launch_args_t c =
+        combine_launch_args(g, parity, NULL, g->ll.combine_out[parity], EPX_LL_PHASE_RECV);
+    EPX_CHECK(epx__ll_combine_launch(&ctx, &c, stream));
+  }
+  g->ll.pending[kind][parity] = 0;
+  hook->id = 0;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_get_peer_mask(epx_group_t g, unsigned int *mask) {
+  EPX_CHECK(epx__group_check(g));
+  EPX_ARG_CHECK(mask != NULL, "epx_group_get_peer_mask: mask is NULL");
+  const epx__control_t *ctrl = (const epx__control_t *)(g->workspace + g->layout.control_offset);
+  /* NOTE: a copy on the group's own non-blocking stream: it waits for no caller stream, so a
+   * low-latency kernel that is still waiting on a peer does not block the query. */
+  unsigned value = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&value, &ctrl->ll_peer_mask, sizeof value, cudaMemcpyDeviceToHost,
+                             g->setup_stream));
+  CUDA_CHECK(cudaStreamSynchronize(g->setup_stream));
+  *mask = value;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
+  EPX_CHECK(epx__group_check(g));
+  epx_status_t res = EPX_OK;
+  const size_t num_epochs = 2 * 2 * EPX_LL_MAX_BLOCKS;
+  uint32_t *host = NULL, *dev = NULL;
+  epx__control_t *ctrl = (epx__control_t *)(g->workspace + g->layout.control_offset);
+  uint32_t *epochs = (uint32_t *)(g->workspace + g->layout.ll_offset + g->layout.ll_epoch_offset);
+  const int ll = (g->config.modes & EPX_MODE_LOW_LATENCY) != 0;
+  /* 1. Nothing of ours is in flight any more. */
+  CUDA_CHECK(cudaDeviceSynchronize());
+  host = (uint32_t *)calloc(num_epochs, sizeof *host);
+  if (!host) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_clear_peer_mask: out of memory");
+  CUDA_CHECK_GOTO(cudaMalloc((void **)&dev, sizeof *dev), res, exit);
+  /* 2. The largest epoch any block of any rank has used: after this all-reduce (which is also
+   *    the barrier) every rank restarts from it, so no signal or header of the failed period
+   *    can carry the epoch of a new call. */
+  uint32_t largest = 0;
+  if (ll) {
+    CUDA_CHECK_GOTO(cudaMemcpyAsync(host, epochs, num_epochs * sizeof *host, cudaMemcpyDeviceToHost,
+                                    g->setup_stream),
+                    res, exit);
+    CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
+    for (size_t i = 0; i < num_epochs; i++)
+      if (host[i] > largest) largest = host[i];
+  }
+  CUDA_CHECK_GOTO(
+      cudaMemcpyAsync(dev, &largest, sizeof largest, cudaMemcpyHostToDevice, g->setup_stream), res,
+      exit);
+  NCCL_CHECK_GOTO(ncclAllReduce(dev, dev, 1, ncclUint32, ncclMax, g->comm, g->setup_stream), res,
+                  exit);
+  CUDA_CHECK_GOTO(
+      cudaMemcpyAsync(&largest, dev, sizeof largest, cudaMemcpyDeviceToHost, g->setup_stream), res,
+      exit);
+  CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
+  /* 3. Every epoch of this rank to that value, the mask to 0, the bookkeeping to its start. */
+  if (ll) {
+    for (size_t i = 0; i < num_epochs; i++) host[i] = largest;
+    CUDA_CHECK_GOTO(cudaMemcpyAsync(epochs, host, num_epochs * sizeof *host, cudaMemcpyHostToDevice,
+                                    g->setup_stream),
+                    res, exit);
+  }
+  CUDA_CHECK_GOTO(
+      cudaMemsetAsync(&ctrl->ll_peer_mask, 0, sizeof ctrl->ll_peer_mask, g->setup_stream), res,
+      exit);
+  CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
+  {
+    const unsigned long long seq = g->ll.seq; /* call ids stay unique: old results are refused */
+    memset(&g->ll, 0, sizeof g->ll);
+    g->ll.seq = seq;
+  }
+exit:
+  if (dev) cudaFree(dev);
+  free(host);
+  return res;
+}
