@@ -1043,3 +1043,172 @@ EPX_HOST_TEST(ref_random_ll_roundtrip, 60) {
           checked); /* even ones always */
   return TEST_PASS;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Low-latency, EPX's fixed-slot layout.
+ * ------------------------------------------------------------------------------------------- */
+
+/* The hand world with M = 4: rows (src_rank, src_token, src_slot) at their fixed slots.
+ * Rank 0: expert 0 <- (0,3,0) at 0, (1,0,1) at 4; expert 1 <- (0,0,0) at 0, (1,2,0) at 4 (token
+ * (1,2) lists expert 1 twice: one row). Rank 1: expert 2 <- (0,0,1) at 0, (0,1,1) at 1,
+ * (1,0,0) at 4; expert 3 <- (0,1,0) at 0, (1,1,1) at 4 (token (1,1) has the bad id 7 too). */
+EPX_HOST_TEST(ref_ll_fixed_hand, 10) {
+  hand_world_t h;
+  hand_world_init(&h);
+  const int want_count[2][LL_LOCAL] = {{2, 2}, {3, 2}};
+  const int want_num[2][LL_LOCAL * HAND_R] = {{1, 1, 1, 1}, {2, 1, 1, 1}};
+  /* [rank][expert][row] = (src_rank, src_token, src_slot), or -1 when not written */
+  int want[2][LL_LOCAL][LL_ROWS][3];
+  memset(want, 0xff, sizeof want);
+  const int rows[][6] = {/* rank, j, row, s, t, k */
+                         {0, 0, 0, 0, 3, 0}, {0, 0, 4, 1, 0, 1}, {0, 1, 0, 0, 0, 0},
+                         {0, 1, 4, 1, 2, 0}, {1, 0, 0, 0, 0, 1}, {1, 0, 1, 0, 1, 1},
+                         {1, 0, 4, 1, 0, 0}, {1, 1, 0, 0, 1, 0}, {1, 1, 4, 1, 1, 1}};
+  for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+    for (int f = 0; f < 3; f++) want[rows[i][0]][rows[i][1]][rows[i][2]][f] = rows[i][3 + f];
+  for (int d = 0; d < 2; d++) {
+    uint16_t x[LL_LOCAL * LL_ROWS * HAND_H];
+    int count[LL_LOCAL], begin[LL_LOCAL * HAND_R], num[LL_LOCAL * HAND_R];
+    int src_rank[LL_LOCAL * LL_ROWS], src_token[LL_LOCAL * LL_ROWS], src_slot[LL_LOCAL * LL_ROWS];
+    memset(x, 0xAB, sizeof x), memset(src_rank, 0xAB, sizeof src_rank);
+    epx_ref_ll_recv_t out = {x, NULL, NULL, count, begin, num, src_rank, src_token, src_slot};
+    EXPECT_EQ_INT(epx_ref_ll_dispatch_layout(&h.world, d, LL_M, 0, EPX_REF_LL_FIXED, &out), 0);
+    for (int j = 0; j < LL_LOCAL; j++) {
+      EXPECTF(count[j] == want_count[d][j], "rank %d count[%d] = %d", d, j, count[j]);
+      for (int s = 0; s < HAND_R; s++) {
+        EXPECT_EQ_INT(begin[j * HAND_R + s], s * LL_M);
+        EXPECT_EQ_INT(num[j * HAND_R + s], want_num[d][j * HAND_R + s]);
+      }
+      for (int i = 0; i < LL_ROWS; i++) {
+        const int row = j * LL_ROWS + i, *w = want[d][j][i];
+        if (w[0] < 0) {
+          EXPECTF(src_rank[row] == (int)0xABABABAB && x[row * 2] == 0xABAB,
+                  "rank %d expert %d row %d outside the segments was written", d, j, i);
+          continue;
+        }
+        EXPECTF(src_rank[row] == w[0] && src_token[row] == w[1] && src_slot[row] == w[2],
+                "rank %d expert %d row %d = (%d,%d,%d), want (%d,%d,%d)", d, j, i, src_rank[row],
+                src_token[row], src_slot[row], w[0], w[1], w[2]);
+        const float v = (float)(10 * w[0] + w[1] + 1);
+        EXPECTF(x[row * 2] == bf(v) && x[row * 2 + 1] == bf(-v), "rank %d expert %d row %d", d, j,
+                i);
+        EXPECT_EQ_INT(epx_ref_ll_row(&h.world, LL_M, w[0], w[1], d * LL_LOCAL + j), i);
+      }
+    }
+  }
+  EXPECT_EQ_INT(epx_ref_ll_row(&h.world, LL_M, 0, 2, 1), -1); /* token (0,2) lists nothing */
+
+  /* Combine, y_d[j][i] = {64d + 8j + i, 64d + 8j + i + 0.5}: token (1,2) lists expert 1 (rank 0,
+   * j = 1, row 4) twice with weights 0.25 and 0.5: 0.25*12 + 0.5*12 = 9, 0.75*12.5 = 9.375.
+   * Token (1,1): expert 3 (rank 1, j 1, row 4 -> 76) with 0.25 -> 19, 19.125 (7 is invalid). */
+  uint16_t y0[LL_LOCAL * LL_ROWS * HAND_H], y1[LL_LOCAL * LL_ROWS * HAND_H];
+  for (int j = 0; j < LL_LOCAL; j++)
+    for (int i = 0; i < LL_ROWS; i++)
+      for (int c = 0; c < 2; c++) {
+        y0[(j * LL_ROWS + i) * 2 + c] = bf((float)(8 * j + i) + 0.5f * c);
+        y1[(j * LL_ROWS + i) * 2 + c] = bf((float)(64 + 8 * j + i) + 0.5f * c);
+      }
+  const uint16_t *y[2] = {y0, y1};
+  uint16_t out[3 * HAND_H];
+  double out64[3 * HAND_H];
+  EXPECT_EQ_INT(epx_ref_ll_combine_layout(&h.world, 1, LL_M, EPX_REF_LL_FIXED, y, hand_w1, out), 0);
+  EXPECT_EQ_INT(
+      epx_ref_ll_combine_f64_layout(&h.world, 1, LL_M, EPX_REF_LL_FIXED, y, hand_w1, out64), 0);
+  EXPECTF(out[4] == bf(9.0f) && out[5] == bf(9.375f), "token 2: %g %g", fb(out[4]), fb(out[5]));
+  EXPECTF(out[2] == bf(19.0f) && out[3] == bf(19.125f), "token 1: %g %g", fb(out[2]), fb(out[3]));
+  EXPECT(out64[4] == 9.0 && out64[5] == 9.375 && out64[2] == 19.0);
+  /* Token (1,0): expert 2 (rank 1, j 0, row 4 -> 68) x 0.5 + expert 0 (rank 0, j 0, row 4 -> 4)
+   * x 0.5 = 36, 36.5. */
+  EXPECTF(out[0] == bf(36.0f) && out[1] == bf(36.5f), "token 0: %g %g", fb(out[0]), fb(out[1]));
+  epx_ref_set_quiet(1);
+  int count[LL_LOCAL];
+  epx_ref_ll_recv_t bad = {NULL, NULL, NULL, count, NULL, NULL, NULL, NULL, NULL};
+  EXPECT_EQ_INT(epx_ref_ll_dispatch_layout(&h.world, 0, LL_M, 0, (epx_ref_ll_layout_t)7, &bad), -1);
+  epx_ref_set_quiet(0);
+  return TEST_PASS;
+}
+
+/* Random worlds through the fixed layout: segments, order, payload, FP8, combine identity. */
+EPX_HOST_TEST(ref_random_ll_fixed_roundtrip, 60) {
+  uint64_t rng = epx_test_seed() ^ 0x46495845444cull;
+  for (int iter = 0; iter < 200; iter++) {
+    rand_world_t rw;
+    EXPECT(rand_world_init(&rw, &rng, 24, 1) == 0);
+    const epx_ref_world_t *w = &rw.world;
+    const int R = w->num_ranks, E = w->num_experts, K = w->top_k, H = w->hidden, L = E / R;
+    const int M = rw.max_tokens + (rw.max_tokens == 0), ue8m0 = iter % 2;
+    const size_t cap = (size_t)R * M, G = (size_t)H / 128;
+    uint16_t *y[RW_MAX_R];
+    for (int d = 0; d < R; d++) {
+      uint16_t *x = malloc(sizeof(uint16_t) * L * cap * H);
+      uint8_t *q = malloc(L * cap * H), *want_q = malloc(H);
+      float *sc = malloc(sizeof(float) * L * cap * G), *want_s = malloc(sizeof(float) * G);
+      int *count = malloc(sizeof(int) * L), *begin = malloc(sizeof(int) * L * R);
+      int *num = malloc(sizeof(int) * L * R), *sr = malloc(sizeof(int) * L * cap);
+      int *st = malloc(sizeof(int) * L * cap), *sk = malloc(sizeof(int) * L * cap);
+      EXPECT(x && q && want_q && sc && want_s && count && begin && num && sr && st && sk);
+      memset(x, 0, sizeof(uint16_t) * L * cap * H);
+      epx_ref_ll_recv_t out = {x, q, sc, count, begin, num, sr, st, sk};
+      EXPECT_EQ_INT(epx_ref_ll_dispatch_layout(w, d, M, ue8m0, EPX_REF_LL_FIXED, &out), 0);
+      for (int j = 0; j < L; j++) {
+        const int e = d * L + j;
+        int total = 0;
+        for (int s = 0; s < R; s++) {
+          /* num[j][s] = tokens of s listing e (once each), in ascending token order */
+          int want_num = 0;
+          for (int t = 0; t < w->ranks[s].num_tokens; t++) {
+            int has = 0, first = -1;
+            for (int k = 0; k < K; k++)
+              if (w->ranks[s].topk_idx[t * K + k] == e) {
+                has = 1;
+                if (first < 0) first = k;
+              }
+            if (!has) continue;
+            const size_t row = j * cap + (size_t)s * M + want_num;
+            EXPECT(sr[row] == s && st[row] == t && sk[row] == first);
+            EXPECT(memcmp(x + row * H, w->ranks[s].x + (size_t)t * H, sizeof(uint16_t) * H) == 0);
+            EXPECT_EQ_INT(
+                epx_ref_fp8_quantize(w->ranks[s].x + (size_t)t * H, 1, H, ue8m0, want_q, want_s),
+                0);
+            EXPECT(memcmp(q + row * H, want_q, H) == 0);
+            EXPECT(memcmp(sc + row * G, want_s, sizeof(float) * G) == 0);
+            EXPECT_EQ_INT(epx_ref_ll_row(w, M, s, t, e), s * M + want_num);
+            want_num++;
+          }
+          EXPECT_EQ_INT(num[j * R + s], want_num);
+          EXPECT_EQ_INT(begin[j * R + s], s * M);
+          total += want_num;
+        }
+        EXPECT_EQ_INT(count[j], total);
+      }
+      y[d] = x;
+      free(q), free(want_q), free(sc), free(want_s), free(count), free(begin), free(num);
+      free(sr), free(st), free(sk);
+    }
+    /* Identity experts: out[t] = sum over valid slots of w * x[t]. */
+    for (int s = 0; s < R; s++) {
+      const int T = w->ranks[s].num_tokens;
+      double *out64 = malloc(sizeof(double) * ((size_t)T * H + 1));
+      EXPECT(out64);
+      EXPECT_EQ_INT(
+          epx_ref_ll_combine_f64_layout(w, s, M, EPX_REF_LL_FIXED, (const uint16_t *const *)y,
+                                        w->ranks[s].topk_weights, out64),
+          0);
+      for (int t = 0; t < T; t++)
+        for (int c = 0; c < H; c++) {
+          double want = 0.0;
+          for (int k = 0; k < K; k++) {
+            const int64_t e = w->ranks[s].topk_idx[t * K + k];
+            if (e >= 0 && e < E)
+              want += (double)w->ranks[s].topk_weights[t * K + k] * fb(w->ranks[s].x[t * H + c]);
+          }
+          EXPECTF(fabs(out64[(size_t)t * H + c] - want) <= 1e-12 * fabs(want), "rank %d token %d",
+                  s, t);
+        }
+      free(out64);
+    }
+    for (int d = 0; d < R; d++) free(y[d]);
+    rand_world_free(&rw);
+  }
+  return TEST_PASS;
+}

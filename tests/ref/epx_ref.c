@@ -497,9 +497,26 @@ static int check_max_tokens(const epx_ref_world_t *w, int max_tokens_per_rank) {
   return 0;
 }
 
+static int check_layout_arg(epx_ref_ll_layout_t layout) {
+  if (layout != EPX_REF_LL_PACKED && layout != EPX_REF_LL_FIXED)
+    return fail("layout = %d is not an epx_ref_ll_layout_t", (int)layout);
+  return 0;
+}
+
+static int ll_dispatch_fixed(const epx_ref_world_t *world, int dst_rank, int M, int ue8m0,
+                             const epx_ref_ll_recv_t *out);
+
 int epx_ref_ll_dispatch(const epx_ref_world_t *world, int dst_rank, int max_tokens_per_rank,
                         int ue8m0, const epx_ref_ll_recv_t *out) {
+  return epx_ref_ll_dispatch_layout(world, dst_rank, max_tokens_per_rank, ue8m0, EPX_REF_LL_PACKED,
+                                    out);
+}
+
+int epx_ref_ll_dispatch_layout(const epx_ref_world_t *world, int dst_rank, int max_tokens_per_rank,
+                               int ue8m0, epx_ref_ll_layout_t layout,
+                               const epx_ref_ll_recv_t *out) {
   if (!out) return fail("out is NULL");
+  if (check_layout_arg(layout)) return -1;
   if (check_world(world) || check_rank_arg(world, dst_rank, "dst_rank") ||
       check_max_tokens(world, max_tokens_per_rank))
     return -1;
@@ -508,6 +525,8 @@ int epx_ref_ll_dispatch(const epx_ref_world_t *world, int dst_rank, int max_toke
   if (out->x_fp8 && world->hidden % EPX_REF_FP8_GROUP != 0)
     return fail("hidden = %d, want a multiple of %d for FP8", world->hidden, EPX_REF_FP8_GROUP);
 
+  if (layout == EPX_REF_LL_FIXED)
+    return ll_dispatch_fixed(world, dst_rank, max_tokens_per_rank, ue8m0, out);
   const int R = world->num_ranks, E = world->num_experts, K = world->top_k, H = world->hidden;
   const int experts_per_rank = E / R, first_expert = dst_rank * experts_per_rank;
   const int num_groups = H / EPX_REF_FP8_GROUP;
@@ -582,10 +601,89 @@ exit:
   return res;
 }
 
+/* The FIXED layout's row of (s, t, e): s*M + the tokens of s before t listing e; -1 if t does
+ * not list e. The world is checked by the callers. */
+static int fixed_row(const epx_ref_world_t *w, int M, int s, int t, int e) {
+  const int K = w->top_k;
+  const int64_t *idx = w->ranks[s].topk_idx;
+  int lists = 0, before = 0;
+  for (int k = 0; k < K; k++) lists |= idx[(size_t)t * K + k] == e;
+  if (!lists || e < 0 || e >= w->num_experts) return -1;
+  for (int t2 = 0; t2 < t; t2++) {
+    int has = 0;
+    for (int k = 0; k < K; k++) has |= idx[(size_t)t2 * K + k] == e;
+    before += has;
+  }
+  return s * M + before;
+}
+
+int epx_ref_ll_row(const epx_ref_world_t *world, int max_tokens_per_rank, int src_rank, int token,
+                   int expert) {
+  if (check_world(world) || check_rank_arg(world, src_rank, "src_rank") ||
+      check_max_tokens(world, max_tokens_per_rank))
+    return -1;
+  if (token < 0 || token >= world->ranks[src_rank].num_tokens) return -1;
+  return fixed_row(world, max_tokens_per_rank, src_rank, token, expert);
+}
+
+/* FIXED dispatch: every source s, every token t in order, every distinct valid expert of t on
+ * dst_rank, at [j][s*M + i]. */
+static int ll_dispatch_fixed(const epx_ref_world_t *world, int dst_rank, int M, int ue8m0,
+                             const epx_ref_ll_recv_t *out) {
+  const int R = world->num_ranks, E = world->num_experts, K = world->top_k, H = world->hidden;
+  const int experts_per_rank = E / R, first_expert = dst_rank * experts_per_rank;
+  const int num_groups = H / EPX_REF_FP8_GROUP;
+  const size_t capacity = (size_t)R * M;
+  int *num = alloc_array((size_t)experts_per_rank * R, sizeof(int));
+  uint8_t *qrow = alloc_array((size_t)H, sizeof(uint8_t));
+  float *srow = alloc_array((size_t)num_groups, sizeof(float));
+  int res = 0;
+  if (!num || !qrow || !srow) {
+    res = fail("out of memory");
+    goto exit;
+  }
+  for (int s = 0; s < R; s++) {
+    const epx_ref_rank_t *src = &world->ranks[s];
+    for (int t = 0; t < src->num_tokens; t++) {
+      const int64_t *idx = src->topk_idx + (size_t)t * K;
+      if (!token_on_rank(idx, K, E, experts_per_rank, dst_rank)) continue;
+      if (out->x_fp8) quantize_row(src->x + (size_t)t * H, H, ue8m0, qrow, srow);
+      for (int k = 0; k < K; k++) {
+        if (!is_valid_expert(idx[k], E) || idx[k] / experts_per_rank != dst_rank) continue;
+        int repeated = 0; /* one row per distinct expert: only its first slot */
+        for (int k2 = 0; k2 < k; k2++) repeated |= idx[k2] == idx[k];
+        if (repeated) continue;
+        const int j = (int)(idx[k] - first_expert);
+        const size_t row = (size_t)j * capacity + (size_t)s * M + (size_t)num[j * R + s]++;
+        if (out->src_rank) out->src_rank[row] = s;
+        if (out->src_token) out->src_token[row] = t;
+        if (out->src_slot) out->src_slot[row] = k;
+        if (out->x) memcpy(out->x + row * H, src->x + (size_t)t * H, sizeof(uint16_t) * H);
+        if (out->x_fp8) {
+          memcpy(out->x_fp8 + row * H, qrow, (size_t)H);
+          memcpy(out->x_scales + row * num_groups, srow, sizeof(float) * num_groups);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < experts_per_rank; j++) {
+    int count = 0;
+    for (int s = 0; s < R; s++) {
+      if (out->begin) out->begin[j * R + s] = s * M;
+      if (out->num) out->num[j * R + s] = num[j * R + s];
+      count += num[j * R + s];
+    }
+    if (out->count) out->count[j] = count;
+  }
+exit:
+  free(num), free(qrow), free(srow);
+  return res;
+}
+
 /* Low-latency combine, both precisions at once (either output may be NULL). */
 static int ll_combine_impl(const epx_ref_world_t *world, int src_rank, int max_tokens_per_rank,
-                           const uint16_t *const *y, const float *topk_weights, uint16_t *out_bf16,
-                           double *out_f64) {
+                           epx_ref_ll_layout_t layout, const uint16_t *const *y,
+                           const float *topk_weights, uint16_t *out_bf16, double *out_f64) {
   if (check_world(world) || check_rank_arg(world, src_rank, "src_rank") ||
       check_max_tokens(world, max_tokens_per_rank))
     return -1;
@@ -615,7 +713,9 @@ static int ll_combine_impl(const epx_ref_world_t *world, int src_rank, int max_t
     for (int k = 0; k < K; k++) {
       if (!is_valid_expert(idx[k], E)) continue;
       const int e = (int)idx[k], d = e / experts_per_rank, j = e % experts_per_rank;
-      const size_t row = (size_t)(base[e] + next[e]++);
+      const size_t row = layout == EPX_REF_LL_FIXED
+                             ? (size_t)fixed_row(world, max_tokens_per_rank, src_rank, t, e)
+                             : (size_t)(base[e] + next[e]++);
       if (row >= capacity) {
         res = fail("expert %d gets more than R*M = %zu rows", e, capacity);
         goto exit;
@@ -644,12 +744,29 @@ exit:
 
 int epx_ref_ll_combine(const epx_ref_world_t *world, int src_rank, int max_tokens_per_rank,
                        const uint16_t *const *y, const float *topk_weights, uint16_t *out) {
-  if (!out) return fail("out is NULL");
-  return ll_combine_impl(world, src_rank, max_tokens_per_rank, y, topk_weights, out, NULL);
+  return epx_ref_ll_combine_layout(world, src_rank, max_tokens_per_rank, EPX_REF_LL_PACKED, y,
+                                   topk_weights, out);
 }
 
 int epx_ref_ll_combine_f64(const epx_ref_world_t *world, int src_rank, int max_tokens_per_rank,
                            const uint16_t *const *y, const float *topk_weights, double *out) {
+  return epx_ref_ll_combine_f64_layout(world, src_rank, max_tokens_per_rank, EPX_REF_LL_PACKED, y,
+                                       topk_weights, out);
+}
+
+int epx_ref_ll_combine_layout(const epx_ref_world_t *world, int src_rank, int max_tokens_per_rank,
+                              epx_ref_ll_layout_t layout, const uint16_t *const *y,
+                              const float *topk_weights, uint16_t *out) {
   if (!out) return fail("out is NULL");
-  return ll_combine_impl(world, src_rank, max_tokens_per_rank, y, topk_weights, NULL, out);
+  if (check_layout_arg(layout)) return -1;
+  return ll_combine_impl(world, src_rank, max_tokens_per_rank, layout, y, topk_weights, out, NULL);
+}
+
+int epx_ref_ll_combine_f64_layout(const epx_ref_world_t *world, int src_rank,
+                                  int max_tokens_per_rank, epx_ref_ll_layout_t layout,
+                                  const uint16_t *const *y, const float *topk_weights,
+                                  double *out) {
+  if (!out) return fail("out is NULL");
+  if (check_layout_arg(layout)) return -1;
+  return ll_combine_impl(world, src_rank, max_tokens_per_rank, layout, y, topk_weights, NULL, out);
 }

@@ -308,6 +308,53 @@ int epx_ref_ll_combine(const epx_ref_world_t *world, int src_rank, int max_token
 int epx_ref_ll_combine_f64(const epx_ref_world_t *world, int src_rank, int max_tokens_per_rank,
                            const uint16_t *const *y, const float *topk_weights, double *out);
 
+/* ---------------------------------------------------------------------------------------------
+ * Low-latency mode, EPX's fixed-slot layout (docs/low-latency.md). The functions above pack the
+ * rows of a local expert from row 0, one row per (token, slot); EPX instead gives every source
+ * rank a fixed slot range, so that a sender computes every address alone:
+ *
+ *   - one row per DISTINCT (token, expert): a token that lists expert e in several slots sends
+ *     one row for e; its src_slot is the first slot naming e;
+ *   - the rows of source rank s in local expert j are [j][s*M + i], i = 0 .. num[j][s]-1, in
+ *     ascending token order; begin[j][s] = s*M; count[j] = sum over s of num[j][s];
+ *   - rows outside those segments are not written. A segment never exceeds M rows (T_s <= M),
+ *     so the fixed layout never overflows.
+ *
+ * Combine (fixed): for each token t of src_rank,
+ *   out[t] = bf16( sum over valid slots k, k ascending, of w[t][k] * float(y_d[j][s*M + i]) )
+ * where slot k names expert e = d*E/R + j and i is the row of (src_rank, t, e) above: a token
+ * listing e twice adds the same row twice, once with each slot's weight.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Which layout a low-latency reference call produces. */
+typedef enum epx_ref_ll_layout {
+  EPX_REF_LL_PACKED = 0, /* epx_ref_ll_dispatch: packed from row 0, one row per (token, slot) */
+  EPX_REF_LL_FIXED = 1   /* fixed slots [j][s*M + i], one row per distinct (token, expert) */
+} epx_ref_ll_layout_t;
+
+/* epx_ref_ll_row - the row of (src_rank, token, expert) in the local expert's rows on the
+ * expert's rank, under the FIXED layout: src_rank*M + the number of src_rank's tokens before
+ * `token` that list `expert` in a valid slot.
+ *   world - [IN] every rank's topk_idx;  max_tokens_per_rank - [IN] M
+ * Returns the row, or -1 if the token does not list the expert (or on invalid arguments). */
+int epx_ref_ll_row(const epx_ref_world_t *world, int max_tokens_per_rank, int src_rank, int token,
+                   int expert);
+
+/* epx_ref_ll_dispatch_layout - epx_ref_ll_dispatch with a choice of layout; PACKED is exactly
+ * epx_ref_ll_dispatch. Arguments and return codes as epx_ref_ll_dispatch (FIXED never
+ * overflows). */
+int epx_ref_ll_dispatch_layout(const epx_ref_world_t *world, int dst_rank, int max_tokens_per_rank,
+                               int ue8m0, epx_ref_ll_layout_t layout, const epx_ref_ll_recv_t *out);
+
+/* epx_ref_ll_combine_layout / epx_ref_ll_combine_f64_layout - the combines of a layout; PACKED
+ * is exactly epx_ref_ll_combine / _f64. Arguments as those, y[d] in the layout's rows. */
+int epx_ref_ll_combine_layout(const epx_ref_world_t *world, int src_rank, int max_tokens_per_rank,
+                              epx_ref_ll_layout_t layout, const uint16_t *const *y,
+                              const float *topk_weights, uint16_t *out);
+int epx_ref_ll_combine_f64_layout(const epx_ref_world_t *world, int src_rank,
+                                  int max_tokens_per_rank, epx_ref_ll_layout_t layout,
+                                  const uint16_t *const *y, const float *topk_weights, double *out);
+
 #ifdef __cplusplus
 }
 #endif
