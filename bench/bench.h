@@ -32,6 +32,9 @@ typedef struct bench_options {
   int num_sms;
   int epx_sms[BENCH_MAX_LIST]; /* --epx-sms: SM budgets of the EPX rows (one group each) */
   int num_epx_sms;
+  int ll_tokens[BENCH_MAX_LIST]; /* --ll-tokens: tokens per rank of the low-latency rows */
+  int num_ll_tokens;
+  int run_normal, run_ll; /* --rows all|normal|ll */
   int hidden, top_k, num_experts;
   int iters, warmup;
   int ranks;     /* --ranks: 0 = every visible GPU (at most EPX_MAX_RANKS) */
@@ -108,6 +111,7 @@ typedef struct bench_row {
   char op[32];
   int tokens, hidden, top_k, experts, ranks, sms;
   double median_us;     /* max over ranks of each rank's median */
+  double p99_us;        /* max over ranks of each rank's 99th percentile */
   double min_us;        /* min over ranks and iterations */
   double max_us;        /* max over ranks and iterations */
   double bytes;         /* logical bytes per rank, mean over ranks (docs/bench.md) */
@@ -150,12 +154,16 @@ typedef struct bench_rank {
   bench_table_t table;
 } bench_rank_t;
 
-#define BENCH_GATHER_FIELDS 5 /* median, min, max, wrong, bytes */
+#define BENCH_GATHER_FIELDS 6 /* median, min, max, wrong, bytes, p99 */
 
 /* One rank's times of one operation, in microseconds. */
 typedef struct bench_stats {
-  double median_us, min_us, max_us;
+  double median_us, min_us, max_us, p99_us;
 } bench_stats_t;
+
+/* Median, min, max and 99th percentile (the ceil(0.99 n)-th smallest) of n > 0 samples, sorted
+ * in place. */
+bench_stats_t bench_summarize(double *us, int n);
 
 /* One iteration of an operation, queued on stream (it may synchronize the host). Returns 0, or
  * -1 after reporting the failure. */
@@ -220,6 +228,9 @@ int bench_nccl_destroy(bench_nccl_t *n);
 /* epx_rows.c: EPX's normal-mode rows of one workload, for every --epx-sms entry. */
 int bench_epx_rows(bench_rank_t *b, bench_workload_t *w);
 
+/* ll_rows.c: EPX's low-latency rows of one workload (its num_tokens), both routes. */
+int bench_ll_rows(bench_rank_t *b, bench_workload_t *w);
+
 /* ---------------------------------------------------------------------------------------------
  * Kernels (bench_kernels.cu). Each launcher returns the launch's cudaError_t.
  * ------------------------------------------------------------------------------------------- */
@@ -242,6 +253,8 @@ typedef struct bench_rows_args {
 } bench_rows_args_t;
 
 cudaError_t bench_push_launch(const bench_push_args_t *a, cudaStream_t stream);
+/* Keep the GPU busy for about ns nanoseconds (the "other work" between split halves). */
+cudaError_t bench_spin_launch(uint64_t ns, cudaStream_t stream);
 /* x[t][h] = bench value of (seed, rank, t, h), t < num_tokens. */
 cudaError_t bench_fill_x_launch(void *x, int num_tokens, int hidden, uint64_t seed, int rank,
                                 cudaStream_t stream);

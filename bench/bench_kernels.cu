@@ -6,6 +6,7 @@
  *   pack      NCCL baseline: gather tokens into per-destination blocks of rows
  *   reduce    NCCL baseline: sum each token's returned rows in float32, write BF16
  *   check_*   recompute the expected payload from the seed and count the rows that differ
+ *   spin      keep the GPU busy for a while (the gap between the halves of a split call)
  *
  * Rows are BF16 [*, H] with H a multiple of 8: one int4 (16 bytes) carries 8 elements, element
  * j of a chunk in bits [16 (j % 2), 16 (j % 2) + 16) of 32-bit word j / 2 (little-endian).
@@ -195,7 +196,18 @@ unsigned warp_per_row_blocks(int n) {
   return (unsigned)(blocks < 2048 ? blocks : 2048);
 }
 
+__global__ void spin_kernel(uint64_t ns) {
+  const uint64_t start = epx::globaltimer_ns();
+  while (epx::globaltimer_ns() - start < ns) {
+  }
+}
+
 }  // namespace
+
+extern "C" cudaError_t bench_spin_launch(uint64_t ns, cudaStream_t stream) {
+  spin_kernel<<<1, 32, 0, stream>>>(ns);
+  return cudaGetLastError();
+}
 
 extern "C" cudaError_t bench_push_launch(const bench_push_args_t *a, cudaStream_t stream) {
   push_kernel<<<a->num_blocks, kPushThreads, 0, stream>>>(*a);

@@ -7,7 +7,9 @@
  * EPX group, then measures, in order:
  *   1. the machine's ceiling: SM-driven all-to-all push, one row per --sms entry (ceiling.c);
  *   2. for each --tokens entry, on one seeded workload (workload.c):
- *      the NCCL baseline rows (nccl_ep.c), then the EPX rows (epx_rows.c), per --epx-sms.
+ *      the NCCL baseline rows (nccl_ep.c), then the EPX rows (epx_rows.c), per --epx-sms;
+ *   3. for each --ll-tokens entry, the low-latency rows of both routes (ll_rows.c).
+ * --rows normal / ll keeps only the normal (2.) or the low-latency (3.) rows.
  * Every rank keeps the same table; rank 0 prints it as rows are measured and writes --json.
  * On a failure a rank returns at once without tearing anything down: its peers may be stuck
  * in a collective, so nothing collective is attempted, and process exit releases the rest.
@@ -28,6 +30,8 @@ static void print_header(const bench_rank_t *b, const struct cudaDeviceProp *pro
   printf("# workload: hidden %d, top-%d of %d experts, tokens per rank", o->hidden, o->top_k,
          o->num_experts);
   for (int i = 0; i < o->num_tokens; i++) printf("%s%d", i ? "," : " ", o->tokens[i]);
+  printf("; low-latency tokens per rank");
+  for (int i = 0; i < o->num_ll_tokens; i++) printf("%s%d", i ? "," : " ", o->ll_tokens[i]);
   printf("; seed %llu; %d iterations after %d warmup\n", (unsigned long long)o->seed, o->iters,
          o->warmup);
   printf(
@@ -77,17 +81,35 @@ static int run_workload(bench_rank_t *b, bench_workload_t *w, bench_nccl_t *nccl
   return 0;
 }
 
+/* The low-latency rows (ll_rows.c), one workload per --ll-tokens entry. */
+static int run_ll(bench_rank_t *b) {
+  int max_tokens = 0;
+  for (int i = 0; i < b->opt->num_ll_tokens; i++)
+    if (b->opt->ll_tokens[i] > max_tokens) max_tokens = b->opt->ll_tokens[i];
+  bench_workload_t w;
+  BENCH_TRY(bench_workload_create(b, max_tokens, &w));
+  for (int i = 0; i < b->opt->num_ll_tokens; i++) {
+    BENCH_TRY(bench_workload_fill(b, &w, b->opt->ll_tokens[i]));
+    BENCH_TRY(bench_ll_rows(b, &w));
+  }
+  return bench_workload_destroy(&w);
+}
+
 static int run_all(bench_rank_t *b) {
   const int max_tokens = bench_group_config(b->opt).max_tokens_per_rank;
-  bench_workload_t w;
-  bench_nccl_t *nccl = NULL;
   BENCH_TRY(bench_ceiling_rows(b));
-  BENCH_TRY(bench_workload_create(b, max_tokens, &w));
-  BENCH_TRY(bench_nccl_create(b, max_tokens, &nccl));
-  for (int i = 0; i < b->opt->num_tokens; i++)
-    BENCH_TRY(run_workload(b, &w, nccl, b->opt->tokens[i]));
-  BENCH_TRY(bench_nccl_destroy(nccl));
-  return bench_workload_destroy(&w);
+  if (b->opt->run_normal) {
+    bench_workload_t w;
+    bench_nccl_t *nccl = NULL;
+    BENCH_TRY(bench_workload_create(b, max_tokens, &w));
+    BENCH_TRY(bench_nccl_create(b, max_tokens, &nccl));
+    for (int i = 0; i < b->opt->num_tokens; i++)
+      BENCH_TRY(run_workload(b, &w, nccl, b->opt->tokens[i]));
+    BENCH_TRY(bench_nccl_destroy(nccl));
+    BENCH_TRY(bench_workload_destroy(&w));
+  }
+  if (b->opt->run_ll) BENCH_TRY(run_ll(b));
+  return 0;
 }
 
 /* Rank 0's verdict on the results: rows with wrong results fail the run. */

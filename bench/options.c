@@ -13,6 +13,8 @@
 static const char usage[] =
     "usage: epx_bench [flags]\n"
     "  --tokens N[,N...]  tokens per rank, one workload each (default 4096)\n"
+    "  --ll-tokens N[,N...] tokens per rank of the low-latency rows (default 1,32,128,256,512)\n"
+    "  --rows WHICH       all, normal or ll: which EPX rows to measure (default all)\n"
     "  --hidden H         elements per token (default 7168)\n"
     "  --topk K           experts per token (default 8)\n"
     "  --experts E        experts in total, a multiple of the rank count (default 256)\n"
@@ -30,8 +32,12 @@ static const char usage[] =
 static void set_defaults(bench_options_t *opt) {
   static const int default_sms[] = {8, 16, 24, 32, 48, 64, 96};
   memset(opt, 0, sizeof *opt);
+  static const int default_ll_tokens[] = {1, 32, 128, 256, 512};
   opt->tokens[0] = 4096;
   opt->num_tokens = 1;
+  opt->num_ll_tokens = (int)(sizeof default_ll_tokens / sizeof default_ll_tokens[0]);
+  memcpy(opt->ll_tokens, default_ll_tokens, sizeof default_ll_tokens);
+  opt->run_normal = opt->run_ll = 1;
   opt->num_sms = (int)(sizeof default_sms / sizeof default_sms[0]);
   memcpy(opt->sms, default_sms, sizeof default_sms);
   opt->epx_sms[0] = 24;
@@ -97,6 +103,15 @@ static int parse_seed(const char *s, uint64_t *out) {
 static int parse_flag(bench_options_t *o, const char *flag, const char *v) {
   if (!strcmp(flag, "--tokens"))
     return parse_list(flag, v, 1, EPX_MAX_TOKENS_PER_RANK, o->tokens, &o->num_tokens);
+  if (!strcmp(flag, "--ll-tokens"))
+    return parse_list(flag, v, 1, EPX_MAX_TOKENS_PER_RANK, o->ll_tokens, &o->num_ll_tokens);
+  if (!strcmp(flag, "--rows")) {
+    o->run_normal = !strcmp(v, "all") || !strcmp(v, "normal");
+    o->run_ll = !strcmp(v, "all") || !strcmp(v, "ll");
+    if (o->run_normal || o->run_ll) return 0;
+    fprintf(stderr, "epx_bench: --rows %s: expected all, normal or ll\n", v);
+    return -1;
+  }
   if (!strcmp(flag, "--sms")) return parse_list(flag, v, 1, 1024, o->sms, &o->num_sms);
   if (!strcmp(flag, "--epx-sms")) return parse_list(flag, v, 1, 1024, o->epx_sms, &o->num_epx_sms);
   if (!strcmp(flag, "--hidden")) return parse_int(flag, v, 8, EPX_MAX_HIDDEN, &o->hidden);

@@ -24,7 +24,7 @@ bench_row_t bench_row_init(const char *op) {
   memset(&r, 0, sizeof r);
   snprintf(r.op, sizeof r.op, "%s", op);
   r.tokens = r.hidden = r.top_k = r.experts = r.ranks = r.sms = -1;
-  r.median_us = r.min_us = r.max_us = r.bytes = r.gbps = NAN;
+  r.median_us = r.p99_us = r.min_us = r.max_us = r.bytes = r.gbps = NAN;
   r.push_gbps = r.ratio_ceiling = r.ratio_nccl = NAN;
   r.wrong = -1;
   return r;
@@ -89,21 +89,22 @@ static const char *fmt_double(char *buf, size_t n, double v, int decimals) {
   return buf;
 }
 
-#define ROW_FORMAT "%-26s %6s %6s %4s %7s %5s %4s %9s %9s %9s %8s %9s %6s %6s %6s\n"
+#define ROW_FORMAT "%-28s %6s %6s %4s %7s %5s %4s %9s %9s %9s %9s %8s %9s %6s %6s %6s\n"
 
 void bench_print_columns(FILE *f) {
   fprintf(f, ROW_FORMAT, "op", "tokens", "hidden", "topk", "experts", "ranks", "sms", "med_us",
-          "min_us", "max_us", "GB/s", "push_GB/s", "x_ceil", "x_nccl", "wrong");
+          "p99_us", "min_us", "max_us", "GB/s", "push_GB/s", "x_ceil", "x_nccl", "wrong");
 }
 
 void bench_print_row(FILE *f, const bench_row_t *r) {
-  char b[14][32];
+  char b[15][32];
   fprintf(f, ROW_FORMAT, r->op, fmt_int(b[0], 32, r->tokens), fmt_int(b[1], 32, r->hidden),
           fmt_int(b[2], 32, r->top_k), fmt_int(b[3], 32, r->experts), fmt_int(b[4], 32, r->ranks),
           fmt_int(b[5], 32, r->sms), fmt_double(b[6], 32, r->median_us, 1),
-          fmt_double(b[7], 32, r->min_us, 1), fmt_double(b[8], 32, r->max_us, 1),
-          fmt_double(b[9], 32, r->gbps, 1), fmt_double(b[10], 32, r->push_gbps, 1),
-          fmt_double(b[11], 32, r->ratio_ceiling, 2), fmt_double(b[12], 32, r->ratio_nccl, 2),
+          fmt_double(b[14], 32, r->p99_us, 1), fmt_double(b[7], 32, r->min_us, 1),
+          fmt_double(b[8], 32, r->max_us, 1), fmt_double(b[9], 32, r->gbps, 1),
+          fmt_double(b[10], 32, r->push_gbps, 1), fmt_double(b[11], 32, r->ratio_ceiling, 2),
+          fmt_double(b[12], 32, r->ratio_nccl, 2),
           r->wrong < 0 ? "-1" : fmt_int(b[13], 32, r->wrong));
   fflush(f);
 }
@@ -135,6 +136,7 @@ static void json_row(FILE *f, const bench_row_t *r) {
   json_int(f, "ranks", r->ranks, 1);
   json_int(f, "sms", r->sms, 1);
   json_double(f, "median_us", r->median_us);
+  json_double(f, "p99_us", r->p99_us);
   json_double(f, "min_us", r->min_us);
   json_double(f, "max_us", r->max_us);
   json_double(f, "bytes", r->bytes);

@@ -17,13 +17,14 @@ static int compare_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* Median, min and max of n > 0 samples (sorted in place). */
-static bench_stats_t summarize(double *us, int n) {
+bench_stats_t bench_summarize(double *us, int n) {
   qsort(us, (size_t)n, sizeof *us, compare_double);
   bench_stats_t s;
   s.median_us = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
   s.min_us = us[0];
   s.max_us = us[n - 1];
+  const int k = (99 * n + 99) / 100; /* ceil(0.99 n), 1..n */
+  s.p99_us = us[k - 1];
   return s;
 }
 
@@ -75,7 +76,7 @@ int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stat
     }
   }
   if (rc == 0) rc = timed_loop(b, fn, arg, ev, us);
-  if (rc == 0) *stats = summarize(us, n);
+  if (rc == 0) *stats = bench_summarize(us, n);
   for (int i = 0; i < created; i++) {
     cudaError_t e = cudaEventDestroy(ev[i]);
     if (e != cudaSuccess && rc == 0) {
@@ -103,18 +104,19 @@ static int gather(bench_rank_t *b, const double *mine, double *all) {
 
 int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wrong, double bytes,
                      bench_row_t *row) {
-  enum { MEDIAN, MIN, MAX, WRONG, BYTES };
+  enum { MEDIAN, MIN, MAX, WRONG, BYTES, P99 };
   const double mine[BENCH_GATHER_FIELDS] = {stats->median_us, stats->min_us, stats->max_us,
-                                            (double)wrong, bytes};
+                                            (double)wrong,    bytes,         stats->p99_us};
   double all[EPX_MAX_RANKS * BENCH_GATHER_FIELDS];
   BENCH_TRY(gather(b, mine, all));
-  row->median_us = row->max_us = 0;
+  row->median_us = row->max_us = row->p99_us = 0;
   row->min_us = INFINITY;
   row->bytes = 0;
   row->wrong = 0;
   for (int q = 0; q < b->num_ranks; q++) {
     const double *f = &all[q * BENCH_GATHER_FIELDS];
     row->median_us = fmax(row->median_us, f[MEDIAN]);
+    row->p99_us = fmax(row->p99_us, f[P99]);
     row->min_us = fmin(row->min_us, f[MIN]);
     row->max_us = fmax(row->max_us, f[MAX]);
     row->bytes += f[BYTES] / b->num_ranks;

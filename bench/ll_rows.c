@@ -1,0 +1,252 @@
+/*
+ * ll_rows.c - EPX's low-latency rows in epx_bench for one workload (its token count): one group
+ * per route (DIRECT, BY_RANK), each with config.ll_num_sms = auto (every SM of the GPU).
+ *
+ * Rows (docs/bench.md), each named "<op> <route>":
+ *   ll dispatch fp8         epx_ll_dispatch: FP8 quantized on the fly, per-128 scales; one kernel
+ *   ll dispatch bf16        the same with BF16 rows
+ *   ll combine              epx_ll_combine of the BF16 dispatch's rows read in place (x = recv_x)
+ *   ll dispatch send fp8    split mode: the send call alone ...
+ *   ll dispatch recv fp8    ... and epx_ll_recv, queued after ~50 us of other GPU work, alone
+ *   ll combine send / recv  the same for combine
+ * Bytes per rank as DeepEP counts them (every (token, expert) copy, the own rank's included):
+ *   dispatch: the rows this rank receives (sum of recv_count) x (FP8: H + H/128 x 4; BF16: 2H)
+ *   combine:  this rank's (token, expert) pairs x 2H
+ * Checked: combine (weights 1 on each token's first slot, 0 on the others, so out[t] must be
+ * x[t] bit for bit whatever the route sums first); dispatch rows are checked by the tests.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+
+#define SPLIT_GAP_NS 50000 /* GPU work between the two halves of a split call */
+
+typedef struct {
+  bench_rank_t *b;
+  epx_group_t group;
+  bench_workload_t *w;
+  const float *weights; /* device [T, K]: 1 on slot 0, 0 elsewhere */
+  epx_dtype_t dtype;
+  epx_ll_dispatch_result_t result; /* of the latest dispatch */
+  void *out;                       /* device [T, H] BF16 */
+} ll_op_t;
+
+static int dispatch_call(ll_op_t *op, int split, cudaStream_t stream) {
+  epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+  a.x = op->w->x;
+  a.topk_idx = op->w->topk_idx;
+  a.topk_weights = op->weights;
+  a.num_tokens = op->w->num_tokens;
+  a.recv_dtype = op->dtype;
+  a.split = split;
+  BENCH_EPX(epx_ll_dispatch(op->group, &a, &op->result, stream));
+  return 0;
+}
+
+static int combine_call(ll_op_t *op, int split, epx_ll_hook_t *hook, cudaStream_t stream) {
+  epx_ll_combine_args_t c = EPX_LL_COMBINE_ARGS_INIT;
+  c.x = op->result.recv_x;
+  c.dispatch = &op->result;
+  c.out = op->out;
+  c.split = split;
+  c.hook = hook;
+  BENCH_EPX(epx_ll_combine(op->group, &c, stream));
+  return 0;
+}
+
+static int dispatch_iter(void *arg, cudaStream_t stream) {
+  return dispatch_call((ll_op_t *)arg, 0, stream);
+}
+
+static int combine_iter(void *arg, cudaStream_t stream) {
+  return combine_call((ll_op_t *)arg, 0, NULL, stream);
+}
+
+/* bench_time checks the bench's own group; low-latency errors are recorded in op->group. */
+static int check_errors(ll_op_t *op) {
+  epx_async_error_t err;
+  BENCH_CUDA(cudaStreamSynchronize(op->b->stream));
+  BENCH_EPX(epx_group_get_async_error(op->group, &err));
+  if (err.status == EPX_OK) return 0;
+  bench_report_failure(__FILE__, __LINE__, "epx_group_get_async_error", err.message);
+  return -1;
+}
+
+/* Split calls: per iteration a device barrier, the send (timed), ~50 us of other GPU work, the
+ * receive (timed). */
+static int time_split(ll_op_t *op, int combine, bench_stats_t *send, bench_stats_t *recv) {
+  bench_rank_t *b = op->b;
+  const int n = b->opt->iters, total = b->opt->warmup + n;
+  cudaEvent_t *ev = (cudaEvent_t *)calloc(4 * (size_t)n, sizeof *ev);
+  double *us = (double *)calloc(2 * (size_t)n, sizeof *us);
+  int rc = ev && us ? 0 : -1, created = 0;
+  if (rc) bench_report_failure(__FILE__, __LINE__, "calloc", "out of host memory");
+  for (; rc == 0 && created < 4 * n; created++) {
+    const cudaError_t e = cudaEventCreate(&ev[created]);
+    if (e != cudaSuccess) {
+      bench_report_failure(__FILE__, __LINE__, "cudaEventCreate", cudaGetErrorString(e));
+      rc = -1;
+    }
+  }
+  for (int i = 0; rc == 0 && i < total; i++) {
+    const int timed = i >= b->opt->warmup;
+    cudaEvent_t *e = ev + 4 * (i - b->opt->warmup);
+    epx_ll_hook_t hook = {0};
+    epx_ll_hook_t *h = combine ? &hook : &op->result.hook;
+    rc = epx_group_barrier(op->group, b->stream) == EPX_OK ? 0 : -1;
+    if (rc == 0 && timed) rc = cudaEventRecord(e[0], b->stream) == cudaSuccess ? 0 : -1;
+    if (rc == 0)
+      rc = combine ? combine_call(op, 1, &hook, b->stream) : dispatch_call(op, 1, b->stream);
+    if (rc == 0 && timed) rc = cudaEventRecord(e[1], b->stream) == cudaSuccess ? 0 : -1;
+    if (rc == 0) rc = bench_spin_launch(SPLIT_GAP_NS, b->stream) == cudaSuccess ? 0 : -1;
+    if (rc == 0 && timed) rc = cudaEventRecord(e[2], b->stream) == cudaSuccess ? 0 : -1;
+    if (rc == 0) rc = epx_ll_recv(op->group, h, b->stream) == EPX_OK ? 0 : -1;
+    if (rc == 0 && timed) rc = cudaEventRecord(e[3], b->stream) == cudaSuccess ? 0 : -1;
+    if (rc) bench_report_failure(__FILE__, __LINE__, "split iteration", epx_last_error());
+  }
+  if (rc == 0 && cudaStreamSynchronize(b->stream) != cudaSuccess) {
+    bench_report_failure(__FILE__, __LINE__, "cudaStreamSynchronize", "failed");
+    rc = -1;
+  }
+  for (int i = 0; rc == 0 && i < n; i++) {
+    float a = 0, c = 0;
+    if (cudaEventElapsedTime(&a, ev[4 * i], ev[4 * i + 1]) != cudaSuccess ||
+        cudaEventElapsedTime(&c, ev[4 * i + 2], ev[4 * i + 3]) != cudaSuccess) {
+      bench_report_failure(__FILE__, __LINE__, "cudaEventElapsedTime", "failed");
+      rc = -1;
+    }
+    us[i] = a * 1e3;
+    us[n + i] = c * 1e3;
+  }
+  if (rc == 0) {
+    *send = bench_summarize(us, n);
+    *recv = bench_summarize(us + n, n);
+  }
+  for (int i = 0; i < created; i++) cudaEventDestroy(ev[i]);
+  free(ev);
+  free(us);
+  return rc == 0 ? check_errors(op) : rc;
+}
+
+/* Rows this rank received in op->result (sum of the device recv_count). */
+static int received_rows(ll_op_t *op, long long *rows) {
+  const int L = op->result.num_local_experts;
+  int *count = (int *)malloc(sizeof(int) * (size_t)L);
+  if (!count) return -1;
+  BENCH_CUDA(cudaStreamSynchronize(op->b->stream));
+  BENCH_CUDA(cudaMemcpy(count, op->result.recv_count, sizeof(int) * L, cudaMemcpyDeviceToHost));
+  *rows = 0;
+  for (int j = 0; j < L; j++) *rows += count[j];
+  free(count);
+  return check_errors(op);
+}
+
+static int emit(ll_op_t *op, const char *op_name, const char *route, int sms,
+                const bench_stats_t *st, double bytes, long long wrong) {
+  char name[32];
+  snprintf(name, sizeof name, "%s %s", op_name, route);
+  bench_row_t row = bench_workload_row(op->b, name, op->w->num_tokens);
+  row.sms = sms;
+  BENCH_TRY(bench_finish_row(op->b, st, wrong, bytes, &row));
+  row.ratio_ceiling = row.gbps / bench_table_best_ceiling(&op->b->table);
+  return bench_emit_row(op->b, &row);
+}
+
+/* Every row of one route. */
+static int route_rows(bench_rank_t *b, bench_workload_t *w, int route, const float *weights,
+                      void *out, const int *ones) {
+  const bench_options_t *opt = b->opt;
+  const int H = opt->hidden;
+  const double fp8_row = (double)H + (double)(H / 128) * 4, bf16_row = 2.0 * H;
+  const char *rname = route == EPX_LL_ROUTE_DIRECT ? "direct" : "by-rank";
+  int max_tokens = 0;
+  for (int i = 0; i < opt->num_ll_tokens; i++)
+    if (opt->ll_tokens[i] > max_tokens) max_tokens = opt->ll_tokens[i];
+  epx_group_config_t cfg = bench_group_config(opt);
+  cfg.max_tokens_per_rank = max_tokens;
+  cfg.modes = EPX_MODE_LOW_LATENCY;
+  cfg.ll_route = route;
+  ll_op_t op;
+  memset(&op, 0, sizeof op);
+  op.b = b;
+  op.w = w;
+  op.weights = weights;
+  op.out = out;
+  BENCH_EPX(epx_group_create(b->comm, &cfg, &op.group));
+  epx_group_config_t got;
+  BENCH_EPX(epx_group_get_config(op.group, &got));
+  const int sms = got.ll_num_sms;
+  bench_stats_t st, st2;
+  long long rows = 0;
+
+  op.dtype = EPX_DTYPE_FP8_E4M3;
+  BENCH_TRY(bench_time(b, dispatch_iter, &op, &st));
+  BENCH_TRY(received_rows(&op, &rows));
+  BENCH_TRY(emit(&op, "ll dispatch fp8", rname, sms, &st, rows * fp8_row, -1));
+  BENCH_TRY(time_split(&op, 0, &st, &st2));
+  BENCH_TRY(emit(&op, "ll dispatch send fp8", rname, sms, &st, rows * fp8_row, -1));
+  BENCH_TRY(emit(&op, "ll dispatch recv fp8", rname, sms, &st2, rows * fp8_row, -1));
+
+  op.dtype = EPX_DTYPE_BF16;
+  BENCH_TRY(bench_time(b, dispatch_iter, &op, &st));
+  BENCH_TRY(received_rows(&op, &rows));
+  BENCH_TRY(emit(&op, "ll dispatch bf16", rname, sms, &st, rows * bf16_row, -1));
+
+  /* Combine the latest BF16 dispatch, its rows read in place. */
+  const double pairs = (double)w->num_tokens * opt->top_k; /* distinct, all valid */
+  BENCH_CUDA(cudaMemsetAsync(out, 0xff, (size_t)w->max_tokens * H * 2, b->stream));
+  BENCH_TRY(bench_time(b, combine_iter, &op, &st));
+  long long wrong = 0;
+  BENCH_CUDA(cudaMemsetAsync(w->wrong_dev, 0, sizeof *w->wrong_dev, b->stream));
+  BENCH_CUDA(bench_check_scaled_launch(out, ones, w->num_tokens, H, opt->seed, b->rank,
+                                       w->wrong_dev, b->stream));
+  unsigned long long count = 0;
+  BENCH_CUDA(
+      cudaMemcpyAsync(&count, w->wrong_dev, sizeof count, cudaMemcpyDeviceToHost, b->stream));
+  BENCH_CUDA(cudaStreamSynchronize(b->stream));
+  wrong = (long long)count;
+  BENCH_TRY(emit(&op, "ll combine", rname, sms, &st, pairs * bf16_row, wrong));
+  BENCH_TRY(time_split(&op, 1, &st, &st2));
+  BENCH_TRY(emit(&op, "ll combine send", rname, sms, &st, pairs * bf16_row, -1));
+  BENCH_TRY(emit(&op, "ll combine recv", rname, sms, &st2, pairs * bf16_row, -1));
+
+  BENCH_CUDA(cudaStreamSynchronize(b->stream));
+  BENCH_EPX(epx_group_destroy(op.group));
+  return 0;
+}
+
+int bench_ll_rows(bench_rank_t *b, bench_workload_t *w) {
+  const bench_options_t *opt = b->opt;
+  const int T = w->num_tokens, K = opt->top_k, H = opt->hidden;
+  float *weights_host = (float *)calloc((size_t)T * K + 1, sizeof(float));
+  int *ones_host = (int *)malloc(sizeof(int) * ((size_t)T + 1));
+  if (!weights_host || !ones_host) {
+    free(weights_host);
+    free(ones_host);
+    bench_report_failure(__FILE__, __LINE__, "calloc", "out of host memory");
+    return -1;
+  }
+  for (int t = 0; t < T; t++) weights_host[(size_t)t * K] = 1.0f, ones_host[t] = 1;
+  float *weights = NULL;
+  int *ones = NULL;
+  void *out = NULL;
+  BENCH_CUDA(cudaMalloc((void **)&weights, ((size_t)T * K + 1) * sizeof(float)));
+  BENCH_CUDA(cudaMalloc((void **)&ones, ((size_t)T + 1) * sizeof(int)));
+  BENCH_CUDA(cudaMalloc(&out, ((size_t)w->max_tokens + 1) * H * 2));
+  BENCH_CUDA(cudaMemcpyAsync(weights, weights_host, (size_t)T * K * sizeof(float),
+                             cudaMemcpyHostToDevice, b->stream));
+  BENCH_CUDA(
+      cudaMemcpyAsync(ones, ones_host, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, b->stream));
+  BENCH_CUDA(cudaStreamSynchronize(b->stream));
+  free(weights_host);
+  free(ones_host);
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++)
+    BENCH_TRY(route_rows(b, w, route, weights, out, ones));
+  BENCH_CUDA(cudaFree(weights));
+  BENCH_CUDA(cudaFree(ones));
+  BENCH_CUDA(cudaFree(out));
+  return 0;
+}
