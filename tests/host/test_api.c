@@ -206,6 +206,17 @@ EPX_HOST_TEST(argument_checks_without_gpu, 10) {
   epx_async_error_t err;
   EXPECT_STATUS(epx_group_get_async_error(bogus, &err), EPX_ERR_INVALID_USAGE);
   EXPECT_STATUS(epx_group_clear_async_error(NULL), EPX_ERR_INVALID_ARGUMENT);
+  epx_ll_dispatch_args_t lda = EPX_LL_DISPATCH_ARGS_INIT;
+  epx_ll_dispatch_result_t lres;
+  EXPECT_STATUS(epx_ll_dispatch(bogus, &lda, &lres, NULL), EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_ll_dispatch(NULL, &lda, &lres, NULL), EPX_ERR_INVALID_ARGUMENT);
+  epx_ll_combine_args_t lca = EPX_LL_COMBINE_ARGS_INIT;
+  EXPECT_STATUS(epx_ll_combine(bogus, &lca, NULL), EPX_ERR_INVALID_USAGE);
+  epx_ll_hook_t hook = {4};
+  EXPECT_STATUS(epx_ll_recv(bogus, &hook, NULL), EPX_ERR_INVALID_USAGE);
+  unsigned mask = 0;
+  EXPECT_STATUS(epx_group_get_peer_mask(bogus, &mask), EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_group_clear_peer_mask(NULL), EPX_ERR_INVALID_ARGUMENT);
   epx_group_config_t c = small_config();
   epx_group_t g = bogus;
   EXPECT_STATUS(epx_group_create(NULL, &c, &g), EPX_ERR_INVALID_ARGUMENT);
