@@ -50,6 +50,10 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 512; /* channels of one warp unit: 16 per lane */
 constexpr int kMaxDst = EPX_MAX_TOP_K + EPX_MAX_RANKS;
+/* Tokens (send) or staged rows (receive, combine) a block handles per round: warp w < kBatch
+ * plans item w, then all warps copy the round's (item, chunk) units, so a round costs one
+ * load latency however many items it holds. */
+constexpr int kBatch = 8;
 constexpr int kKindDispatch = 0, kKindCombine = 1;
 constexpr uint32_t kNoSignal = 0xffffffffu; /* wait_signal: the peer is masked */
 constexpr unsigned kFull = 0xffffffffu;
@@ -121,6 +125,11 @@ __device__ void signal_ranks(const epx__kernel_ctx_t &ctx, unsigned mask, size_t
                     (size_t)ctx.rank * EPX_LL_MAX_BLOCKS + blockIdx.x;
     epx::st_release_sys(sig, ((uint64_t)epoch << 32) | low);
   }
+}
+
+/* Tokens t < T with t % G == b: how many. */
+__device__ __forceinline__ int tokens_of_block(int T, int b, int G) {
+  return T > b ? (T - b + G - 1) / G : 0;
 }
 
 /* Position of token t among the tokens whose bit is set in bits (ascending token order). */
@@ -303,14 +312,19 @@ __device__ void plan_token(const epx__kernel_ctx_t &ctx, const epx__ll_dispatch_
   if (lane == 0) plan->num_dst = num_dst;
 }
 
-/* All warps: token t's chunks to every destination of the plan. */
+/* All warps: the chunks of the round's tokens t_i = b + (i0 + i) G, i < nb, to every
+ * destination of their plans. */
 template <bool kFp8>
-__device__ void send_token(const epx__ll_dispatch_launch_args_t &a, int t, const Plan *plan) {
+__device__ void send_tokens(const epx__ll_dispatch_launch_args_t &a, int i0, int nb,
+                            const Plan *plans) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = a.hidden;
-  const int nch = (H + kChunk - 1) / kChunk, num_dst = plan->num_dst;
-  const int4 *src = (const int4 *)((const char *)a.x + (size_t)t * H * 2);
-  if (num_dst == 0) return; /* no valid expert on a live rank */
-  for (int ch = warp; ch < nch; ch += kWarps) {
+  const int nch = (H + kChunk - 1) / kChunk, G = gridDim.x;
+  for (int u = warp; u < nb * nch; u += kWarps) {
+    const int i = u / nch, ch = u % nch, t = blockIdx.x + (i0 + i) * G;
+    const Plan *plan = &plans[i];
+    const int num_dst = plan->num_dst;
+    if (num_dst == 0) continue; /* no valid expert on a live rank (warp-uniform) */
+    const int4 *src = (const int4 *)((const char *)a.x + (size_t)t * H * 2);
     const int c0 = ch * kChunk + lane * 16;
     const bool act = c0 < H;
     int4 v0 = make_int4(0, 0, 0, 0), v1 = v0;
@@ -322,13 +336,13 @@ __device__ void send_token(const epx__ll_dispatch_launch_args_t &a, int t, const
       float scale;
       const int4 q = quantize16(v0, v1, a.ue8m0 != 0, &scale);
       if (act)
-        for (int i = 0; i < num_dst; i++) {
-          *(int4 *)(plan->payload[i] + c0) = q;
-          if ((lane & 7) == 0) plan->scales[i][c0 / 128] = scale;
+        for (int d = 0; d < num_dst; d++) {
+          *(int4 *)(plan->payload[d] + c0) = q;
+          if ((lane & 7) == 0) plan->scales[d][c0 / 128] = scale;
         }
     } else if (act) {
-      for (int i = 0; i < num_dst; i++) {
-        int4 *dst = (int4 *)(plan->payload[i] + (size_t)c0 * 2);
+      for (int d = 0; d < num_dst; d++) {
+        int4 *dst = (int4 *)(plan->payload[d] + (size_t)c0 * 2);
         dst[0] = v0;
         dst[1] = v1;
       }
@@ -336,21 +350,36 @@ __device__ void send_token(const epx__ll_dispatch_launch_args_t &a, int t, const
   }
 }
 
-/* Route BY_RANK, receive: fan the rows that block b of source s staged here out to their
- * experts' slots (token t is staged for this rank iff its header carries this call's epoch). */
+/* Route BY_RANK, receive: fan the rows that blocks b of the other sources staged here out to
+ * their experts' slots. src_tokens[s] is source s's token count (kNoSignal: masked); token t of
+ * s is staged for this rank iff the header of stage[s][t] carries this call's epoch. */
 template <bool kFp8>
 __device__ void fan_out(const epx__kernel_ctx_t &ctx, const epx__ll_dispatch_launch_args_t &a,
-                        int s, int num_src_tokens, uint32_t epoch, Plan *plan) {
+                        uint32_t epoch, const uint32_t *src_tokens, Plan *plans,
+                        const char **srcs) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int R = ctx.num_ranks, me = ctx.rank, G = gridDim.x;
+  const int R = ctx.num_ranks, me = ctx.rank, G = gridDim.x, b = blockIdx.x;
   const int K = a.top_k, L = a.num_experts / R, M = a.max_tokens, H = a.hidden;
   const int p = a.parity, elem = kFp8 ? 1 : 2, nsc = H / 128, nch = (H + kChunk - 1) / kChunk;
   const epx__ws_layout_t &lay = ctx.layout;
   const size_t RM = lay.ll_rows;
   char *own = ll_buf(ctx, me, p);
-  for (int t = blockIdx.x; t < num_src_tokens; t += G) {
-    const char *row = own + lay.ll_stage_offset + ((size_t)s * M + t) * lay.ll_stage_row_bytes;
-    if (warp == 0) {
+  /* This block's rows, source-major: start[s] = rows of the sources before s. */
+  int start[EPX_MAX_RANKS + 1];
+  start[0] = 0;
+  for (int s = 0; s < R; s++)
+    start[s + 1] =
+        start[s] +
+        ((s == me || src_tokens[s] == kNoSignal) ? 0 : tokens_of_block((int)src_tokens[s], b, G));
+  const int total = start[R];
+  for (int r0 = 0; r0 < total; r0 += kBatch) {
+    const int nb = total - r0 < kBatch ? total - r0 : kBatch;
+    if (warp < nb) {
+      const int r = r0 + warp;
+      int s = 0;
+      while (r >= start[s + 1]) s++;
+      const int t = b + (r - start[s]) * G;
+      const char *row = own + lay.ll_stage_offset + ((size_t)s * M + t) * lay.ll_stage_row_bytes;
       const int4 head = __ldcg((const int4 *)row);
       int n = ((uint32_t)head.x == epoch && head.y == t) ? head.z : 0;
       n = n < 0 ? 0 : n > K ? K : n;
@@ -358,39 +387,44 @@ __device__ void fan_out(const epx__kernel_ctx_t &ctx, const epx__ll_dispatch_lau
       const int pos = (int)(pk & 0xffffu), j = (int)((pk >> 16) & 0x3ffu), k = (int)(pk >> 26);
       const bool ok = lane < n && j < L && pos < M && k < K;
       const unsigned ob = __ballot_sync(kFull, ok);
+      Plan *plan = &plans[warp];
       if (ok) {
-        const size_t r = (size_t)j * RM + (size_t)s * M + pos;
+        const size_t dr = (size_t)j * RM + (size_t)s * M + pos;
         const int i = __popc(ob & ((1u << lane) - 1u));
-        plan->payload[i] = own + lay.ll_x_offset + r * H * elem;
-        plan->scales[i] = kFp8 ? (float *)(own + lay.ll_scales_offset) + r * nsc : nullptr;
-        ((int4 *)(own + lay.ll_src_info_offset))[r] = make_int4(s, t, k, 0);
+        plan->payload[i] = own + lay.ll_x_offset + dr * H * elem;
+        plan->scales[i] = kFp8 ? (float *)(own + lay.ll_scales_offset) + dr * nsc : nullptr;
+        ((int4 *)(own + lay.ll_src_info_offset))[dr] = make_int4(s, t, k, 0);
       }
-      if (lane == 0) plan->num_dst = __popc(ob);
+      if (lane == 0) {
+        plan->num_dst = __popc(ob);
+        srcs[warp] = row + EPX_LL_HEADER_BYTES;
+      }
     }
     __syncthreads();
-    const int num_dst = plan->num_dst;
-    const char *src = row + EPX_LL_HEADER_BYTES;
-    for (int ch = warp; num_dst > 0 && ch < nch; ch += kWarps) {
-      const int c0 = ch * kChunk + lane * 16;
-      if (c0 >= H) continue;
+    for (int u = warp; u < nb * nch; u += kWarps) {
+      const int i = u / nch, ch = u % nch, c0 = ch * kChunk + lane * 16;
+      const Plan *plan = &plans[i];
+      const int num_dst = plan->num_dst;
+      if (num_dst == 0 || c0 >= H) continue;
+      const char *src = srcs[i];
       if (kFp8) {
         const int4 v = __ldcg((const int4 *)(src + c0));
         const float sc = (lane & 7) == 0 ? __ldcg((const float *)(src + H) + c0 / 128) : 0.f;
-        for (int i = 0; i < num_dst; i++) {
-          *(int4 *)(plan->payload[i] + c0) = v;
-          if ((lane & 7) == 0) plan->scales[i][c0 / 128] = sc;
+        for (int d = 0; d < num_dst; d++) {
+          *(int4 *)(plan->payload[d] + c0) = v;
+          if ((lane & 7) == 0) plan->scales[d][c0 / 128] = sc;
         }
       } else {
         const int4 v0 = __ldcg((const int4 *)(src + (size_t)c0 * 2));
         const int4 v1 = __ldcg((const int4 *)(src + (size_t)c0 * 2) + 1);
-        for (int i = 0; i < num_dst; i++) {
-          int4 *dst = (int4 *)(plan->payload[i] + (size_t)c0 * 2);
+        for (int d = 0; d < num_dst; d++) {
+          int4 *dst = (int4 *)(plan->payload[d] + (size_t)c0 * 2);
           dst[0] = v0;
           dst[1] = v1;
         }
       }
     }
-    __syncthreads(); /* the plan is rewritten for the next token */
+    __syncthreads(); /* the plans are rewritten in the next round */
   }
 }
 
@@ -401,8 +435,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ uint32_t s_epoch;
   __shared__ unsigned s_mask;
   __shared__ unsigned long long s_first_bad;
-  __shared__ Entry s_ent[EPX_MAX_TOP_K];
-  __shared__ Plan s_plan;
+  __shared__ Entry s_ent[kBatch][EPX_MAX_TOP_K];
+  __shared__ Plan s_plan[kBatch];
+  __shared__ const char *s_src[kBatch];
   __shared__ uint32_t s_src_tokens[EPX_MAX_RANKS]; /* per source: T, or kNoSignal */
 
   const int tid = threadIdx.x, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
@@ -449,13 +484,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int w = 0; w < nw; w++) n += __popc(bitmap[(size_t)e * nw + w]);
       ((int *)(ll_buf(ctx, d, p) + lay.ll_cnt_offset))[(size_t)(e - d * L) * R + me] = n;
     }
-    /* 3. The tokens of this block. */
-    for (int t = b; t < T; t += G) {
-      if (warp == 0)
-        plan_token<IdxT, kFp8, kByRank>(ctx, a, bitmap, nw, mask, epoch, t, s_ent, &s_plan);
+    /* 3. The tokens of this block, kBatch per round. */
+    const int my_tokens = tokens_of_block(T, b, G);
+    for (int i0 = 0; i0 < my_tokens; i0 += kBatch) {
+      const int nb = my_tokens - i0 < kBatch ? my_tokens - i0 : kBatch;
+      if (warp < nb)
+        plan_token<IdxT, kFp8, kByRank>(ctx, a, bitmap, nw, mask, epoch, b + (i0 + warp) * G,
+                                        s_ent[warp], &s_plan[warp]);
       __syncthreads();
-      send_token<kFp8>(a, t, &s_plan);
-      __syncthreads(); /* the plan is rewritten for the next token */
+      send_tokens<kFp8>(a, i0, nb, s_plan);
+      __syncthreads(); /* the plans are rewritten in the next round */
     }
     /* 4. Everything of this block is issued: tell every rank, with this rank's token count. */
     signal_ranks(ctx, mask, lay.ll_dflag_offset, p, epoch, (uint32_t)T);
@@ -463,22 +501,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (a.phases & EPX_LL_PHASE_RECV) {
     char *own = ll_buf(ctx, me, p);
-    /* Block b of every source, the own rank first (already done), then the others. */
-    for (int i = 0; i < R; i++) {
-      const int s = (me + i) % R;
-      if (tid == 0) {
-        uint32_t v = kNoSignal;
-        if (!((read_mask(ctx) >> s) & 1u)) {
-          const uint64_t *sig =
-              (const uint64_t *)(own + lay.ll_dflag_offset) + (size_t)s * EPX_LL_MAX_BLOCKS + b;
-          v = wait_signal(ctx, sig, epoch, s, EPX_STAGE_LL_DISPATCH);
-        }
-        s_src_tokens[s] = v == kNoSignal ? kNoSignal : (v > (uint32_t)M ? (uint32_t)M : v);
+    /* Block b of every source, all waited for at once (thread s for source s). */
+    if (tid < R) {
+      const int s = tid;
+      uint32_t v = kNoSignal;
+      if (!((read_mask(ctx) >> s) & 1u)) {
+        const uint64_t *sig =
+            (const uint64_t *)(own + lay.ll_dflag_offset) + (size_t)s * EPX_LL_MAX_BLOCKS + b;
+        v = wait_signal(ctx, sig, epoch, s, EPX_STAGE_LL_DISPATCH);
       }
-      __syncthreads();
-      if (kByRank && s != me && s_src_tokens[s] != kNoSignal)
-        fan_out<kFp8>(ctx, a, s, (int)s_src_tokens[s], epoch, &s_plan);
+      s_src_tokens[s] = v == kNoSignal ? kNoSignal : (v > (uint32_t)M ? (uint32_t)M : v);
     }
+    __syncthreads();
+    if (kByRank) fan_out<kFp8>(ctx, a, epoch, s_src_tokens, s_plan, s_src);
     /* Counts of the local experts e % G == b: sender blocks b wrote their cnt words. */
     const int *cnt = (const int *)(own + lay.ll_cnt_offset);
     int *count = (int *)(own + lay.ll_recv_count_offset);
@@ -584,7 +619,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ unsigned s_mask, s_ok;
   __shared__ int s_prefix[EPX_MAX_EXPERTS + 1];
   __shared__ int s_warp_sums[kWarps];
-  __shared__ CombineRows s_rows;
+  __shared__ CombineRows s_rows[kBatch];
+  __shared__ int s_count[EPX_MAX_RANKS];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const int R = ctx.num_ranks, me = ctx.rank;
@@ -608,58 +644,74 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (a.phases & EPX_LL_PHASE_SEND) {
     const unsigned mask = s_mask;
     if (kByRank) {
-      /* Partials of the tokens staged here by block b of each source in the dispatch. */
-      for (int i = 1; i <= R; i++) {
-        const int s = (me + i) % R;
-        if ((mask >> s) & 1u) continue;
+      /* Partials of the tokens that blocks b of the sources staged here in the dispatch, the
+       * own rank's included (its headers are in its own stage rows). Rows are source-major;
+       * a source that did not reach this rank in the dispatch (its signal does not carry the
+       * dispatch's epoch), or is masked now, has none. */
+      if (tid < R) {
+        const int s = tid;
         const uint64_t f = __ldcg((const unsigned long long *)(own + lay.ll_dflag_offset) +
                                   (size_t)s * EPX_LL_MAX_BLOCKS + b);
-        if ((uint32_t)(f >> 32) != dispatch_epoch) continue; /* s did not reach us */
-        const int Ts = (int)((uint32_t)f > (uint32_t)M ? (uint32_t)M : (uint32_t)f);
-        for (int t = b; t < Ts; t += G) {
-          if (warp == 0) {
-            const char *hdr =
-                own + lay.ll_stage_offset + ((size_t)s * M + t) * lay.ll_stage_row_bytes;
-            const int4 head = __ldcg((const int4 *)hdr);
-            int n = ((uint32_t)head.x == dispatch_epoch && head.y == t) ? head.z : 0;
-            n = n < 0 ? 0 : n > K ? K : n;
-            const uint32_t pk = lane < n ? __ldcg((const unsigned *)(hdr + kHdrPacked) + lane) : 0u;
-            const float w = lane < n ? __ldcg((const float *)(hdr + kHdrWeights) + lane) : 0.f;
-            const int pos = (int)(pk & 0xffffu), j = (int)((pk >> 16) & 0x3ffu);
-            const bool ok = lane < n && j < L && pos < M;
-            const unsigned ob = __ballot_sync(kFull, ok);
-            if (ok) {
-              const int idx = __popc(ob & ((1u << lane) - 1u));
-              s_rows.src[idx] = (const char *)a.x + ((size_t)j * RM + (size_t)s * M + pos) * H * 2;
-              s_rows.w[idx] = w;
-            }
-            if (lane == 0) {
-              s_rows.n = __popc(ob);
-              s_rows.dst =
-                  ll_buf(ctx, s, p) + lay.ll_combine_recv_offset + ((size_t)me * M + t) * H * 2;
-            }
+        const bool live = !((mask >> s) & 1u) && (uint32_t)(f >> 32) == dispatch_epoch;
+        const uint32_t Ts = (uint32_t)f > (uint32_t)M ? (uint32_t)M : (uint32_t)f;
+        s_count[s] = live ? tokens_of_block((int)Ts, b, G) : 0;
+      }
+      __syncthreads();
+      int start[EPX_MAX_RANKS + 1];
+      start[0] = 0;
+      for (int s = 0; s < R; s++) start[s + 1] = start[s] + s_count[s];
+      const int total = start[R];
+      for (int r0 = 0; r0 < total; r0 += kBatch) {
+        const int nb = total - r0 < kBatch ? total - r0 : kBatch;
+        if (warp < nb) {
+          const int r = r0 + warp;
+          int s = 0;
+          while (r >= start[s + 1]) s++;
+          const int t = b + (r - start[s]) * G;
+          const char *hdr =
+              own + lay.ll_stage_offset + ((size_t)s * M + t) * lay.ll_stage_row_bytes;
+          const int4 head = __ldcg((const int4 *)hdr);
+          int n = ((uint32_t)head.x == dispatch_epoch && head.y == t) ? head.z : 0;
+          n = n < 0 ? 0 : n > K ? K : n;
+          const uint32_t pk = lane < n ? __ldcg((const unsigned *)(hdr + kHdrPacked) + lane) : 0u;
+          const float w = lane < n ? __ldcg((const float *)(hdr + kHdrWeights) + lane) : 0.f;
+          const int pos = (int)(pk & 0xffffu), j = (int)((pk >> 16) & 0x3ffu);
+          const bool ok = lane < n && j < L && pos < M;
+          const unsigned ob = __ballot_sync(kFull, ok);
+          CombineRows *cr = &s_rows[warp];
+          if (ok) {
+            const int idx = __popc(ob & ((1u << lane) - 1u));
+            cr->src[idx] = (const char *)a.x + ((size_t)j * RM + (size_t)s * M + pos) * H * 2;
+            cr->w[idx] = w;
           }
-          __syncthreads();
-          const int n = s_rows.n;
-          for (int ch = warp; n > 0 && ch < nch; ch += kWarps) {
-            const int c0 = ch * kChunk + lane * 16;
-            float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f,
-                             0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            accumulate_rows(
-                n,
-                [&](int i, float *wi) {
-                  *wi = s_rows.w[i];
-                  return s_rows.src[i];
-                },
-                c0, c0 < H, acc);
-            if (c0 < H) store_acc(s_rows.dst, c0, acc);
+          if (lane == 0) {
+            cr->n = __popc(ob);
+            cr->dst = ll_buf(ctx, s, p) + lay.ll_combine_recv_offset + ((size_t)me * M + t) * H * 2;
           }
-          __syncthreads();
         }
+        __syncthreads();
+        for (int u = warp; u < nb * nch; u += kWarps) {
+          const int i = u / nch, ch = u % nch, c0 = ch * kChunk + lane * 16;
+          const CombineRows *cr = &s_rows[i];
+          const int n = cr->n;
+          if (n == 0) continue; /* not staged for this rank (warp-uniform) */
+          float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f,
+                           0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          accumulate_rows(
+              n,
+              [&](int q, float *wq) {
+                *wq = cr->w[q];
+                return cr->src[q];
+              },
+              c0, c0 < H, acc);
+          if (c0 < H) store_acc(cr->dst, c0, acc);
+        }
+        __syncthreads(); /* the rows are rewritten in the next round */
       }
     } else {
       /* Every row this rank received goes back to its token's slot on the source. Rows are
-       * numbered over (local expert, source) segments; block b takes rows b, b + G, ... */
+       * numbered over the (local expert, source) segments; block b takes rows b, b + G, ...,
+       * each warp two (row, chunk) units per step with all their loads in flight. */
       const int *num = (const int *)(own + lay.ll_recv_num_offset);
       /* s_prefix first holds the segments' row counts, then (in place) their prefix. */
       for (int i = tid; i < L * R; i += kThreads)
@@ -668,29 +720,45 @@ __global__ void __launch_bounds__(kThreads, 1)
       block_prefix(s_prefix, L * R, s_prefix, s_warp_sums);
       const int total = s_prefix[L * R];
       const int4 *info = (const int4 *)(own + lay.ll_src_info_offset);
-      for (int u = warp;; u += kWarps) {
-        const int g = b + (u / nch) * G, ch = u % nch;
-        if (g >= total) break;
-        int lo = 0, hi = L * R; /* the segment holding row g: prefix[lo] <= g < prefix[lo+1] */
-        while (hi - lo > 1) {
-          const int mid = (lo + hi) / 2;
-          if (s_prefix[mid] <= g)
-            lo = mid;
-          else
-            hi = mid;
+      for (int u0 = warp;; u0 += 2 * kWarps) {
+        int4 src_info[2], x0[2], x1[2];
+        size_t row[2];
+        int seg_s[2], c0[2];
+        bool valid[2];
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+          const int u = u0 + q * kWarps, g = b + (u / nch) * G;
+          c0[q] = (u % nch) * kChunk + lane * 16;
+          valid[q] = g < total;
+          if (!valid[q]) continue;
+          int lo = 0, hi = L * R; /* the segment of row g: prefix[lo] <= g < prefix[lo + 1] */
+          while (hi - lo > 1) {
+            const int mid = (lo + hi) / 2;
+            if (s_prefix[mid] <= g)
+              lo = mid;
+            else
+              hi = mid;
+          }
+          const int j = lo / R;
+          seg_s[q] = lo % R;
+          row[q] = (size_t)j * RM + (size_t)seg_s[q] * M + (g - s_prefix[lo]);
+          src_info[q] = __ldcg(info + row[q]);
+          if (c0[q] < H) {
+            const int4 *src = (const int4 *)((const char *)a.x + (row[q] * H + c0[q]) * 2);
+            x0[q] = epx::ld_nc_na_v4(src);
+            x1[q] = epx::ld_nc_na_v4(src + 1);
+          }
         }
-        const int j = lo / R, s = lo % R, i = g - s_prefix[lo];
-        const size_t row = (size_t)j * RM + (size_t)s * M + i;
-        const int4 src_info = __ldcg(info + row);
-        const int t = src_info.y, k = src_info.z;
-        const int c0 = ch * kChunk + lane * 16;
-        if (t < 0 || t >= M || k < 0 || k >= K || c0 >= H) continue;
-        const int4 *src = (const int4 *)((const char *)a.x + (row * H + c0) * 2);
-        int4 *dst = (int4 *)(ll_buf(ctx, s, p) + lay.ll_combine_recv_offset +
-                             (((size_t)t * K + k) * H + c0) * 2);
-        const int4 x0 = epx::ld_nc_na_v4(src), x1 = epx::ld_nc_na_v4(src + 1);
-        dst[0] = x0;
-        dst[1] = x1;
+        if (!valid[0]) break;
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+          const int t = src_info[q].y, k = src_info[q].z;
+          if (!valid[q] || c0[q] >= H || t < 0 || t >= M || k < 0 || k >= K) continue;
+          int4 *dst = (int4 *)(ll_buf(ctx, seg_s[q], p) + lay.ll_combine_recv_offset +
+                               (((size_t)t * K + k) * H + c0[q]) * 2);
+          dst[0] = x0[q];
+          dst[1] = x1[q];
+        }
       }
     }
     signal_ranks(ctx, mask, lay.ll_cflag_offset, p, epoch, 0u);
@@ -718,7 +786,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float *my_w = (const float *)(own + lay.ll_my_w_offset);
     const char *recv = own + lay.ll_combine_recv_offset;
     /* Units (token, chunk): BY_RANK the tokens t % G == b; DIRECT units u % G == b. */
-    const int per_block = kByRank ? ((T - b + G - 1) / G) * nch : 0;
+    const int per_block = kByRank ? tokens_of_block(T, b, G) * nch : 0;
     for (int u = kByRank ? warp : b + warp * G;; u += kByRank ? kWarps : kWarps * G) {
       int t, ch;
       if (kByRank) {
