@@ -9,25 +9,26 @@
  *
  * Grid: config.ll_num_sms blocks of 512 threads, the same on every rank. Block b of a rank
  * handles the tokens t = b, b + G, b + 2G, ... of that rank.
- *   dispatch send: warp 0 plans a token (its distinct experts, their slots, the destinations),
- *     then the 16 warps copy it in 512-channel chunks (16 channels per lane), quantized to FP8
- *     once per token. Route DIRECT writes one row per (token, expert) into its final slot on
- *     the expert's rank. Route BY_RANK writes one staged row per (token, destination rank) at
- *     stage[s][t] of the destination, after a header listing the token's experts there (local
- *     id, slot, weight); the own rank's rows are written directly (its header too, for
- *     combine). Block b also writes cnt[j][s] on rank d for the experts e % G == b. When all
- *     its stores are issued, block b signals every rank r: dflag[me][b] on r = (epoch, T).
- *   dispatch receive: block b waits for dflag[s][b] of every source s, so blocks pair up one
- *     to one across ranks: receiver block b needs only sender block b. Route BY_RANK: it fans
- *     out the rows sender block b staged. Then it writes the counts of its local experts
- *     e % G == b (which sender block b wrote).
+ *   dispatch send: in rounds of up to 8 tokens, warp w plans token w of the round (its
+ *     distinct experts, their slots, the destinations), then the 16 warps copy the round's
+ *     tokens in 512-channel chunks (16 channels per lane), quantized to FP8 once per token. Route
+ * DIRECT writes one row per (token, expert) into its final slot on the expert's rank. Route BY_RANK
+ * writes one staged row per (token, destination rank) at stage[s][t] of the destination, after a
+ * header listing the token's experts there (local id, slot, weight); the own rank's rows are
+ * written directly (its header too, for combine). Block b also writes cnt[j][s] on rank d for the
+ * experts e % G == b. When all its stores are issued, block b signals every rank r: dflag[me][b] on
+ * r = (epoch, T). dispatch receive: block b waits (thread s for source s) for dflag[s][b] of every
+ * source, so blocks pair up one to one across ranks: receiver block b needs only sender block b.
+ *     Route BY_RANK: it fans out the rows those blocks staged, in rounds of up to 8 rows (warp
+ *     w reads the header of row w). Then it writes the counts of its local experts e % G == b
+ *     (which sender block b wrote).
  *   combine DIRECT: rank d sends each row it received back to combine_recv[t*K + k] on the
  *     source (k = the source's first slot naming the expert); the source waits for every block
  *     of every rank, then sums w[t][k] * row over the token's valid slots.
- *   combine BY_RANK: block b of rank d sums, for each token staged at stage[s][t] (t % G == b),
- *     w * y over the token's experts on d (from the dispatch header) and sends one BF16 partial
- *     to combine_recv[d*M + t] on s; block b of s waits for block b of every rank and adds the
- *     partials of the token's ranks.
+ *   combine BY_RANK: block b of rank d sums, for each token staged at stage[s][t] (t % G == b;
+ *     rounds of up to 8 tokens), w * y over the token's experts on d (from the dispatch header)
+ *     and sends one BF16 partial to combine_recv[d*M + t] on s; block b of s waits for block b
+ *     of every rank and adds the partials of the token's ranks.
  *
  * Signals are 64-bit words (epoch << 32) | value: written with a system-scope release after a
  * __syncthreads and a system fence, read with acquire loads in bounded waits. Each block keeps
