@@ -730,13 +730,13 @@ EPX_GPU_TEST(ll_loop_10000, 900) {
     world_free(&w0);
   }
   for (int it = 0; it < 10000; it++) {
-    const ll_case_t c = {"loop",      M,
-                         H,           E,
-                         K,           routes[it % 5],
-                         -1,          it % 9 == 4 ? it % R : -1,
-                         it % 2,      it % 4 == 1,
-                         it % 3 == 2, it % 5 == 3,
-                         it % 7 == 6};
+    ll_case_t c = {"loop", M, H, E, K, routes[it % 5], -1, -1, 0, 0, 0, 0, 0};
+    c.empty_rank = it % 9 == 4 ? it % R : -1;
+    c.fp8 = it % 2;
+    c.ue8m0 = it % 4 == 1;
+    c.split = it % 3 == 2;
+    c.zero_copy = it % 5 == 3;
+    c.no_weights = it % 7 == 6;
     world_t w;
     world_make(&w, R, &c, &rng);
     char label[64];
