@@ -34,9 +34,11 @@ typedef struct epx__kernel_ctx {
   unsigned long long timeout_ns; /* budget of each wait on a peer */
   epx__error_record_t *error;    /* device alias of the host-mapped error record */
   epx__ws_layout_t layout;
+  struct epx__trace_ring *trace; /* device event buffer while the group traces, else NULL */
 } epx__kernel_ctx_t;
 
 struct epx__transport_ops;
+struct epx__trace;
 
 struct epx_group {
   int rank, num_ranks, cuda_device, num_device_sms;
@@ -48,7 +50,9 @@ struct epx_group {
   char *workspace;                /* local base of the symmetric workspace */
   char *peer_base[EPX_MAX_RANKS]; /* resolved by the transport */
   epx__error_record_t *error_host, *error_dev;
-  cudaStream_t setup_stream; /* internal work at create/destroy/clear */
+  cudaStream_t setup_stream;          /* internal work at create/destroy/clear */
+  struct epx__trace *trace;           /* host state of tracing (src/trace.c), or NULL */
+  struct epx__trace_ring *trace_ring; /* what kernels record into; NULL when not tracing */
 };
 
 /* Transports behind one table, chosen at group creation; common code never branches on it. */

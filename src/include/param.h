@@ -31,5 +31,6 @@ int64_t epx__param_env_int(const char *name, int64_t def);
 /* Every knob of the library (docs/env.md). */
 EPX_PARAM(TimeoutMs, "TIMEOUT_MS", 5000)
 EPX_PARAM(NumSms, "NUM_SMS", 24)
+EPX_PARAM(TraceEvents, "TRACE_EVENTS", 1 << 16) /* = EPX_TRACE_DEFAULT_EVENTS */
 
 #endif /* EPX_PARAM_H_ */

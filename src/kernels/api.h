@@ -29,6 +29,10 @@ epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx, const epx__layout_
 
 /* One-block barrier across all ranks through the control region's inboxes. */
 epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stream);
+/* Clock sync of tracing: `rounds` barrier rounds; out[0] = %globaltimer's step, out[1 + r] =
+ * this rank's %globaltimer at the end of round r (0 if it timed out). Device memory. */
+epx_status_t epx__clock_sync_launch(const epx__kernel_ctx_t *ctx, unsigned long long *out,
+                                    int rounds, cudaStream_t stream);
 
 /* Normal mode. The routing of one dispatch, kept in its handle (device memory). */
 typedef struct epx__routing {

@@ -23,6 +23,7 @@
 #include "checks.h"
 #include "kernels/api.h"
 #include "kernels/timeout.cuh"
+#include "kernels/trace.cuh"
 
 namespace {
 
@@ -82,6 +83,7 @@ __device__ __forceinline__ void copy_row_multicast(const int4 *src, int4 *const 
  * ---------------------------------------------------------------------------------------- */
 __global__ void __launch_bounds__(kThreads, 1)
     notify_kernel(epx__kernel_ctx_t ctx, epx__notify_launch_args_t a) {
+  const uint64_t t_start = epx::trace_begin(ctx);
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
   const int epr = a.num_experts / R, words = R + epr;
   __shared__ unsigned epoch;
@@ -107,6 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   const uint64_t *inbox = (const uint64_t *)(ctx.peer_base[me] + ctx.layout.notify_offset);
+  const uint64_t t_wait = epx::trace_begin(ctx);
   for (int i = tid; i < R * words; i += kThreads) {
     const int s = i / words, w = i % words;
     uint64_t v = epx::ld_acquire_sys(inbox + i);
@@ -130,6 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       atomicAdd(&expert_sum[w - R], value);
   }
   __syncthreads();
+  if (tid == 0) epx::trace_end(ctx, t_wait, EPX_TRACE_NOTIFY_WAIT, (int)epoch);
 
   epx__recv_meta_t *meta = a.routing.meta;
   if (tid == 0) {
@@ -141,6 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     meta->rank_prefix[R] = prefix;
     meta->num_recv = prefix;
     if (a.host_counts) a.host_counts[0] = prefix;
+    epx::trace_end(ctx, t_start, EPX_TRACE_NOTIFY, prefix);
   }
   if (tid < R * R) meta->count[tid / R][tid % R] = timed_out ? 0 : count[tid / R][tid % R];
   const int align = a.expert_alignment > 1 ? a.expert_alignment : 1;
@@ -157,6 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename IdxT, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(epx__kernel_ctx_t ctx, epx__dispatch_launch_args_t a) {
+  const uint64_t t_send = epx::trace_begin(ctx);
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int H = a.hidden, K = a.top_k, E = a.num_experts, epr = E / R;
   const epx__recv_meta_t *meta = a.routing.meta;
@@ -178,6 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int begin, end;
   block_share(a.routing.num_tokens, &begin, &end);
   for (int t = begin + warp; t < end; t += kWarps) {
+    const uint64_t t_token = epx::trace_begin(ctx);
     const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
     const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
     const int my_row =
@@ -224,15 +231,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (lane == 0) ((int *)(base + L.recv_src_token_offset))[rows[r]] = t;
       }
     }
+    if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_DISPATCH_TOKEN, t);
   }
 
   signal_all(ctx, false);
-  if (blockIdx.x == 0 && tid < R) {
-    epx__control_t *ctrl = control_of(ctx, me);
-    const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
-    epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected, EPX_STAGE_DISPATCH,
-                  tid);
-    ctrl->dispatch_expected[tid] = expected;
+  if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_DISPATCH_SEND, end - begin);
+  if (blockIdx.x == 0 && warp == 0) {
+    const uint64_t t_wait = epx::trace_begin(ctx);
+    if (tid < R) {
+      epx__control_t *ctrl = control_of(ctx, me);
+      const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
+      epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected, EPX_STAGE_DISPATCH,
+                    tid);
+      ctrl->dispatch_expected[tid] = expected;
+    }
+    epx::trace_end_last(ctx, t_wait, EPX_TRACE_DISPATCH_WAIT, tid < R ? tid : -1);
   }
 }
 
