@@ -104,6 +104,12 @@ int bench_trace_iteration(bench_rank_t *b, epx_group_t group, bench_iter_fn fn, 
   *us = ms * 1e3;
   BENCH_CUDA(cudaEventDestroy(ev[0]));
   BENCH_CUDA(cudaEventDestroy(ev[1]));
+  epx_async_error_t err; /* the traced group's own kernels, then the bench group's */
+  BENCH_EPX(epx_group_get_async_error(group, &err));
+  if (err.status != EPX_OK) {
+    bench_report_failure(__FILE__, __LINE__, "epx_group_get_async_error", err.message);
+    return -1;
+  }
   return check_async_error(b);
 }
 

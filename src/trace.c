@@ -416,8 +416,9 @@ static epx_status_t write_file(const char *path, int R, const epx__trace_rank_t 
   return res;
 }
 
-/* Events of every rank into host memory on rank 0 (others send theirs). n[q] events each.
- * host NULL on rank 0: take part in the transfer, keep nothing (so no sender is left waiting). */
+/* Events of every rank into `host` on rank 0 ([sum of n] events; others send theirs and pass
+ * NULL). Rank 0 first tells everyone whether it could make room (a broadcast through the header
+ * buffer), so that a rank 0 out of memory never leaves a sender waiting. */
 static epx_status_t gather_events(epx_group_t g, const unsigned long long *n,
                                   epx__trace_event_t *host, cudaStream_t stream) {
   const int R = g->num_ranks, me = g->rank;
@@ -427,7 +428,27 @@ static epx_status_t gather_events(epx_group_t g, const unsigned long long *n,
   for (int q = 1; q < R; q++) remote += n[q];
   epx__trace_event_t *recv = NULL;
   epx_status_t res = EPX_OK;
-  if (me == 0 && remote) CUDA_CHECK(cudaMalloc((void **)&recv, remote * ev));
+  long long ready = 1;
+  if (me == 0) {
+    if (!host) ready = 0;
+    if (ready && remote && cudaMalloc((void **)&recv, remote * ev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      ready = 0;
+    }
+  }
+  long long *flag = g->trace->hdr_dev;
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(flag, &ready, sizeof ready, cudaMemcpyHostToDevice, stream), res,
+                  exit);
+  NCCL_CHECK_GOTO(ncclBroadcast(flag, flag, 1, ncclInt64, 0, g->comm, stream), res, exit);
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(&ready, flag, sizeof ready, cudaMemcpyDeviceToHost, stream), res,
+                  exit);
+  CUDA_CHECK_GOTO(cudaStreamSynchronize(stream), res, exit);
+  if (!ready) {
+    res = epx__set_error(EPX_ERR_SYSTEM,
+                         "epx_trace_dump: rank 0 has no memory for %llu events (nothing written)",
+                         remote + n[0]);
+    goto exit;
+  }
   ncclResult_t nr = ncclGroupStart();
   if (nr == ncclSuccess) {
     unsigned long long off = 0;
@@ -442,10 +463,10 @@ static epx_status_t gather_events(epx_group_t g, const unsigned long long *n,
     if (nr == ncclSuccess) nr = ne;
   }
   EPX_CHECK_GOTO(NCCL_STATUS(nr), res, exit);
-  if (me == 0 && host && n[0])
+  if (me == 0 && n[0])
     CUDA_CHECK_GOTO(cudaMemcpyAsync(host, mine, n[0] * ev, cudaMemcpyDeviceToHost, stream), res,
                     exit);
-  if (me == 0 && host && remote)
+  if (me == 0 && remote)
     CUDA_CHECK_GOTO(cudaMemcpyAsync(host + n[0], recv, remote * ev, cudaMemcpyDeviceToHost, stream),
                     res, exit);
   CUDA_CHECK_GOTO(cudaStreamSynchronize(stream), res, exit);
@@ -539,16 +560,8 @@ static epx_status_t trace_dump(epx_group_t g, const char *path, epx_trace_summar
     n[q] = ranks[q].num_events;
     total += n[q];
   }
-  if (me == 0) {
-    host = (epx__trace_event_t *)malloc((total + 1) * sizeof *host);
-    if (!host) {
-      res =
-          epx__set_error(EPX_ERR_SYSTEM, "epx_trace_dump: out of host memory (%llu events)", total);
-      /* NOTE: still take part in the transfer below, or the senders would wait for us. */
-    }
-  }
-  epx_status_t moved = gather_events(g, n, host, stream);
-  if (res == EPX_OK) res = moved;
+  if (me == 0) host = (epx__trace_event_t *)malloc((total + 1) * sizeof *host);
+  res = gather_events(g, n, host, stream); /* rank 0 without host memory: all fail, none waits */
   if (res != EPX_OK) goto exit;
 
   if (summary) {
