@@ -121,11 +121,12 @@ static int compare_int(const void *a, const void *b) {
 }
 
 /* Track of a block/warp: "block B warp W" is tid (B + 1) * 100 + W (warps < 32), readable in
- * the viewers' tooltips and never equal to a pid; tid 1 is the clock-sync track. */
+ * the viewers' tooltips; tid 99 is the clock-sync track. Every tid is above every pid (ranks
+ * < 8): viewers treat tid == pid as a process's main thread. */
 static int tid_of(const epx__trace_event_t *e) {
   return ((int)e->block + 1) * 100 + (int)e->warp;
 }
-#define CLOCK_TID 1
+#define CLOCK_TID 99
 
 /* ns as microseconds with three decimals, exactly (no floating point). */
 static const char *us(char *buf, long long ns) {
