@@ -25,6 +25,16 @@
 #include "common/json.h"
 #include "common/trace_check.h"
 #include "gpu/normal_world.h"
+#include "trace.h"
+
+/* A TRACE=0 build has no tracing to test. */
+#define SKIP_IF_COMPILED_OUT() \
+  do {                         \
+    if (!EPX_TRACE_COMPILED) { \
+      (void)t;                 \
+      return TEST_SKIP;        \
+    }                          \
+  } while (0)
 
 static void trace_path(char *buf, size_t len, const char *what) {
   /* The leader process is every rank's parent: one name per run, the same on every rank. */
@@ -66,6 +76,7 @@ static int check_rank_spans(const json_value_t *root, const world_t *w, int q, i
 }
 
 EPX_GPU_TEST(trace_dispatch_combine_matches_reference, 300) {
+  SKIP_IF_COMPILED_OUT();
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"traced", 512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1, 0};
@@ -162,6 +173,7 @@ EPX_GPU_TEST(trace_dispatch_combine_matches_reference, 300) {
 }
 
 EPX_GPU_TEST(trace_full_buffer_drops_and_stays_right, 120) {
+  SKIP_IF_COMPILED_OUT();
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"full", 256, 512, 32, 4, ROUTE_UNIFORM, 256, -1, 0};
@@ -235,6 +247,7 @@ EPX_GPU_TEST(trace_full_buffer_drops_and_stays_right, 120) {
 }
 
 EPX_GPU_TEST(trace_empty_ranks_and_usage_errors, 120) {
+  SKIP_IF_COMPILED_OUT();
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"usage", 64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1, 0};
@@ -339,6 +352,7 @@ static int dispatch_once(epx_test_rank_t *t, const world_t *w, const dev_inputs_
 }
 
 EPX_GPU_TEST(trace_env_traces_group_lifetime, 120) {
+  SKIP_IF_COMPILED_OUT();
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"env", 64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1, 0};
