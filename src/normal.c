@@ -7,6 +7,7 @@
  * -> dispatch kernel. With sync_counts the host waits for notify only; the dispatch kernel is
  * already queued behind it.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +16,7 @@
 #include "checks.h"
 #include "group.h"
 #include "kernels/api.h"
+#include "param.h"
 
 EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   EPX_CHECK(epx__group_check(g));
@@ -231,6 +233,39 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
   return EPX_OK;
 }
 
+/* The combine's work split, from the environment (docs/env.md), checked once per process;
+ * out-of-range values fall back to the defaults with a warning. Ranks may differ: no peer
+ * depends on these. */
+static int combine_send_warps, combine_unit_rows, combine_reduce_tokens;
+static pthread_once_t combine_tuning_once = PTHREAD_ONCE_INIT;
+
+static void combine_tuning_load(void) {
+  combine_send_warps = (int)epx__param_CombineSendWarps();
+  if (combine_send_warps < 1 || combine_send_warps > 15) {
+    EPX_WARN("EPX_COMBINE_SEND_WARPS=%d: must be 1..15; using 8", combine_send_warps);
+    combine_send_warps = 8;
+  }
+  combine_unit_rows = (int)epx__param_CombineUnitRows();
+  if (combine_unit_rows < 1 || combine_unit_rows > EPX_COMBINE_CHUNK_ROWS ||
+      (combine_unit_rows & (combine_unit_rows - 1))) {
+    EPX_WARN("EPX_COMBINE_UNIT_ROWS=%d: must be a power of two <= %d; using 4", combine_unit_rows,
+             EPX_COMBINE_CHUNK_ROWS);
+    combine_unit_rows = 4;
+  }
+  combine_reduce_tokens = (int)epx__param_CombineReduceTokens();
+  if (combine_reduce_tokens < 1 || combine_reduce_tokens > 1024) {
+    EPX_WARN("EPX_COMBINE_REDUCE_TOKENS=%d: must be 1..1024; using 4", combine_reduce_tokens);
+    combine_reduce_tokens = 4;
+  }
+}
+
+static void combine_tuning(epx__combine_launch_args_t *c) {
+  pthread_once(&combine_tuning_once, combine_tuning_load);
+  c->send_warps = combine_send_warps;
+  c->unit_rows = combine_unit_rows;
+  c->reduce_tokens = combine_reduce_tokens;
+}
+
 EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a,
                                     cudaStream_t stream) {
   EPX_CHECK(epx__handle_check(g, h));
@@ -270,5 +305,6 @@ EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_com
   c.num_experts = g->config.num_experts;
   c.max_tokens = g->config.max_tokens_per_rank;
   c.num_blocks = g->config.num_sms;
+  combine_tuning(&c);
   return epx__combine_launch(&ctx, &c, stream);
 }

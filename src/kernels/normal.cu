@@ -38,16 +38,14 @@ __device__ __forceinline__ void red_release_sys_add(unsigned long long *p, unsig
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-/* Tell every rank that this block's stores to it are done. NOTE: __syncthreads orders the
- * block's stores before thread r's fence; the system-scope release makes them visible to r
+/* Tell every rank that this block's dispatch stores to it are done. NOTE: __syncthreads orders
+ * the block's stores before thread r's fence; the system-scope release makes them visible to r
  * before the counter moves. */
-__device__ __forceinline__ void signal_all(const epx__kernel_ctx_t &ctx, bool combine) {
+__device__ __forceinline__ void signal_dispatch_done(const epx__kernel_ctx_t &ctx) {
   __syncthreads();
   if (threadIdx.x < ctx.num_ranks) {
     __threadfence_system();
-    epx__control_t *peer = control_of(ctx, threadIdx.x);
-    red_release_sys_add(combine ? &peer->combine_done[ctx.rank] : &peer->dispatch_done[ctx.rank],
-                        1);
+    red_release_sys_add(&control_of(ctx, threadIdx.x)->dispatch_done[ctx.rank], 1);
   }
 }
 
@@ -226,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  signal_all(ctx, false);
+  signal_dispatch_done(ctx);
   if (blockIdx.x == 0 && tid < R) {
     epx__control_t *ctrl = control_of(ctx, me);
     const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
@@ -237,8 +235,38 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 /* ------------------------------------------------------------------------------------------
- * combine: send this rank's received rows back, then reduce this rank's own tokens.
+ * combine: send warps push this rank's received rows back while reduce warps of the same
+ * blocks sum this rank's own tokens as their rows arrive.
+ *
+ * Send: row i (from source s, its p-th token for me) goes to s's slab at (me, p). The rows of
+ * each remote source are cut into units of unit_rows rows; unit u is round u / (R - 1) of
+ * source (me + 1 + u % (R - 1)) % R, so every source's segment fills front to back at the same
+ * pace, and units go round-robin to the grid's send warps. After a unit, the warp adds its row
+ * count to s's counter of that chunk (EPX_COMBINE_CHUNK_ROWS rows; units never straddle one).
+ * Reduce: token t needs row pos[t][d] of each rank d holding it; rank d's chunk of that row is
+ * full when its counter reaches min(CHUNK_ROWS, rows - chunk start). This rank's own rows are
+ * read straight from the combine input, never copied.
  * ---------------------------------------------------------------------------------------- */
+constexpr int kSendUnroll = 8;
+
+/* Wait until *flag >= target; gives up at once when another wait of this group has already
+ * timed out (so a dead peer costs one budget, not one per chunk). Sleeps between polls so a
+ * waiting warp leaves issue slots to the send warps of its block. */
+__device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, const epx__control_t *ctrl,
+                                           const uint64_t *flag, uint64_t target, int peer) {
+  if (epx::ld_acquire_sys(flag) >= target) return true;
+  const uint64_t start = epx::globaltimer_ns();
+  for (;;) {
+    __nanosleep(128);
+    if (epx::ld_acquire_sys(flag) >= target) return true;
+    if (*(volatile const int *)&ctrl->error_claim) return false;
+    if (epx::globaltimer_ns() - start > ctx.timeout_ns) {
+      epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, peer, -1, (long long)target);
+      return false;
+    }
+  }
+}
+
 /* kRanks: the rank count as a compile-time constant, so that the reduce keeps kRanks x
  * kReduceUnroll rows of loads in registers (more chunks in flight with fewer ranks). */
 template <typename IdxT, int kRanks>
@@ -247,107 +275,162 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kReduceUnroll = kRanks <= 4 ? 4 : 2;
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int H = a.hidden, K = a.top_k, epr = a.num_experts / R, n16 = H * 2 / 16;
+  const int send_warps = a.send_warps, reduce_warps = kWarps - a.send_warps;
   const epx__recv_meta_t *meta = a.routing.meta;
   epx__control_t *ctrl = control_of(ctx, me);
   const epx__ws_layout_t &L = ctx.layout;
+  const size_t chunks = L.combine_chunks;
   __shared__ int prefix[EPX_MAX_RANKS + 1];
-  __shared__ unsigned parity;
+  __shared__ unsigned call;
   if (tid <= R) prefix[tid] = meta->rank_prefix[tid];
-  if (tid == 0) parity = ctrl->combine_calls & 1u;
+  if (tid == 0) call = ctrl->combine_calls;
   __syncthreads();
+  const unsigned parity = call & 1u;
   const size_t slab = L.normal_offset + L.combine_slab_offset + parity * L.combine_slab_bytes;
+  const size_t signal = L.normal_offset + L.combine_signal_offset + parity * R * chunks * 8;
 
-  /* 1. Row i (from source s, its p-th token for me) goes to s's slab at (me, p). */
-  int begin, end;
-  block_share(prefix[R], &begin, &end);
-  for (int i = begin + warp; i < end; i += kWarps) {
-    int s = 0;
-    while (s + 1 < R && i >= prefix[s + 1]) s++;
-    const int p = i - prefix[s];
-    int4 *dst[EPX_MAX_RANKS];
-    dst[0] = (int4 *)(ctx.peer_base[s] + slab + ((size_t)me * a.max_tokens + p) * H * 2);
-    copy_row_multicast((const int4 *)((const char *)a.x + (size_t)i * H * 2), dst, 1u, n16, lane);
-  }
-  signal_all(ctx, true);
-
-  /* 2. Wait until every rank's blocks have delivered. */
-  if (tid < R) {
-    const unsigned long long expected = ctrl->combine_expected[tid] + gridDim.x;
-    epx::wait_geq(ctx, (const uint64_t *)&ctrl->combine_done[tid], expected, EPX_STAGE_COMBINE,
-                  tid);
-  }
-  __syncthreads();
-
-  /* 3. out[t] = sum over ranks d holding t of factor(t, d) * slab(d, pos[t][d]), in float32. */
-  const IdxT *topk = (const IdxT *)a.topk_idx;
-  const char *slab_base = ctx.peer_base[me] + slab;
-  block_share(a.routing.num_tokens, &begin, &end);
-  for (int t = begin + warp; t < end; t += kWarps) {
-    const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
-    const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
-    const int my_pos = in_rank ? a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
-    long long e = -1;
-    float w = 0.f;
-    if (a.topk_weights && lane < K) {
-      e = (long long)topk[(size_t)t * K + lane];
-      w = a.topk_weights[(size_t)t * K + lane];
-    }
-    /* Row pointers and factors stay in registers: every index below is a compile-time one. */
-    const int4 *src[kRanks];
-    float factor[kRanks];
+  if (warp < send_warps) {
+    /* Peer s may still be reducing call - 2 from this parity: wait until it has finished. */
+    bool ok = true;
+    if (lane < R && lane != me && call >= 2)
+      ok = wait_chunk(ctx, ctrl, (const uint64_t *)&ctrl->combine_finished[lane], call - 1, lane);
+    if (__all_sync(0xffffffffu, ok)) {
+      int most_rows = 0;
+      for (int s = 0; s < R; s++) most_rows = max(most_rows, prefix[s + 1] - prefix[s]);
+      const int U = a.unit_rows, remote = R - 1;
+      const long long units = (long long)(most_rows + U - 1) / U * remote;
+      for (long long u = (long long)blockIdx.x * send_warps + warp; u < units;
+           u += (long long)gridDim.x * send_warps) {
+        const int s = (me + 1 + (int)(u % remote)) % R;
+        const int p0 = (int)(u / remote) * U, rows = prefix[s + 1] - prefix[s];
+        if (p0 >= rows) continue;
+        const int p1 = min(p0 + U, rows);
+        int4 *dst_base = (int4 *)(ctx.peer_base[s] + slab) + ((size_t)me * a.max_tokens) * n16;
+        for (int p = p0; p < p1; p++) {
+          const int4 *src = (const int4 *)a.x + (size_t)(prefix[s] + p) * n16;
+          int4 *dst = dst_base + (size_t)p * n16;
+          for (int i0 = lane; i0 < n16; i0 += 32 * kSendUnroll) {
+            int4 v[kSendUnroll];
 #pragma unroll
-    for (int r = 0; r < kRanks; r++) {
-      const int pos = __shfl_sync(0xffffffffu, my_pos, r);
-      src[r] = (const int4 *)(slab_base + ((size_t)r * a.max_tokens + pos) * H * 2);
-      float f = (e >= 0 && e < a.num_experts && e / epr == r) ? w : 0.f;
+            for (int k = 0; k < kSendUnroll; k++)
+              if (i0 + k * 32 < n16) v[k] = epx::ld_nc_na_v4(src + i0 + k * 32);
 #pragma unroll
-      for (int o = 16; o; o >>= 1) f += __shfl_xor_sync(0xffffffffu, f, o);
-      factor[r] = a.topk_weights ? f : 1.f;
-    }
-    int4 *out = (int4 *)((char *)a.out + (size_t)t * H * 2);
-    /* kReduceUnroll chunks x up to R rows of loads in flight per lane before any arithmetic.
-     * NOTE: plain loads, not .nc: peers wrote these rows during this kernel. */
-    for (int i0 = lane; i0 < n16; i0 += 32 * kReduceUnroll) {
-      int4 v[kReduceUnroll][kRanks];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; u++)
-#pragma unroll
-        for (int r = 0; r < kRanks; r++)
-          if (((mask >> r) & 1u) && i0 + u * 32 < n16) v[u][r] = src[r][i0 + u * 32];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; u++) {
-        if (i0 + u * 32 >= n16) break;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-        for (int r = 0; r < kRanks; r++) {
-          if (!((mask >> r) & 1u)) continue;
-          const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[u][r];
-#pragma unroll
-          for (int j = 0; j < 4; j++) {
-            const float2 f2 = __bfloat1622float2(h2[j]);
-            acc[2 * j] += factor[r] * f2.x;
-            acc[2 * j + 1] += factor[r] * f2.y;
+            for (int k = 0; k < kSendUnroll; k++)
+              if (i0 + k * 32 < n16) dst[i0 + k * 32] = v[k];
           }
         }
-        int4 o;
-        __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence_system();
+          unsigned long long *counter = (unsigned long long *)(ctx.peer_base[s] + signal) +
+                                        (size_t)me * chunks + p0 / EPX_COMBINE_CHUNK_ROWS;
+          red_release_sys_add(counter, (unsigned long long)(p1 - p0));
+        }
+      }
+    }
+  } else {
+    /* out[t] = sum over ranks d holding t of factor(t, d) * row(d, pos[t][d]), in float32. */
+    const IdxT *topk = (const IdxT *)a.topk_idx;
+    const char *slab_base = ctx.peer_base[me] + slab;
+    const uint64_t *my_signal = (const uint64_t *)(ctx.peer_base[me] + signal);
+    /* Lane d < R: rows d sends back, and the last chunk of d this warp saw full. */
+    const int rows_from_lane = lane < R ? meta->count[me][lane] : 0;
+    int checked_chunk = -1;
+    const int T = a.routing.num_tokens, V = a.reduce_tokens;
+    const int rw = blockIdx.x * reduce_warps + (warp - send_warps);
+    for (int t0 = rw * V; t0 < T; t0 += gridDim.x * reduce_warps * V) {
+      for (int t = t0; t < min(t0 + V, T); t++) {
+        const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
+        const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
+        const int my_pos = in_rank ? a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
+        if (in_rank && lane != me) {
+          const int chunk = my_pos / EPX_COMBINE_CHUNK_ROWS;
+          if (chunk > checked_chunk) {
+            const int full =
+                min(EPX_COMBINE_CHUNK_ROWS, rows_from_lane - chunk * EPX_COMBINE_CHUNK_ROWS);
+            wait_chunk(ctx, ctrl, my_signal + (size_t)lane * chunks + chunk, (uint64_t)full, lane);
+            checked_chunk = chunk; /* on failure the error is recorded; go on without waiting */
+          }
+        }
+        __syncwarp(); /* orders every lane's acquire before the warp's loads of the rows */
+        long long e = -1;
+        float w = 0.f;
+        if (a.topk_weights && lane < K) {
+          e = (long long)topk[(size_t)t * K + lane];
+          w = a.topk_weights[(size_t)t * K + lane];
+        }
+        /* Row pointers and factors stay in registers: every index below is a compile-time one. */
+        const int4 *src[kRanks];
+        float factor[kRanks];
 #pragma unroll
-        for (int j = 0; j < 4; j++) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-        out[i0 + u * 32] = o;
+        for (int r = 0; r < kRanks; r++) {
+          const int pos = __shfl_sync(0xffffffffu, my_pos, r);
+          src[r] = r == me ? (const int4 *)a.x + (size_t)(prefix[me] + pos) * n16
+                           : (const int4 *)(slab_base + ((size_t)r * a.max_tokens + pos) * H * 2);
+          float f = (e >= 0 && e < a.num_experts && e / epr == r) ? w : 0.f;
+#pragma unroll
+          for (int o = 16; o; o >>= 1) f += __shfl_xor_sync(0xffffffffu, f, o);
+          factor[r] = a.topk_weights ? f : 1.f;
+        }
+        int4 *out = (int4 *)((char *)a.out + (size_t)t * H * 2);
+        /* kReduceUnroll chunks x up to R rows of loads in flight per lane before any arithmetic.
+         * NOTE: plain loads, not .nc: peers wrote these rows during this kernel. */
+        for (int i0 = lane; i0 < n16; i0 += 32 * kReduceUnroll) {
+          int4 v[kReduceUnroll][kRanks];
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; u++)
+#pragma unroll
+            for (int r = 0; r < kRanks; r++)
+              if (((mask >> r) & 1u) && i0 + u * 32 < n16) v[u][r] = src[r][i0 + u * 32];
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; u++) {
+            if (i0 + u * 32 >= n16) break;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+            for (int r = 0; r < kRanks; r++) {
+              if (!((mask >> r) & 1u)) continue;
+              const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[u][r];
+#pragma unroll
+              for (int j = 0; j < 4; j++) {
+                const float2 f2 = __bfloat1622float2(h2[j]);
+                acc[2 * j] += factor[r] * f2.x;
+                acc[2 * j + 1] += factor[r] * f2.y;
+              }
+            }
+            int4 o;
+            __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
+#pragma unroll
+            for (int j = 0; j < 4; j++) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+            out[i0 + u * 32] = o;
+          }
+        }
       }
     }
   }
 
-  /* 4. The last block to finish advances the expected counts and the parity. Every block has
-   *    read them by now (they finished), so nobody sees a half-updated state. */
+  /* The last block to finish clears this parity's counters (every chunk is full, and no peer
+   * writes this parity again before it sees combine_finished move), then advances the call
+   * count and tells every peer. Every block has read call by now (they finished). */
   __syncthreads();
+  __shared__ int last;
   if (tid == 0) {
     __threadfence();
-    if (atomicAdd(&ctrl->combine_blocks_done, 1u) == gridDim.x - 1) {
+    last = atomicAdd(&ctrl->combine_blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    uint64_t *counters = (uint64_t *)(ctx.peer_base[me] + signal);
+    for (size_t i = tid; i < (size_t)R * chunks; i += kThreads) counters[i] = 0;
+    __syncthreads();
+    if (tid == 0) {
       ctrl->combine_blocks_done = 0;
-      for (int p = 0; p < R; p++) ctrl->combine_expected[p] += gridDim.x;
-      ctrl->combine_calls += 1;
-      __threadfence();
+      ctrl->combine_calls = call + 1;
+    }
+    if (tid < R && tid != me) {
+      __threadfence_system();
+      epx::st_release_sys((uint64_t *)&control_of(ctx, tid)->combine_finished[me],
+                          (uint64_t)call + 1);
     }
   }
 }
