@@ -236,14 +236,20 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
 /* The combine's work split, from the environment (docs/env.md), checked once per process;
  * out-of-range values fall back to the defaults with a warning. Ranks may differ: no peer
  * depends on these. */
-static int combine_send_warps, combine_unit_rows, combine_reduce_tokens;
+static int combine_send_warps, combine_unit_rows, combine_reduce_tokens, combine_send_bulk;
 static pthread_once_t combine_tuning_once = PTHREAD_ONCE_INIT;
 
 static void combine_tuning_load(void) {
+  combine_send_bulk = epx__param_CombineSendBulk() != 0;
+  /* Bulk sends: each send warp stages 32 KiB of shared memory, so at most 6 of them. */
+  const int max_send_warps = combine_send_bulk ? 6 : 15,
+            def_send_warps = combine_send_bulk ? 4 : 10;
   combine_send_warps = (int)epx__param_CombineSendWarps();
-  if (combine_send_warps < 1 || combine_send_warps > 15) {
-    EPX_WARN("EPX_COMBINE_SEND_WARPS=%d: must be 1..15; using 8", combine_send_warps);
-    combine_send_warps = 8;
+  if (combine_send_warps == 0) combine_send_warps = def_send_warps;
+  if (combine_send_warps < 1 || combine_send_warps > max_send_warps) {
+    EPX_WARN("EPX_COMBINE_SEND_WARPS=%d: must be 1..%d; using %d", combine_send_warps,
+             max_send_warps, def_send_warps);
+    combine_send_warps = def_send_warps;
   }
   combine_unit_rows = (int)epx__param_CombineUnitRows();
   if (combine_unit_rows < 1 || combine_unit_rows > EPX_COMBINE_CHUNK_ROWS ||
@@ -254,8 +260,8 @@ static void combine_tuning_load(void) {
   }
   combine_reduce_tokens = (int)epx__param_CombineReduceTokens();
   if (combine_reduce_tokens < 1 || combine_reduce_tokens > 1024) {
-    EPX_WARN("EPX_COMBINE_REDUCE_TOKENS=%d: must be 1..1024; using 4", combine_reduce_tokens);
-    combine_reduce_tokens = 4;
+    EPX_WARN("EPX_COMBINE_REDUCE_TOKENS=%d: must be 1..1024; using 1", combine_reduce_tokens);
+    combine_reduce_tokens = 1;
   }
 }
 
@@ -264,6 +270,7 @@ static void combine_tuning(epx__combine_launch_args_t *c) {
   c->send_warps = combine_send_warps;
   c->unit_rows = combine_unit_rows;
   c->reduce_tokens = combine_reduce_tokens;
+  c->send_bulk = combine_send_bulk;
 }
 
 EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a,

@@ -68,6 +68,7 @@ typedef struct epx__combine_launch_args {
   int send_warps;    /* of each block's 16 warps, 1..15; the others reduce */
   int unit_rows;     /* rows per send unit: a power of two dividing EPX_COMBINE_CHUNK_ROWS */
   int reduce_tokens; /* tokens per reduce unit, >= 1 */
+  int send_bulk;     /* 1: send with bulk copies through shared memory (TMA), 0: loads/stores */
 } epx__combine_launch_args_t;
 
 epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx, const epx__notify_launch_args_t *args,

@@ -247,7 +247,177 @@ __global__ void __launch_bounds__(kThreads, 1)
  * full when its counter reaches min(CHUNK_ROWS, rows - chunk start). This rank's own rows are
  * read straight from the combine input, never copied.
  * ---------------------------------------------------------------------------------------- */
-constexpr int kSendUnroll = 8;
+/* The send list of one combine: unit u is rows [p0, p1) of remote source s (see above). Its rows
+ * are consecutive in the combine input and in s's slab, so a unit is one contiguous span. */
+struct SendPlan {
+  const char *x; /* combine input */
+  char *slab[EPX_MAX_RANKS];
+  unsigned long long *signal[EPX_MAX_RANKS]; /* s's counters of my segment */
+  const int *prefix;
+  int me, R, unit_rows;
+  size_t row_bytes;
+  long long units;
+};
+
+struct SendUnit {
+  int s, p0, p1;
+};
+
+/* Unit u, or false if it is empty (s has fewer rows). */
+__device__ __forceinline__ bool send_unit(const SendPlan &plan, long long u, SendUnit *su) {
+  const int remote = plan.R - 1;
+  su->s = (plan.me + 1 + (int)(u % remote)) % plan.R;
+  su->p0 = (int)(u / remote) * plan.unit_rows;
+  const int rows = plan.prefix[su->s + 1] - plan.prefix[su->s];
+  su->p1 = min(su->p0 + plan.unit_rows, rows);
+  return su->p0 < rows;
+}
+
+__device__ __forceinline__ const char *unit_src(const SendPlan &plan, const SendUnit &su) {
+  return plan.x + (size_t)(plan.prefix[su.s] + su.p0) * plan.row_bytes;
+}
+__device__ __forceinline__ char *unit_dst(const SendPlan &plan, const SendUnit &su) {
+  return plan.slab[su.s] + (size_t)su.p0 * plan.row_bytes;
+}
+
+/* The unit's rows are written: add them to s's counter of their chunk. Lane-0 work; the caller
+ * has ordered the unit's writes before this thread (syncwarp, or a bulk-group wait). */
+__device__ __forceinline__ void signal_unit(const SendPlan &plan, const SendUnit &su) {
+  __threadfence_system();
+  red_release_sys_add(plan.signal[su.s] + su.p0 / EPX_COMBINE_CHUNK_ROWS,
+                      (unsigned long long)(su.p1 - su.p0));
+}
+
+/* Send with the warp's loads and stores: 8 x 16 bytes in flight per lane. */
+__device__ __forceinline__ void send_units_lsu(const SendPlan &plan, long long first,
+                                               long long stride, int lane) {
+  constexpr int kUnroll = 8;
+  const int n16 = (int)(plan.row_bytes / 16);
+  SendUnit su;
+  for (long long u = first; u < plan.units; u += stride) {
+    if (!send_unit(plan, u, &su)) continue;
+    const int4 *src = (const int4 *)unit_src(plan, su);
+    int4 *dst = (int4 *)unit_dst(plan, su);
+    const int n = (su.p1 - su.p0) * n16;
+    for (int i0 = lane; i0 < n; i0 += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; k++)
+        if (i0 + k * 32 < n) v[k] = epx::ld_nc_na_v4(src + i0 + k * 32);
+#pragma unroll
+      for (int k = 0; k < kUnroll; k++)
+        if (i0 + k * 32 < n) dst[i0 + k * 32] = v[k];
+    }
+    __syncwarp();
+    if (lane == 0) signal_unit(plan, su);
+  }
+}
+
+/* Send with bulk copies (lane 0 only): each unit's span goes through kTmaStages shared-memory
+ * stages of kTmaPiece bytes, loads running up to kTmaStages pieces ahead of the stores. A unit
+ * is signalled once the store groups up to its last piece are complete, kSignalLag pieces
+ * later, so the wait for remote completion never drains the pipeline. */
+constexpr int kTmaStages = 4;
+constexpr int kTmaPiece = 8192;
+constexpr int kSignalLag = 2;
+
+struct PieceCursor {
+  long long u;
+  SendUnit su;
+  size_t off, span; /* bytes into the unit's span, and the span */
+  bool valid;
+};
+
+__device__ __forceinline__ void cursor_seek(const SendPlan &plan, long long stride,
+                                            PieceCursor *c) {
+  for (; c->u < plan.units; c->u += stride)
+    if (send_unit(plan, c->u, &c->su)) {
+      c->off = 0;
+      c->span = (size_t)(c->su.p1 - c->su.p0) * plan.row_bytes;
+      c->valid = true;
+      return;
+    }
+  c->valid = false;
+}
+
+/* Bytes of the cursor's piece; advances it. *unit_end: the piece was its unit's last. */
+__device__ __forceinline__ uint32_t cursor_next(const SendPlan &plan, long long stride,
+                                                PieceCursor *c, size_t *off, bool *unit_end) {
+  const uint32_t bytes = (uint32_t)min((size_t)kTmaPiece, c->span - c->off);
+  *off = c->off;
+  c->off += bytes;
+  *unit_end = c->off == c->span;
+  if (*unit_end) {
+    c->u += stride;
+    cursor_seek(plan, stride, c);
+  }
+  return bytes;
+}
+
+__device__ void send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &plan, long long first,
+                               long long stride, char *stages, uint64_t *bars) {
+  PieceCursor load{first, {}, 0, 0, false}, store{first, {}, 0, 0, false};
+  cursor_seek(plan, stride, &load);
+  cursor_seek(plan, stride, &store);
+  long long loads = 0, stores = 0;
+  /* Units whose last piece is store group `group`, not yet signalled (at most kSignalLag + 1). */
+  SendUnit pending[kSignalLag + 1];
+  long long pending_group[kSignalLag + 1];
+  int num_pending = 0;
+  auto issue_load = [&]() {
+    size_t off;
+    bool end;
+    const SendUnit su = load.su;
+    const int st = (int)(loads % kTmaStages);
+    const uint32_t bytes = cursor_next(plan, stride, &load, &off, &end);
+    epx::bulk_load(stages + (size_t)st * kTmaPiece, unit_src(plan, su) + off, bytes, &bars[st]);
+    loads++;
+  };
+  while (load.valid && loads < kTmaStages) issue_load();
+  bool ok = true;
+  while (store.valid) {
+    const int st = (int)(stores % kTmaStages);
+    const uint32_t parity = (uint32_t)((stores / kTmaStages) & 1);
+    if (!epx::mbarrier_try_wait(&bars[st], parity)) {
+      const uint64_t start = epx::globaltimer_ns();
+      while (!epx::mbarrier_try_wait(&bars[st], parity))
+        if (epx::globaltimer_ns() - start > ctx.timeout_ns) {
+          epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, plan.me, -1, stores);
+          ok = false;
+          break;
+        }
+      if (!ok) break;
+    }
+    size_t off;
+    bool end;
+    const SendUnit su = store.su;
+    const uint32_t bytes = cursor_next(plan, stride, &store, &off, &end); /* = its load's */
+    epx::bulk_store(unit_dst(plan, su) + off, stages + (size_t)st * kTmaPiece, bytes);
+    if (end) {
+      pending[num_pending] = su;
+      pending_group[num_pending++] = stores;
+    }
+    /* Refill the stage of the previous store once it has been read (the newest may still be). */
+    if (stores >= 1 && load.valid) {
+      epx::bulk_wait_read<1>();
+      issue_load();
+    }
+    if (num_pending && pending_group[0] <= stores - kSignalLag) {
+      epx::bulk_wait_done<kSignalLag>();
+      int kept = 0;
+      for (int i = 0; i < num_pending; i++) {
+        if (pending_group[i] <= stores - kSignalLag)
+          signal_unit(plan, pending[i]);
+        else
+          pending[kept] = pending[i], pending_group[kept++] = pending_group[i];
+      }
+      num_pending = kept;
+    }
+    stores++;
+  }
+  epx::bulk_wait_done<0>();
+  for (int i = 0; i < num_pending; i++) signal_unit(plan, pending[i]);
+}
 
 /* Wait until *flag >= target; gives up at once when another wait of this group has already
  * timed out (so a dead peer costs one budget, not one per chunk). Sleeps between polls so a
@@ -295,37 +465,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane < R && lane != me && call >= 2)
       ok = wait_chunk(ctx, ctrl, (const uint64_t *)&ctrl->combine_finished[lane], call - 1, lane);
     if (__all_sync(0xffffffffu, ok)) {
+      SendPlan plan;
+      plan.x = (const char *)a.x;
+      plan.prefix = prefix;
+      plan.me = me, plan.R = R, plan.unit_rows = a.unit_rows;
+      plan.row_bytes = (size_t)H * 2;
       int most_rows = 0;
-      for (int s = 0; s < R; s++) most_rows = max(most_rows, prefix[s + 1] - prefix[s]);
-      const int U = a.unit_rows, remote = R - 1;
-      const long long units = (long long)(most_rows + U - 1) / U * remote;
-      for (long long u = (long long)blockIdx.x * send_warps + warp; u < units;
-           u += (long long)gridDim.x * send_warps) {
-        const int s = (me + 1 + (int)(u % remote)) % R;
-        const int p0 = (int)(u / remote) * U, rows = prefix[s + 1] - prefix[s];
-        if (p0 >= rows) continue;
-        const int p1 = min(p0 + U, rows);
-        int4 *dst_base = (int4 *)(ctx.peer_base[s] + slab) + ((size_t)me * a.max_tokens) * n16;
-        for (int p = p0; p < p1; p++) {
-          const int4 *src = (const int4 *)a.x + (size_t)(prefix[s] + p) * n16;
-          int4 *dst = dst_base + (size_t)p * n16;
-          for (int i0 = lane; i0 < n16; i0 += 32 * kSendUnroll) {
-            int4 v[kSendUnroll];
-#pragma unroll
-            for (int k = 0; k < kSendUnroll; k++)
-              if (i0 + k * 32 < n16) v[k] = epx::ld_nc_na_v4(src + i0 + k * 32);
-#pragma unroll
-            for (int k = 0; k < kSendUnroll; k++)
-              if (i0 + k * 32 < n16) dst[i0 + k * 32] = v[k];
-          }
-        }
-        __syncwarp();
-        if (lane == 0) {
-          __threadfence_system();
-          unsigned long long *counter = (unsigned long long *)(ctx.peer_base[s] + signal) +
-                                        (size_t)me * chunks + p0 / EPX_COMBINE_CHUNK_ROWS;
-          red_release_sys_add(counter, (unsigned long long)(p1 - p0));
-        }
+      for (int s = 0; s < R; s++) {
+        most_rows = max(most_rows, prefix[s + 1] - prefix[s]);
+        plan.slab[s] = ctx.peer_base[s] + slab + (size_t)me * a.max_tokens * plan.row_bytes;
+        plan.signal[s] = (unsigned long long *)(ctx.peer_base[s] + signal) + (size_t)me * chunks;
+      }
+      plan.units = (long long)(most_rows + a.unit_rows - 1) / a.unit_rows * (R - 1);
+      const long long first = (long long)blockIdx.x * send_warps + warp;
+      const long long stride = (long long)gridDim.x * send_warps;
+      if (!a.send_bulk) {
+        send_units_lsu(plan, first, stride, lane);
+      } else if (lane == 0) {
+        extern __shared__ __align__(128) char dyn_smem[];
+        char *stages = dyn_smem + (size_t)warp * kTmaStages * kTmaPiece;
+        uint64_t *bars = (uint64_t *)(dyn_smem + (size_t)send_warps * kTmaStages * kTmaPiece) +
+                         warp * kTmaStages;
+        for (int i = 0; i < kTmaStages; i++) epx::mbarrier_init(&bars[i], 1);
+        epx::fence_mbarrier_init();
+        send_units_tma(ctx, plan, first, stride, stages, bars);
       }
     }
   } else {
@@ -467,30 +630,21 @@ extern "C" epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
 extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                             const epx__combine_launch_args_t *args,
                                             cudaStream_t stream) {
-  const dim3 grid(args->num_blocks), block(kThreads);
+  typedef void (*kernel_t)(epx__kernel_ctx_t, epx__combine_launch_args_t);
   /* The rank count is a specialization axis: 2, 4 and 8 get their own kernels; 3, 5, 6 and 7
    * run the next larger one (ranks beyond num_ranks never have their mask bit set). */
-  const int ranks = ctx->num_ranks <= 2 ? 2 : ctx->num_ranks <= 4 ? 4 : 8;
-  switch (ranks * 2 + (args->idx_is_int64 ? 1 : 0)) {
-    case 4:
-      combine_kernel<int, 2><<<grid, block, 0, stream>>>(*ctx, *args);
-      break;
-    case 5:
-      combine_kernel<long long, 2><<<grid, block, 0, stream>>>(*ctx, *args);
-      break;
-    case 8:
-      combine_kernel<int, 4><<<grid, block, 0, stream>>>(*ctx, *args);
-      break;
-    case 9:
-      combine_kernel<long long, 4><<<grid, block, 0, stream>>>(*ctx, *args);
-      break;
-    case 16:
-      combine_kernel<int, 8><<<grid, block, 0, stream>>>(*ctx, *args);
-      break;
-    default:
-      combine_kernel<long long, 8><<<grid, block, 0, stream>>>(*ctx, *args);
-      break;
-  }
+  static const kernel_t kernels[3][2] = {{combine_kernel<int, 2>, combine_kernel<long long, 2>},
+                                         {combine_kernel<int, 4>, combine_kernel<long long, 4>},
+                                         {combine_kernel<int, 8>, combine_kernel<long long, 8>}};
+  const int r = ctx->num_ranks <= 2 ? 0 : ctx->num_ranks <= 4 ? 1 : 2;
+  const kernel_t kernel = kernels[r][args->idx_is_int64 ? 1 : 0];
+  /* Bulk sends stage through shared memory: kTmaStages pieces and their barriers per warp. */
+  const size_t smem =
+      args->send_bulk ? (size_t)args->send_warps * kTmaStages * (kTmaPiece + sizeof(uint64_t)) : 0;
+  if (smem > 48 * 1024)
+    CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<args->num_blocks, kThreads, smem, stream>>>(*ctx, *args);
   CUDA_CHECK(cudaGetLastError());
   return EPX_OK;
 }
