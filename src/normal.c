@@ -237,6 +237,7 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
  * out-of-range values fall back to the defaults with a warning. Ranks may differ: no peer
  * depends on these. */
 static int combine_send_warps, combine_unit_rows, combine_reduce_tokens, combine_send_bulk;
+static int combine_bulk_stages, combine_bulk_lag;
 static pthread_once_t combine_tuning_once = PTHREAD_ONCE_INIT;
 
 static void combine_tuning_load(void) {
@@ -263,6 +264,16 @@ static void combine_tuning_load(void) {
     EPX_WARN("EPX_COMBINE_REDUCE_TOKENS=%d: must be 1..1024; using 1", combine_reduce_tokens);
     combine_reduce_tokens = 1;
   }
+  combine_bulk_stages = (int)epx__param_CombineBulkStages();
+  if (combine_bulk_stages < 2 || combine_bulk_stages > 8) {
+    EPX_WARN("EPX_COMBINE_BULK_STAGES=%d: must be 2..8; using 4", combine_bulk_stages);
+    combine_bulk_stages = 4;
+  }
+  combine_bulk_lag = (int)epx__param_CombineBulkLag();
+  if (combine_bulk_lag < 1 || combine_bulk_lag > 6) {
+    EPX_WARN("EPX_COMBINE_BULK_LAG=%d: must be 1..6; using 2", combine_bulk_lag);
+    combine_bulk_lag = 2;
+  }
 }
 
 static void combine_tuning(epx__combine_launch_args_t *c) {
@@ -271,6 +282,8 @@ static void combine_tuning(epx__combine_launch_args_t *c) {
   c->unit_rows = combine_unit_rows;
   c->reduce_tokens = combine_reduce_tokens;
   c->send_bulk = combine_send_bulk;
+  c->bulk_stages = combine_bulk_stages;
+  c->bulk_lag = combine_bulk_lag;
 }
 
 EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a,

@@ -38,5 +38,7 @@ EPX_PARAM(CombineSendWarps, "COMBINE_SEND_WARPS", 0)
 EPX_PARAM(CombineUnitRows, "COMBINE_UNIT_ROWS", 4)
 EPX_PARAM(CombineReduceTokens, "COMBINE_REDUCE_TOKENS", 1)
 EPX_PARAM(CombineSendBulk, "COMBINE_SEND_BULK", 1)
+EPX_PARAM(CombineBulkStages, "COMBINE_BULK_STAGES", 4)
+EPX_PARAM(CombineBulkLag, "COMBINE_BULK_LAG", 2)
 
 #endif /* EPX_PARAM_H_ */

@@ -69,6 +69,8 @@ typedef struct epx__combine_launch_args {
   int unit_rows;     /* rows per send unit: a power of two dividing EPX_COMBINE_CHUNK_ROWS */
   int reduce_tokens; /* tokens per reduce unit, >= 1 */
   int send_bulk;     /* 1: send with bulk copies through shared memory (TMA), 0: loads/stores */
+  int bulk_stages;   /* bulk sends: 2..8 stages sharing 32 KiB per warp */
+  int bulk_lag;      /* bulk sends: 1..6 pieces between a unit's last store and its signal */
 } epx__combine_launch_args_t;
 
 epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx, const epx__notify_launch_args_t *args,

@@ -256,6 +256,8 @@ struct SendPlan {
   const int *prefix;
   int me, R, unit_rows;
   size_t row_bytes;
+  int stages, lag;      /* bulk sends: pipeline depth, and how many pieces a signal trails */
+  uint32_t piece_bytes; /* bulk sends: bytes per stage */
   long long units;
 };
 
@@ -313,13 +315,41 @@ __device__ __forceinline__ void send_units_lsu(const SendPlan &plan, long long f
   }
 }
 
-/* Send with bulk copies (lane 0 only): each unit's span goes through kTmaStages shared-memory
- * stages of kTmaPiece bytes, loads running up to kTmaStages pieces ahead of the stores. A unit
- * is signalled once the store groups up to its last piece are complete, kSignalLag pieces
+/* Send with bulk copies (lane 0 only): each unit's span goes through `stages` shared-memory
+ * stages of kTmaWarpBytes / stages bytes, loads running up to `stages` pieces ahead of the
+ * stores. A unit is signalled once the store groups up to its last piece are complete, `lag`
+ * pieces
  * later, so the wait for remote completion never drains the pipeline. */
-constexpr int kTmaStages = 4;
-constexpr int kTmaPiece = 8192;
-constexpr int kSignalLag = 2;
+constexpr int kTmaWarpBytes = 32768; /* shared memory per send warp */
+constexpr int kTmaMaxStages = 8;
+constexpr int kMaxSignalLag = 6;
+
+/* cp.async.bulk.wait_group takes an immediate: dispatch a run-time lag to it. */
+__device__ __forceinline__ void bulk_wait_done_lag(int lag) {
+  switch (lag) {
+    case 0:
+      epx::bulk_wait_done<0>();
+      break;
+    case 1:
+      epx::bulk_wait_done<1>();
+      break;
+    case 2:
+      epx::bulk_wait_done<2>();
+      break;
+    case 3:
+      epx::bulk_wait_done<3>();
+      break;
+    case 4:
+      epx::bulk_wait_done<4>();
+      break;
+    case 5:
+      epx::bulk_wait_done<5>();
+      break;
+    default:
+      epx::bulk_wait_done<6>();
+      break;
+  }
+}
 
 struct PieceCursor {
   long long u;
@@ -343,7 +373,7 @@ __device__ __forceinline__ void cursor_seek(const SendPlan &plan, long long stri
 /* Bytes of the cursor's piece; advances it. *unit_end: the piece was its unit's last. */
 __device__ __forceinline__ uint32_t cursor_next(const SendPlan &plan, long long stride,
                                                 PieceCursor *c, size_t *off, bool *unit_end) {
-  const uint32_t bytes = (uint32_t)min((size_t)kTmaPiece, c->span - c->off);
+  const uint32_t bytes = (uint32_t)min((size_t)plan.piece_bytes, c->span - c->off);
   *off = c->off;
   c->off += bytes;
   *unit_end = c->off == c->span;
@@ -361,8 +391,10 @@ __device__ void send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &pla
   cursor_seek(plan, stride, &store);
   long long loads = 0, stores = 0;
   /* Units whose last piece is store group `group`, not yet signalled (at most kSignalLag + 1). */
-  SendUnit pending[kSignalLag + 1];
-  long long pending_group[kSignalLag + 1];
+  SendUnit pending[kMaxSignalLag + 1];
+  long long pending_group[kMaxSignalLag + 1];
+  const int kTmaStages = plan.stages, kSignalLag = plan.lag;
+  const size_t kTmaPiece = plan.piece_bytes;
   int num_pending = 0;
   auto issue_load = [&]() {
     size_t off;
@@ -403,7 +435,7 @@ __device__ void send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &pla
       issue_load();
     }
     if (num_pending && pending_group[0] <= stores - kSignalLag) {
-      epx::bulk_wait_done<kSignalLag>();
+      bulk_wait_done_lag(kSignalLag);
       int kept = 0;
       for (int i = 0; i < num_pending; i++) {
         if (pending_group[i] <= stores - kSignalLag)
@@ -483,10 +515,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         send_units_lsu(plan, first, stride, lane);
       } else if (lane == 0) {
         extern __shared__ __align__(128) char dyn_smem[];
-        char *stages = dyn_smem + (size_t)warp * kTmaStages * kTmaPiece;
-        uint64_t *bars = (uint64_t *)(dyn_smem + (size_t)send_warps * kTmaStages * kTmaPiece) +
-                         warp * kTmaStages;
-        for (int i = 0; i < kTmaStages; i++) epx::mbarrier_init(&bars[i], 1);
+        plan.stages = a.bulk_stages;
+        plan.piece_bytes = kTmaWarpBytes / a.bulk_stages / 16 * 16;
+        plan.lag = a.bulk_lag;
+        char *stages = dyn_smem + (size_t)warp * kTmaWarpBytes;
+        uint64_t *bars =
+            (uint64_t *)(dyn_smem + (size_t)send_warps * kTmaWarpBytes) + warp * kTmaMaxStages;
+        for (int i = 0; i < plan.stages; i++) epx::mbarrier_init(&bars[i], 1);
         epx::fence_mbarrier_init();
         send_units_tma(ctx, plan, first, stride, stages, bars);
       }
@@ -638,9 +673,10 @@ extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                          {combine_kernel<int, 8>, combine_kernel<long long, 8>}};
   const int r = ctx->num_ranks <= 2 ? 0 : ctx->num_ranks <= 4 ? 1 : 2;
   const kernel_t kernel = kernels[r][args->idx_is_int64 ? 1 : 0];
-  /* Bulk sends stage through shared memory: kTmaStages pieces and their barriers per warp. */
-  const size_t smem =
-      args->send_bulk ? (size_t)args->send_warps * kTmaStages * (kTmaPiece + sizeof(uint64_t)) : 0;
+  /* Bulk sends stage through shared memory: kTmaWarpBytes and the stages' barriers per warp. */
+  const size_t smem = args->send_bulk ? (size_t)args->send_warps *
+                                            (kTmaWarpBytes + kTmaMaxStages * sizeof(uint64_t))
+                                      : 0;
   if (smem > 48 * 1024)
     CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
