@@ -237,13 +237,13 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
  * out-of-range values fall back to the defaults with a warning. Ranks may differ: no peer
  * depends on these. */
 static int combine_send_warps, combine_unit_rows, combine_reduce_tokens, combine_send_bulk;
-static int combine_bulk_stages, combine_bulk_lag;
+static int combine_bulk_stages, combine_bulk_lag, combine_bulk_store_depth;
 static pthread_once_t combine_tuning_once = PTHREAD_ONCE_INIT;
 
 static void combine_tuning_load(void) {
   combine_send_bulk = epx__param_CombineSendBulk() != 0;
-  /* Bulk sends: each send warp stages 32 KiB of shared memory, so at most 6 of them. */
-  const int max_send_warps = combine_send_bulk ? 6 : 15,
+  /* Bulk sends: each send warp stages 32 KiB of shared memory, so at most 7 of them. */
+  const int max_send_warps = combine_send_bulk ? 7 : 15,
             def_send_warps = combine_send_bulk ? 4 : 10;
   combine_send_warps = (int)epx__param_CombineSendWarps();
   if (combine_send_warps == 0) combine_send_warps = def_send_warps;
@@ -274,6 +274,11 @@ static void combine_tuning_load(void) {
     EPX_WARN("EPX_COMBINE_BULK_LAG=%d: must be 1..6; using 2", combine_bulk_lag);
     combine_bulk_lag = 2;
   }
+  combine_bulk_store_depth = (int)epx__param_CombineBulkStoreDepth();
+  if (combine_bulk_store_depth < 1 || combine_bulk_store_depth > 7) {
+    EPX_WARN("EPX_COMBINE_BULK_STORE_DEPTH=%d: must be 1..7; using 1", combine_bulk_store_depth);
+    combine_bulk_store_depth = 1;
+  }
 }
 
 static void combine_tuning(epx__combine_launch_args_t *c) {
@@ -284,6 +289,7 @@ static void combine_tuning(epx__combine_launch_args_t *c) {
   c->send_bulk = combine_send_bulk;
   c->bulk_stages = combine_bulk_stages;
   c->bulk_lag = combine_bulk_lag;
+  c->bulk_store_depth = combine_bulk_store_depth;
 }
 
 EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a,

@@ -40,5 +40,6 @@ EPX_PARAM(CombineReduceTokens, "COMBINE_REDUCE_TOKENS", 1)
 EPX_PARAM(CombineSendBulk, "COMBINE_SEND_BULK", 1)
 EPX_PARAM(CombineBulkStages, "COMBINE_BULK_STAGES", 4)
 EPX_PARAM(CombineBulkLag, "COMBINE_BULK_LAG", 2)
+EPX_PARAM(CombineBulkStoreDepth, "COMBINE_BULK_STORE_DEPTH", 1)
 
 #endif /* EPX_PARAM_H_ */

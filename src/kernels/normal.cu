@@ -257,6 +257,7 @@ struct SendPlan {
   int me, R, unit_rows;
   size_t row_bytes;
   int stages, lag;      /* bulk sends: pipeline depth, and how many pieces a signal trails */
+  int store_depth;      /* bulk sends: stores left reading shared memory when a stage is refilled */
   uint32_t piece_bytes; /* bulk sends: bytes per stage */
   long long units;
 };
@@ -324,7 +325,33 @@ constexpr int kTmaWarpBytes = 32768; /* shared memory per send warp */
 constexpr int kTmaMaxStages = 8;
 constexpr int kMaxSignalLag = 6;
 
-/* cp.async.bulk.wait_group takes an immediate: dispatch a run-time lag to it. */
+/* cp.async.bulk.wait_group takes an immediate: dispatch run-time depths to it. */
+__device__ __forceinline__ void bulk_wait_read_depth(int depth) {
+  switch (depth) {
+    case 1:
+      epx::bulk_wait_read<1>();
+      break;
+    case 2:
+      epx::bulk_wait_read<2>();
+      break;
+    case 3:
+      epx::bulk_wait_read<3>();
+      break;
+    case 4:
+      epx::bulk_wait_read<4>();
+      break;
+    case 5:
+      epx::bulk_wait_read<5>();
+      break;
+    case 6:
+      epx::bulk_wait_read<6>();
+      break;
+    default:
+      epx::bulk_wait_read<7>();
+      break;
+  }
+}
+
 __device__ __forceinline__ void bulk_wait_done_lag(int lag) {
   switch (lag) {
     case 0:
@@ -429,9 +456,10 @@ __device__ void send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &pla
       pending[num_pending] = su;
       pending_group[num_pending++] = stores;
     }
-    /* Refill the stage of the previous store once it has been read (the newest may still be). */
-    if (stores >= 1 && load.valid) {
-      epx::bulk_wait_read<1>();
+    /* Refill the stage of store (stores - depth) once it has been read: up to `depth` stores
+     * stay in flight while the loads run stages - depth pieces ahead. */
+    if (stores >= plan.store_depth && load.valid) {
+      bulk_wait_read_depth(plan.store_depth);
       issue_load();
     }
     if (num_pending && pending_group[0] <= stores - kSignalLag) {
@@ -518,6 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         plan.stages = a.bulk_stages;
         plan.piece_bytes = kTmaWarpBytes / a.bulk_stages / 16 * 16;
         plan.lag = a.bulk_lag;
+        plan.store_depth = min(a.bulk_store_depth, a.bulk_stages - 1);
         char *stages = dyn_smem + (size_t)warp * kTmaWarpBytes;
         uint64_t *bars =
             (uint64_t *)(dyn_smem + (size_t)send_warps * kTmaWarpBytes) + warp * kTmaMaxStages;
