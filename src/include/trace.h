@@ -40,9 +40,9 @@ extern "C" {
   X(DISPATCH_SEND, "dispatch", "dispatch send", "tokens")    \
   X(DISPATCH_TOKEN, "dispatch", "dispatch token", "token")   \
   X(DISPATCH_WAIT, "dispatch", "dispatch wait", "last_peer") \
-  X(COMBINE_SEND, "combine", "combine send", "rows")         \
-  X(COMBINE_ROW, "combine", "combine row", "row")            \
-  X(COMBINE_WAIT, "combine", "combine wait", "last_peer")    \
+  X(COMBINE_SEND, "combine", "combine send", "units")        \
+  X(COMBINE_UNIT, "combine", "combine unit", "peer")         \
+  X(COMBINE_WAIT, "combine", "combine wait", "peer")         \
   X(COMBINE_REDUCE, "combine", "combine reduce", "tokens")   \
   X(COMBINE_TOKEN, "combine", "combine token", "token")
 

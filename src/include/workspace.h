@@ -9,7 +9,7 @@
  *   control  epx__control_t: barrier inboxes and epochs, the async-error claim word
  *   notify   count exchange: R sources x (R + E/R) epoch-tagged 64-bit words (sized R x (R + E))
  *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
- *            combine slab 2 x [R, max_tokens, H] BF16
+ *            combine slab 2 x [R, max_tokens, H] BF16 and its per-chunk arrival counters
  *   ll       (EPX_MODE_LOW_LATENCY) 2 parity buffers x (dispatch receive + combine receive +
  * signals)
  */
@@ -45,13 +45,19 @@ typedef struct epx__control {
   /* combine_calls: combines completed by this rank (selects the combine slab parity). */
   unsigned int combine_calls;
   int reserved[28];
-  /* dispatch_done[s] / combine_done[s]: blocks of rank s that finished writing to this rank
-   * (added by s with release semantics; monotonic). *_expected[s]: what this rank has consumed. */
+  /* dispatch_done[s]: blocks of rank s that finished writing to this rank (added by s with
+   * release semantics; monotonic). dispatch_expected[s]: what this rank has consumed. */
   unsigned long long dispatch_done[EPX_MAX_RANKS];
   unsigned long long dispatch_expected[EPX_MAX_RANKS];
-  unsigned long long combine_done[EPX_MAX_RANKS];
-  unsigned long long combine_expected[EPX_MAX_RANKS];
+  /* combine_finished[s]: combines rank s has completed (stored by s with release semantics).
+   * Rank d writes call n into s's slab parity n & 1 only once s has finished call n - 2. */
+  unsigned long long combine_finished[EPX_MAX_RANKS];
 } epx__control_t;
+
+/* Combine signals: rank d adds, with release semantics, the number of rows it has delivered to
+ * each chunk of EPX_COMBINE_CHUNK_ROWS consecutive rows of its segment in this rank's combine
+ * slab. The owner reduces a token once the chunks holding its rows are full. */
+#define EPX_COMBINE_CHUNK_ROWS 64
 
 typedef struct epx__ws_layout {
   size_t control_offset, control_bytes;
@@ -67,6 +73,8 @@ typedef struct epx__ws_layout {
   size_t combine_slab_offset;      /* 2 parities x [R, max_tokens, H] BF16: row (d, p) = rank d's
                                       output for the p-th token this rank sent to d */
   size_t combine_slab_bytes;       /* one parity */
+  size_t combine_signal_offset;    /* 2 parities x [R, combine_chunks] uint64 row counters */
+  size_t combine_chunks; /* chunks per source segment: max_tokens / CHUNK_ROWS, rounded up */
   size_t ll_offset, ll_bytes;
   size_t ll_msg_bytes; /* one (token, expert) row of low-latency dispatch */
   size_t total_bytes;
@@ -133,6 +141,9 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->combine_slab_offset = n;
   l->combine_slab_bytes = epx__align_up(cap * hidden * 2, 256);
   n += 2 * l->combine_slab_bytes;
+  l->combine_chunks = (max_tokens + EPX_COMBINE_CHUNK_ROWS - 1) / EPX_COMBINE_CHUNK_ROWS;
+  l->combine_signal_offset = n;
+  n += epx__align_up(2 * (size_t)num_ranks * l->combine_chunks * 8, 256);
   l->normal_bytes = (modes & EPX_MODE_NORMAL) ? epx__align_up(n, EPX_WS_ALIGN) : 0;
   off += l->normal_bytes;
 
