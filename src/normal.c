@@ -244,7 +244,7 @@ static void combine_tuning_load(void) {
   combine_send_bulk = epx__param_CombineSendBulk() != 0;
   /* Bulk sends: each send warp stages 32 KiB of shared memory, so at most 7 of them. */
   const int max_send_warps = combine_send_bulk ? 7 : 15,
-            def_send_warps = combine_send_bulk ? 4 : 10;
+            def_send_warps = combine_send_bulk ? 6 : 10;
   combine_send_warps = (int)epx__param_CombineSendWarps();
   if (combine_send_warps == 0) combine_send_warps = def_send_warps;
   if (combine_send_warps < 1 || combine_send_warps > max_send_warps) {
