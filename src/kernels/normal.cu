@@ -297,21 +297,29 @@ __device__ __forceinline__ char *unit_dst(const SendPlan &plan, const SendUnit &
 }
 
 /* The unit's rows are written: add them to s's counter of their chunk. Lane-0 work; the caller
- * has ordered the unit's writes before this thread (syncwarp, or a bulk-group wait). */
-__device__ __forceinline__ void signal_unit(const SendPlan &plan, const SendUnit &su) {
+ * has ordered the unit's writes before this thread (syncwarp, or a bulk-group wait). Traced as
+ * a span from *mark (the previous unit's signal, or the unit's start) to now. */
+__device__ __forceinline__ void signal_unit(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
+                                            const SendUnit &su, uint64_t *mark) {
   __threadfence_system();
   red_release_sys_add(plan.signal[su.s] + su.p0 / EPX_COMBINE_CHUNK_ROWS,
                       (unsigned long long)(su.p1 - su.p0));
+  epx::trace_end(ctx, *mark, EPX_TRACE_COMBINE_UNIT, su.s);
+  *mark = epx::trace_begin(ctx);
 }
 
 /* Send with the warp's loads and stores: 8 x 16 bytes in flight per lane. */
-__device__ __forceinline__ void send_units_lsu(const SendPlan &plan, long long first,
-                                               long long stride, int lane) {
+/* Each returns the number of units sent. */
+__device__ __forceinline__ int send_units_lsu(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
+                                              long long first, long long stride, int lane) {
+  int sent = 0;
   constexpr int kUnroll = 8;
   const int n16 = (int)(plan.row_bytes / 16);
   SendUnit su;
   for (long long u = first; u < plan.units; u += stride) {
     if (!send_unit(plan, u, &su)) continue;
+    uint64_t mark = epx::trace_begin(ctx);
+    sent++;
     const int4 *src = (const int4 *)unit_src(plan, su);
     int4 *dst = (int4 *)unit_dst(plan, su);
     const int n = (su.p1 - su.p0) * n16;
@@ -325,8 +333,9 @@ __device__ __forceinline__ void send_units_lsu(const SendPlan &plan, long long f
         if (i0 + k * 32 < n) dst[i0 + k * 32] = v[k];
     }
     __syncwarp();
-    if (lane == 0) signal_unit(plan, su);
+    if (lane == 0) signal_unit(ctx, plan, su, &mark);
   }
+  return sent;
 }
 
 /* Send with bulk copies (lane 0 only): each unit's span goes through `stages` shared-memory
@@ -424,32 +433,33 @@ __device__ __forceinline__ uint32_t cursor_next(const SendPlan &plan, long long 
   return bytes;
 }
 
-__device__ void send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &plan, long long first,
-                               long long stride, char *stages, uint64_t *bars) {
+__device__ int send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &plan, long long first,
+                              long long stride, char *stages, uint64_t *bars) {
   PieceCursor load{first, {}, 0, 0, false}, store{first, {}, 0, 0, false};
   cursor_seek(plan, stride, &load);
   cursor_seek(plan, stride, &store);
   long long loads = 0, stores = 0;
-  /* Units whose last piece is store group `group`, not yet signalled (at most kSignalLag + 1). */
+  /* Units whose last piece is store group `group`, not yet signalled (at most lag + 1). */
   SendUnit pending[kMaxSignalLag + 1];
   long long pending_group[kMaxSignalLag + 1];
-  const int kTmaStages = plan.stages, kSignalLag = plan.lag;
-  const size_t kTmaPiece = plan.piece_bytes;
-  int num_pending = 0;
+  const int num_stages = plan.stages, lag = plan.lag;
+  const size_t piece = plan.piece_bytes;
+  int num_pending = 0, sent = 0;
+  uint64_t mark = epx::trace_begin(ctx);
   auto issue_load = [&]() {
     size_t off;
     bool end;
     const SendUnit su = load.su;
-    const int st = (int)(loads % kTmaStages);
+    const int st = (int)(loads % num_stages);
     const uint32_t bytes = cursor_next(plan, stride, &load, &off, &end);
-    epx::bulk_load(stages + (size_t)st * kTmaPiece, unit_src(plan, su) + off, bytes, &bars[st]);
+    epx::bulk_load(stages + (size_t)st * piece, unit_src(plan, su) + off, bytes, &bars[st]);
     loads++;
   };
-  while (load.valid && loads < kTmaStages) issue_load();
+  while (load.valid && loads < num_stages) issue_load();
   bool ok = true;
   while (store.valid) {
-    const int st = (int)(stores % kTmaStages);
-    const uint32_t parity = (uint32_t)((stores / kTmaStages) & 1);
+    const int st = (int)(stores % num_stages);
+    const uint32_t parity = (uint32_t)((stores / num_stages) & 1);
     if (!epx::mbarrier_try_wait(&bars[st], parity)) {
       const uint64_t start = epx::globaltimer_ns();
       while (!epx::mbarrier_try_wait(&bars[st], parity))
@@ -464,7 +474,7 @@ __device__ void send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &pla
     bool end;
     const SendUnit su = store.su;
     const uint32_t bytes = cursor_next(plan, stride, &store, &off, &end); /* = its load's */
-    epx::bulk_store(unit_dst(plan, su) + off, stages + (size_t)st * kTmaPiece, bytes);
+    epx::bulk_store(unit_dst(plan, su) + off, stages + (size_t)st * piece, bytes);
     if (end) {
       pending[num_pending] = su;
       pending_group[num_pending++] = stores;
@@ -475,12 +485,12 @@ __device__ void send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &pla
       bulk_wait_read_depth(plan.store_depth);
       issue_load();
     }
-    if (num_pending && pending_group[0] <= stores - kSignalLag) {
-      bulk_wait_done_lag(kSignalLag);
+    if (num_pending && pending_group[0] <= stores - lag) {
+      bulk_wait_done_lag(lag);
       int kept = 0;
       for (int i = 0; i < num_pending; i++) {
-        if (pending_group[i] <= stores - kSignalLag)
-          signal_unit(plan, pending[i]);
+        if (pending_group[i] <= stores - lag)
+          signal_unit(ctx, plan, pending[i], &mark), sent++;
         else
           pending[kept] = pending[i], pending_group[kept++] = pending_group[i];
       }
@@ -489,7 +499,8 @@ __device__ void send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &pla
     stores++;
   }
   epx::bulk_wait_done<0>();
-  for (int i = 0; i < num_pending; i++) signal_unit(plan, pending[i]);
+  for (int i = 0; i < num_pending; i++) signal_unit(ctx, plan, pending[i], &mark), sent++;
+  return sent;
 }
 
 /* Wait until *flag >= target; gives up at once when another wait of this group has already
@@ -533,10 +544,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const size_t signal = L.normal_offset + L.combine_signal_offset + parity * R * chunks * 8;
 
   if (warp < send_warps) {
+    const uint64_t t_send = epx::trace_begin(ctx);
+    int sent = 0;
     /* Peer s may still be reducing call - 2 from this parity: wait until it has finished. */
     bool ok = true;
-    if (lane < R && lane != me && call >= 2)
-      ok = wait_chunk(ctx, ctrl, (const uint64_t *)&ctrl->combine_finished[lane], call - 1, lane);
+    if (call >= 2) {
+      const bool waits = lane < R && lane != me;
+      const uint64_t t_wait = epx::trace_begin(ctx);
+      if (waits)
+        ok = wait_chunk(ctx, ctrl, (const uint64_t *)&ctrl->combine_finished[lane], call - 1, lane);
+      epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
+    }
     if (__all_sync(0xffffffffu, ok)) {
       SendPlan plan;
       plan.x = (const char *)a.x;
@@ -553,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const long long first = (long long)blockIdx.x * send_warps + warp;
       const long long stride = (long long)gridDim.x * send_warps;
       if (!a.send_bulk) {
-        send_units_lsu(plan, first, stride, lane);
+        sent = send_units_lsu(ctx, plan, first, stride, lane);
       } else if (lane == 0) {
         extern __shared__ __align__(128) char dyn_smem[];
         plan.stages = a.bulk_stages;
@@ -565,9 +583,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             (uint64_t *)(dyn_smem + (size_t)send_warps * kTmaWarpBytes) + warp * kTmaMaxStages;
         for (int i = 0; i < plan.stages; i++) epx::mbarrier_init(&bars[i], 1);
         epx::fence_mbarrier_init();
-        send_units_tma(ctx, plan, first, stride, stages, bars);
+        sent = send_units_tma(ctx, plan, first, stride, stages, bars);
       }
     }
+    if (lane == 0) epx::trace_end(ctx, t_send, EPX_TRACE_COMBINE_SEND, sent);
   } else {
     /* out[t] = sum over ranks d holding t of factor(t, d) * row(d, pos[t][d]), in float32. */
     const IdxT *topk = (const IdxT *)a.topk_idx;
@@ -578,19 +597,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     int checked_chunk = -1;
     const int T = a.routing.num_tokens, V = a.reduce_tokens;
     const int rw = blockIdx.x * reduce_warps + (warp - send_warps);
+    const uint64_t t_reduce = epx::trace_begin(ctx);
+    int reduced = 0;
     for (int t0 = rw * V; t0 < T; t0 += gridDim.x * reduce_warps * V) {
-      for (int t = t0; t < min(t0 + V, T); t++) {
+      for (int t = t0; t < min(t0 + V, T); t++, reduced++) {
+        const uint64_t t_token = epx::trace_begin(ctx);
         const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
         const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
         const int my_pos = in_rank ? a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
-        if (in_rank && lane != me) {
-          const int chunk = my_pos / EPX_COMBINE_CHUNK_ROWS;
-          if (chunk > checked_chunk) {
+        const int chunk = my_pos / EPX_COMBINE_CHUNK_ROWS;
+        const bool waits = in_rank && lane != me && chunk > checked_chunk;
+        if (__any_sync(0xffffffffu, waits)) {
+          const uint64_t t_wait = epx::trace_begin(ctx);
+          if (waits) {
             const int full =
                 min(EPX_COMBINE_CHUNK_ROWS, rows_from_lane - chunk * EPX_COMBINE_CHUNK_ROWS);
             wait_chunk(ctx, ctrl, my_signal + (size_t)lane * chunks + chunk, (uint64_t)full, lane);
             checked_chunk = chunk; /* on failure the error is recorded; go on without waiting */
           }
+          epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
         }
         __syncwarp(); /* orders every lane's acquire before the warp's loads of the rows */
         long long e = -1;
@@ -644,8 +669,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             out[i0 + u * 32] = o;
           }
         }
+        if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_COMBINE_TOKEN, t);
       }
     }
+    if (lane == 0) epx::trace_end(ctx, t_reduce, EPX_TRACE_COMBINE_REDUCE, reduced);
   }
 
   /* The last block to finish clears this parity's counters (every chunk is full, and no peer
