@@ -190,6 +190,7 @@ EPX_GPU_TEST(trace_full_buffer_drops_and_stays_right, 120) {
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
+  a.topk_weights = (const float *)d.w; /* check_recv compares them */
   a.num_tokens = w.ranks[me].num_tokens;
   epx_dispatch_result_t res;
   EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
@@ -263,6 +264,7 @@ EPX_GPU_TEST(trace_empty_ranks_and_usage_errors, 120) {
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
+  a.topk_weights = (const float *)d.w; /* check_recv compares them */
   a.num_tokens = 64;
   epx_dispatch_result_t res;
   char path[128];
