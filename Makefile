@@ -5,7 +5,8 @@
 #   make bench      build and run the benchmark on every visible GPU (BENCH_ARGS=... to pass flags)
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
-# Knobs: CUDA_HOME, NCCL_HOME, NVCC_GENCODE, DEBUG=1, ASAN=1 (host code only).
+# Knobs: CUDA_HOME, NCCL_HOME, NVCC_GENCODE, DEBUG=1, ASAN=1 (host code only), TRACE=0 (compile
+# in-kernel tracing out; build it in its own BUILD=dir, docs/profiling.md).
 
 include mk/toolchain.mk
 
@@ -22,13 +23,18 @@ ifeq ($(ASAN),1)
   SAN := -fsanitize=address,undefined -fno-omit-frame-pointer
 endif
 
+TRACE_FLAGS :=
+ifeq ($(TRACE),0)
+  TRACE_FLAGS := -DEPX_TRACE_COMPILED=0
+endif
+
 INCLUDES := -Iinclude -Isrc/include -Isrc -I$(NCCL_INCDIR) -I$(CUDA_HOME)/include
 CC ?= gcc
 CXX ?= g++
 CFLAGS := -std=c11 -D_GNU_SOURCE $(OPT) -g -Wall -Wextra -Werror=implicit-function-declaration \
-          -fPIC -fvisibility=hidden $(SAN) $(INCLUDES)
+          -fPIC -fvisibility=hidden $(SAN) $(TRACE_FLAGS) $(INCLUDES)
 NVCCFLAGS := -std=c++17 $(OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexpr \
-             -Xcompiler -fPIC,-fvisibility=hidden,-Wall $(INCLUDES)
+             -Xcompiler -fPIC,-fvisibility=hidden,-Wall $(TRACE_FLAGS) $(INCLUDES)
 LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
           -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
 

@@ -40,7 +40,9 @@ typedef struct bench_options {
   int ranks;     /* --ranks: 0 = every visible GPU (at most EPX_MAX_RANKS) */
   int timeout_s; /* --timeout: the whole run, after which the ranks are killed */
   uint64_t seed;
-  const char *json_path; /* --json, or NULL */
+  const char *json_path;  /* --json, or NULL */
+  const char *trace_path; /* --trace: in-kernel trace of one iteration per EPX row, or NULL */
+  const char *trace_op;   /* --trace-op: only rows whose op contains this, or NULL = all */
 } bench_options_t;
 
 /* Parse argv. Returns 0 to run, 1 after printing --help, 2 after printing a bad flag. */
@@ -173,6 +175,13 @@ typedef int (*bench_iter_fn)(void *arg, cudaStream_t stream);
  * all ranks start together, timed with CUDA events recorded after the barrier and after fn.
  * Fails if the group recorded an async error (e.g. a barrier timeout). */
 int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stats);
+
+/* One more iteration of fn, run and timed like a timed one (barrier, events, fn, events) but
+ * with `group` traced (epx_trace_start / epx_trace_dump): the trace goes to path (rank 0
+ * writes it). *us is this rank's time of that iteration. Collective. The timed iterations
+ * are never traced, so the row's figures do not include tracing. */
+int bench_trace_iteration(bench_rank_t *b, epx_group_t group, bench_iter_fn fn, void *arg,
+                          const char *path, double *us, epx_trace_summary_t *summary);
 
 /* Gather every rank's stats, wrong rows (-1 = not checked) and logical bytes, and fill row's
  * median_us, min_us, max_us, bytes, gbps and wrong. Collective. */

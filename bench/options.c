@@ -25,6 +25,9 @@ static const char usage[] =
     "  --ranks N          use N GPUs (default: every visible GPU, at most 8)\n"
     "  --seed N           seed of routing and payload (default 1)\n"
     "  --json FILE        also write every row as a JSON array of objects\n"
+    "  --trace FILE       in-kernel trace of one extra iteration of each EPX row, one file per\n"
+    "                     row: FILE with -<op>-<T>t-<S>sms before .json (docs/profiling.md)\n"
+    "  --trace-op TEXT    trace only the EPX rows whose op contains TEXT (e.g. combine)\n"
     "  --timeout S        kill the run after S seconds (default 1200)\n"
     "  --help             this text\n"
     "Rows, formulas and timing method: docs/bench.md.\n";
@@ -126,6 +129,14 @@ static int parse_flag(bench_options_t *o, const char *flag, const char *v) {
     o->json_path = v;
     return 0;
   }
+  if (!strcmp(flag, "--trace")) {
+    o->trace_path = v;
+    return 0;
+  }
+  if (!strcmp(flag, "--trace-op")) {
+    o->trace_op = v;
+    return 0;
+  }
   fprintf(stderr, "epx_bench: unknown flag %s\n%s", flag, usage);
   return -1;
 }
@@ -143,6 +154,10 @@ int bench_parse_options(int argc, char **argv, bench_options_t *opt) {
     }
     if (parse_flag(opt, argv[i], argv[i + 1])) return 2;
     i++;
+  }
+  if (opt->trace_op && !opt->trace_path) {
+    fprintf(stderr, "epx_bench: --trace-op needs --trace FILE\n");
+    return 2;
   }
   if (opt->top_k > opt->num_experts) {
     fprintf(stderr, "epx_bench: --topk %d: more than --experts %d\n", opt->top_k, opt->num_experts);

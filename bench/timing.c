@@ -89,6 +89,31 @@ int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stat
   return rc;
 }
 
+int bench_trace_iteration(bench_rank_t *b, epx_group_t group, bench_iter_fn fn, void *arg,
+                          const char *path, double *us, epx_trace_summary_t *summary) {
+  cudaEvent_t ev[2] = {NULL, NULL};
+  BENCH_CUDA(cudaEventCreate(&ev[0]));
+  BENCH_CUDA(cudaEventCreate(&ev[1]));
+  BENCH_EPX(epx_trace_start(group, 0, b->stream));
+  BENCH_EPX(epx_group_barrier(group, b->stream)); /* traced too: shows how aligned ranks start */
+  BENCH_CUDA(cudaEventRecord(ev[0], b->stream));
+  BENCH_TRY(fn(arg, b->stream));
+  BENCH_CUDA(cudaEventRecord(ev[1], b->stream));
+  BENCH_EPX(epx_trace_dump(group, path, summary, b->stream)); /* synchronizes the stream */
+  float ms = 0;
+  BENCH_CUDA(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+  *us = ms * 1e3;
+  BENCH_CUDA(cudaEventDestroy(ev[0]));
+  BENCH_CUDA(cudaEventDestroy(ev[1]));
+  epx_async_error_t err; /* the traced group's own kernels, then the bench group's */
+  BENCH_EPX(epx_group_get_async_error(group, &err));
+  if (err.status != EPX_OK) {
+    bench_report_failure(__FILE__, __LINE__, "epx_group_get_async_error", err.message);
+    return -1;
+  }
+  return check_async_error(b);
+}
+
 /* all[q * BENCH_GATHER_FIELDS + f] = field f of rank q, through b->gather_dev. */
 static int gather(bench_rank_t *b, const double *mine, double *all) {
   const size_t one = BENCH_GATHER_FIELDS * sizeof(double);

@@ -478,6 +478,54 @@ epx_status_t epx_group_get_peer_mask(epx_group_t group, unsigned int *mask);
  * (clear it with epx_group_clear_async_error). */
 epx_status_t epx_group_clear_peer_mask(epx_group_t group);
 
+/* ---------------------------------------------------------------------------------------------
+ * In-kernel tracing (docs/profiling.md). While a group traces, its kernels record the begin
+ * and end of their stages (per block and warp, %globaltimer) into a preallocated device buffer
+ * on each rank; a dump gathers every rank's events, aligns the GPUs' clocks and writes one
+ * Chrome trace JSON file (pid = rank, tid = block/warp) that Perfetto and chrome://tracing
+ * load. Off by default; when off a kernel pays one predictable branch per record site.
+ * EPX_TRACE=path traces a group from its creation to its destruction (docs/env.md).
+ * Tracing start and dump are group barriers: order them with the group's other barriers and
+ * collectives (one stream, or synchronized streams).
+ * ------------------------------------------------------------------------------------------- */
+
+/* What a dump wrote; the same on every rank. */
+typedef struct epx_trace_summary {
+  long long num_events;      /* events written, all ranks */
+  long long num_dropped;     /* events lost because a rank's buffer was full, all ranks */
+  long long clock_spread_ns; /* largest spread of a rank's measured clock offset over the sync
+                                rounds: the jitter of the alignment (docs/profiling.md) */
+  long long clock_drift_ns;  /* largest change of a rank's offset between start and dump */
+  long long timer_tick_ns;   /* step of the GPUs' %globaltimer (largest over ranks) */
+} epx_trace_summary_t;
+
+/* epx_trace_start - start recording the group's kernels on every rank. COLLECTIVE.
+ * Empties (allocating once, or when the capacity changes) this rank's buffer, then queues on
+ * stream a barrier kernel that measures the GPUs' clock offsets. Kernels the group launches
+ * after the call, on any stream, are recorded until epx_trace_dump; kernels captured into a
+ * CUDA graph while tracing keep recording when the graph is replayed.
+ *   capacity - [IN] events kept per rank, 1..2^24 (24 bytes each); 0 = auto (EPX_TRACE_EVENTS
+ *              or 65536). Events beyond it are counted as dropped, not written.
+ *   stream   - [IN] orders the clock measurement with the caller's work; not a capturing one.
+ * Returns EPX_OK; EPX_ERR_INVALID_ARGUMENT (capacity); EPX_ERR_INVALID_USAGE (already
+ * tracing, or stream is capturing); EPX_ERR_UNSUPPORTED (built with TRACE=0); EPX_ERR_CUDA. */
+epx_status_t epx_trace_start(epx_group_t group, int capacity, cudaStream_t stream);
+
+/* epx_trace_dump - stop recording and write the trace. COLLECTIVE; synchronizes stream.
+ * Queues the second clock measurement on stream, waits for it, gathers every rank's events to
+ * rank 0 over the group's communicator and has rank 0 write `path` (replaced if it exists). A
+ * rank with no events is fine. Events lost to a full buffer are counted per rank in the file
+ * and in summary, and logged as a warning. Tracing is off afterwards; start it again for a
+ * new window (the buffer is kept).
+ *   path    - [IN] the JSON file (rank 0 only; other ranks' value is ignored); NULL: discard.
+ *   summary - [OUT] optional: counts and clock figures, filled on every rank.
+ *   stream  - [IN] the stream the traced work was queued on; not a capturing one.
+ * Returns EPX_OK; EPX_ERR_INVALID_USAGE if some rank was not tracing (every rank returns it,
+ * naming the rank; nothing is written); EPX_ERR_SYSTEM on rank 0 if the file cannot be
+ * written; EPX_ERR_CUDA / EPX_ERR_NCCL. */
+epx_status_t epx_trace_dump(epx_group_t group, const char *path, epx_trace_summary_t *summary,
+                            cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -18,6 +18,7 @@
 #include "debug.h"
 #include "group.h"
 #include "kernels/api.h"
+#include "trace.h"
 #include "transport.h"
 
 /* ------------------------------------------------------------------------------------------
@@ -120,6 +121,7 @@ void epx__group_kernel_ctx(epx_group_t g, epx__kernel_ctx_t *ctx) {
   ctx->timeout_ns = (unsigned long long)g->config.timeout_ms * 1000000ull;
   ctx->error = g->error_dev;
   ctx->layout = g->layout;
+  ctx->trace = g->trace_ring;
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -141,6 +143,7 @@ enum {
   FP_TIMEOUT_MS,
   FP_LL_NUM_SMS,
   FP_LL_ROUTE,
+  FP_TRACE, /* EPX_TRACE set: not compared (no name); tracing starts if every rank has it */
   FP_COUNT
 };
 static const char *const fp_names[FP_COUNT] = {
@@ -183,7 +186,7 @@ static epx_status_t agree(int rank, int num_ranks, epx_status_t local, const lon
                           "epx_group_create: rank %d failed its local checks (%s); see its log", q,
                           epx_status_string((epx_status_t)all[q * FP_COUNT + FP_STATUS]));
   }
-  for (int f = FP_NCCL_VERSION; f < FP_COUNT; f++)
+  for (int f = FP_NCCL_VERSION; f < FP_TRACE; f++)
     for (int q = 1; q < num_ranks; q++)
       if (all[q * FP_COUNT + f] != all[f])
         return epx__set_error(
@@ -256,12 +259,15 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
                               cfg.hidden,     cfg.num_experts,   cfg.top_k,
                               cfg.dtypes,     cfg.modes,         cfg.num_sms,
                               cfg.timeout_ms, cfg.ll_num_sms,    cfg.ll_route};
+  mine[FP_TRACE] = epx__trace_env_requested();
   long long *all = (long long *)calloc((size_t)num_ranks * FP_COUNT, sizeof(long long));
   if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
   epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all);
+  int trace_ranks = 0; /* ranks with EPX_TRACE set */
   if (res == EPX_OK) {
     if (local != EPX_OK) epx__set_error(local, "%s", local_msg); /* restore the local reason */
     res = agree(rank, num_ranks, local, all);
+    for (int q = 0; q < num_ranks; q++) trace_ranks += all[q * FP_COUNT + FP_TRACE] != 0;
   }
   free(all);
   if (res != EPX_OK) return res;
@@ -290,6 +296,11 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   g->transport = &epx__transport_nvlink;
   EPX_CHECK_GOTO(g->transport->open(g), res, fail);
   live_add(g, node);
+  if (trace_ranks == num_ranks)
+    epx__trace_env_begin(g); /* collective; a failure is logged, the group works untraced */
+  else if (trace_ranks > 0)
+    EPX_WARN("EPX_TRACE is set on %d of %d ranks only; the group is not traced", trace_ranks,
+             num_ranks);
   EPX_INFO(EPX_SUBSYS_GROUP, "group created: rank %d of %d, workspace %zu bytes, transport %s",
            rank, num_ranks, g->layout.total_bytes, g->transport->name);
   *group = g;
@@ -309,6 +320,7 @@ EPX_EXPORT epx_status_t epx_group_destroy(epx_group_t g) {
   live_node_t *node = live_remove(g);
   free(node);
   epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
+  epx__trace_group_end(g); /* collective: writes EPX_TRACE's file, frees the trace buffers */
   epx_status_t r2 = g->transport->close(g);
   if (res == EPX_OK) res = r2;
   if (g->error_host) cudaFreeHost((void *)g->error_host);

@@ -34,9 +34,11 @@ typedef struct epx__kernel_ctx {
   unsigned long long timeout_ns; /* budget of each wait on a peer */
   epx__error_record_t *error;    /* device alias of the host-mapped error record */
   epx__ws_layout_t layout;
+  struct epx__trace_ring *trace; /* device event buffer while the group traces, else NULL */
 } epx__kernel_ctx_t;
 
 struct epx__transport_ops;
+struct epx__trace;
 
 /* Host-side bookkeeping of low-latency calls (src/ll.c). Every rank makes the same collective
  * calls, so these evolve identically on every rank; a captured graph replays its calls with the
@@ -62,8 +64,10 @@ struct epx_group {
   char *workspace;                /* local base of the symmetric workspace */
   char *peer_base[EPX_MAX_RANKS]; /* resolved by the transport */
   epx__error_record_t *error_host, *error_dev;
-  cudaStream_t setup_stream; /* internal work at create/destroy/clear */
-  epx__ll_host_t ll;         /* low-latency bookkeeping; zero at creation */
+  cudaStream_t setup_stream;          /* internal work at create/destroy/clear */
+  struct epx__trace *trace;           /* host state of tracing (src/trace.c), or NULL */
+  struct epx__trace_ring *trace_ring; /* what kernels record into; NULL when not tracing */
+  epx__ll_host_t ll;                  /* low-latency bookkeeping; zero at creation */
 };
 
 /* Transports behind one table, chosen at group creation; common code never branches on it. */

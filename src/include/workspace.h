@@ -9,7 +9,7 @@
  *   control  epx__control_t: barrier inboxes and epochs, the async-error claim word
  *   notify   count exchange: R sources x (R + E/R) epoch-tagged 64-bit words (sized R x (R + E))
  *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
- *            combine slab 2 x [R, max_tokens, H] BF16
+ *            combine slab 2 x [R, max_tokens, H] BF16 and its per-chunk arrival counters
  *   ll       (EPX_MODE_LOW_LATENCY) 2 buffers ("parities") of the arrays below, then the
  *            per-block epochs. Per parity, with L = E/R, M = max_tokens, RM = R x M:
  *              x           [L, RM, H] payload (2 bytes/element if BF16 is supported, else 1)
@@ -60,13 +60,19 @@ typedef struct epx__control {
    * waiting kernel with atomicOr; cleared by epx_group_clear_peer_mask). */
   unsigned int ll_peer_mask;
   int reserved[27];
-  /* dispatch_done[s] / combine_done[s]: blocks of rank s that finished writing to this rank
-   * (added by s with release semantics; monotonic). *_expected[s]: what this rank has consumed. */
+  /* dispatch_done[s]: blocks of rank s that finished writing to this rank (added by s with
+   * release semantics; monotonic). dispatch_expected[s]: what this rank has consumed. */
   unsigned long long dispatch_done[EPX_MAX_RANKS];
   unsigned long long dispatch_expected[EPX_MAX_RANKS];
-  unsigned long long combine_done[EPX_MAX_RANKS];
-  unsigned long long combine_expected[EPX_MAX_RANKS];
+  /* combine_finished[s]: combines rank s has completed (stored by s with release semantics).
+   * Rank d writes call n into s's slab parity n & 1 only once s has finished call n - 2. */
+  unsigned long long combine_finished[EPX_MAX_RANKS];
 } epx__control_t;
+
+/* Combine signals: rank d adds, with release semantics, the number of rows it has delivered to
+ * each chunk of EPX_COMBINE_CHUNK_ROWS consecutive rows of its segment in this rank's combine
+ * slab. The owner reduces a token once the chunks holding its rows are full. */
+#define EPX_COMBINE_CHUNK_ROWS 64
 
 typedef struct epx__ws_layout {
   size_t control_offset, control_bytes;
@@ -82,6 +88,8 @@ typedef struct epx__ws_layout {
   size_t combine_slab_offset;      /* 2 parities x [R, max_tokens, H] BF16: row (d, p) = rank d's
                                       output for the p-th token this rank sent to d */
   size_t combine_slab_bytes;       /* one parity */
+  size_t combine_signal_offset;    /* 2 parities x [R, combine_chunks] uint64 row counters */
+  size_t combine_chunks; /* chunks per source segment: max_tokens / CHUNK_ROWS, rounded up */
   /* ll: two parities of ll_parity_bytes from ll_offset, then the epochs. Offsets of the
    * arrays are relative to the start of a parity (see the header comment). */
   size_t ll_offset, ll_bytes;
@@ -170,6 +178,9 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->combine_slab_offset = n;
   l->combine_slab_bytes = epx__align_up(cap * hidden * 2, 256);
   n += 2 * l->combine_slab_bytes;
+  l->combine_chunks = (max_tokens + EPX_COMBINE_CHUNK_ROWS - 1) / EPX_COMBINE_CHUNK_ROWS;
+  l->combine_signal_offset = n;
+  n += epx__align_up(2 * (size_t)num_ranks * l->combine_chunks * 8, 256);
   l->normal_bytes = (modes & EPX_MODE_NORMAL) ? epx__align_up(n, EPX_WS_ALIGN) : 0;
   off += l->normal_bytes;
 

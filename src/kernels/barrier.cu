@@ -1,5 +1,6 @@
 /*
- * barrier.cu - a bounded device barrier across all ranks of a group.
+ * barrier.cu - a bounded device barrier across all ranks of a group, and the clock sync of
+ * tracing, which is the same barrier run several rounds back to back.
  *
  * One block, one warp; lane p talks to rank p. The epoch lives in this rank's control region
  * and is advanced by the kernel itself, so a barrier captured in a CUDA graph stays correct on
@@ -9,21 +10,68 @@
  */
 #include "kernels/api.h"
 #include "kernels/timeout.cuh"
+#include "kernels/trace.cuh"
 #include "checks.h"
 
 namespace {
 
+__device__ __forceinline__ epx__control_t *control_of(const epx__kernel_ctx_t &ctx, int rank) {
+  return (epx__control_t *)(ctx.peer_base[rank] + ctx.layout.control_offset);
+}
+
+/* One round: announce `epoch` to rank `lane` and wait for its announcement. False on timeout
+ * (raised as an async error naming the peer). Lanes >= R do nothing. */
+__device__ __forceinline__ bool barrier_round(const epx__kernel_ctx_t &ctx, epx__control_t *mine,
+                                              int lane, uint64_t epoch) {
+  if (lane >= ctx.num_ranks) return true;
+  epx::st_release_sys((uint64_t *)&control_of(ctx, lane)->barrier_inbox[ctx.rank], epoch);
+  return epx::wait_geq(ctx, (const uint64_t *)&mine->barrier_inbox[lane], epoch, EPX_STAGE_BARRIER,
+                       lane);
+}
+
 __global__ void barrier_kernel(epx__kernel_ctx_t ctx) {
   const int lane = threadIdx.x;
-  epx__control_t *mine = (epx__control_t *)(ctx.peer_base[ctx.rank] + ctx.layout.control_offset);
+  const uint64_t t0 = epx::trace_begin(ctx);
+  epx__control_t *mine = control_of(ctx, ctx.rank);
   const uint64_t epoch = mine->barrier_epoch + 1;
   __syncwarp();
   if (lane == 0) mine->barrier_epoch = epoch;
-  if (lane < ctx.num_ranks) {
-    epx__control_t *peer = (epx__control_t *)(ctx.peer_base[lane] + ctx.layout.control_offset);
-    epx::st_release_sys((uint64_t *)&peer->barrier_inbox[ctx.rank], epoch);
-    epx::wait_geq(ctx, (const uint64_t *)&mine->barrier_inbox[lane], epoch, EPX_STAGE_BARRIER,
-                  lane);
+  barrier_round(ctx, mine, lane, epoch);
+  epx::trace_end_last(ctx, t0, EPX_TRACE_BARRIER, lane < ctx.num_ranks ? lane : -1);
+}
+
+/* The smallest nonzero step of %globaltimer seen in a bounded number of reads (0: none). */
+__device__ uint64_t timer_tick_ns() {
+  uint64_t prev = epx::globaltimer_ns(), best = 0;
+  int changes = 0;
+  for (int i = 0; i < (1 << 16) && changes < 4; i++) {
+    const uint64_t now = epx::globaltimer_ns();
+    if (now != prev) {
+      if (best == 0 || now - prev < best) best = now - prev;
+      prev = now;
+      changes++;
+    }
+  }
+  return best;
+}
+
+/* out[0] = the timer's step; out[1 + r] = %globaltimer when round r ended on this rank (after
+ * every peer's announcement was seen), 0 if the round timed out. All ranks leave a round within
+ * about one flag latency of each other, which is what makes the stamps comparable. */
+__global__ void clock_sync_kernel(epx__kernel_ctx_t ctx, unsigned long long *out, int rounds) {
+  const int lane = threadIdx.x;
+  epx__control_t *mine = control_of(ctx, ctx.rank);
+  const uint64_t base = mine->barrier_epoch;
+  __syncwarp();
+  if (lane == 0) {
+    mine->barrier_epoch = base + rounds;
+    out[0] = timer_tick_ns();
+  }
+  bool ok = true;
+  for (int r = 0; r < rounds; r++) {
+    if (ok) ok = barrier_round(ctx, mine, lane, base + 1 + r);
+    ok = __all_sync(0xffffffffu, ok);
+    if (lane == 0) out[1 + r] = ok ? epx::globaltimer_ns() : 0;
   }
 }
 
@@ -31,6 +79,14 @@ __global__ void barrier_kernel(epx__kernel_ctx_t ctx) {
 
 extern "C" epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stream) {
   barrier_kernel<<<1, 32, 0, stream>>>(*ctx);
+  CUDA_CHECK(cudaGetLastError());
+  return EPX_OK;
+}
+
+extern "C" epx_status_t epx__clock_sync_launch(const epx__kernel_ctx_t *ctx,
+                                               unsigned long long *out, int rounds,
+                                               cudaStream_t stream) {
+  clock_sync_kernel<<<1, 32, 0, stream>>>(*ctx, out, rounds);
   CUDA_CHECK(cudaGetLastError());
   return EPX_OK;
 }

@@ -13,6 +13,7 @@
 #include "checks.h"
 #include "kernels/api.h"
 #include "kernels/timeout.cuh"
+#include "kernels/trace.cuh"
 
 namespace {
 
@@ -27,6 +28,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int rank_base[EPX_MAX_RANKS];
   __shared__ unsigned long long first_bad;
 
+  const uint64_t t_start = epx::trace_begin(ctx);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int T = a.num_tokens, K = a.top_k, E = a.num_experts, R = a.num_ranks;
   const int experts_per_rank = E / R;
@@ -89,6 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_LAYOUT, -1, pos,
                      (long long)topk[pos]);
   }
+  if (tid == 0) epx::trace_end(ctx, t_start, EPX_TRACE_LAYOUT, T);
 }
 
 }  // namespace

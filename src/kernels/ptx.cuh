@@ -48,6 +48,70 @@ __device__ __forceinline__ int4 ld_nc_na_v4(const int4 *p) {
   return v;
 }
 
+/* ---- Bulk copies through shared memory (the TMA engine): copies that cost the issuing warp one
+ * instruction, not one load and one store per 16 bytes per lane. Sizes and addresses are
+ * multiples of 16 bytes. ---- */
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t *bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+
+/* Make mbarrier inits visible to the async proxy before any bulk copy uses them. */
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/* Global -> shared: arm the barrier for `bytes` and start the copy; it completes the barrier. */
+__device__ __forceinline__ void bulk_load(void *smem, const void *gmem, uint32_t bytes,
+                                          uint64_t *bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+/* Whether the barrier has completed the phase of the given parity. */
+__device__ __forceinline__ bool mbarrier_try_wait(uint64_t *bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+/* Shared -> global (any address this GPU maps, peers' included), as one bulk group. */
+__device__ __forceinline__ void bulk_store(void *gmem, const void *smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem),
+               "r"(smem_addr(smem)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+/* Wait until at most N bulk groups are still reading shared memory (their sources reusable). */
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+/* Wait until at most N bulk groups are incomplete (their writes performed), then order them
+ * before this thread's later generic-proxy operations (e.g. a release that signals a peer). */
+template <int N>
+__device__ __forceinline__ void bulk_wait_done() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 }  // namespace epx
 
 #endif  // EPX_KERNELS_PTX_CUH_

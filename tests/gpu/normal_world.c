@@ -1,0 +1,195 @@
+/*
+ * normal_world.c - the shared helpers of the normal-mode GPU tests (see normal_world.h).
+ */
+#include "gpu/normal_world.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+float rand_unit(uint64_t *rng) {
+  return (float)(epx_test_rand(rng) >> 40) / (float)(1ull << 24);
+}
+
+static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64_t *rng) {
+  for (int k = 0; k < K; k++) {
+    int64_t e = -1;
+    if (route == ROUTE_ONE_EXPERT)
+      e = E / 2;
+    else if (route == ROUTE_EMPTY)
+      e = -1;
+    else {
+      const int range = route == ROUTE_ONE_RANK ? E / R : E; /* ONE_RANK: only rank 0's experts */
+      int again, tries = 0;
+      do {
+        e = epx_test_rand_int(rng, range);
+        again = 0;
+        for (int j = 0; j < k; j++) again |= ids[j] == e;
+      } while (again && ++tries < 100);
+      if (again || (route == ROUTE_HOLES && epx_test_rand_int(rng, 4) == 0)) e = -1;
+    }
+    ids[k] = e;
+  }
+}
+
+void world_free(world_t *w) {
+  for (int s = 0; s < w->R; s++)
+    free(w->idx[s]), free(w->w[s]), free(w->x[s]), free(w->x8[s]), free(w->sc[s]);
+  memset(w, 0, sizeof *w);
+}
+
+void world_make(world_t *w, int R, const normal_case_t *c, uint64_t *rng) {
+  memset(w, 0, sizeof *w);
+  w->R = R;
+  w->E = c->experts ? c->experts : R;
+  w->K = c->top_k > w->E ? w->E : c->top_k;
+  w->H = c->hidden;
+  for (int s = 0; s < R; s++) {
+    int T = c->tokens >= 0 ? c->tokens : epx_test_rand_int(rng, c->max_tokens + 1);
+    if (s == c->empty_rank) T = 0;
+    const size_t TK = (size_t)T * w->K, TH = (size_t)T * w->H;
+    w->idx[s] = malloc(sizeof(int64_t) * (TK + 1));
+    w->w[s] = malloc(sizeof(float) * (TK + 1));
+    w->x[s] = malloc(sizeof(uint16_t) * (TH + 1));
+    w->x8[s] = malloc(TH + 1);
+    w->sc[s] = malloc(sizeof(float) * ((size_t)T * (w->H / 128) + 1));
+    for (int t = 0; t < T; t++)
+      route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, R, c->route, rng);
+    for (size_t i = 0; i < TK; i++) w->w[s][i] = rand_unit(rng);
+    for (size_t i = 0; i < TH; i++) {
+      w->x[s][i] = epx_ref_bf16_from_float(4.f * rand_unit(rng) - 2.f);
+      uint8_t b = (uint8_t)epx_test_rand(rng);
+      if ((b & 0x7f) == 0x7f) b ^= 1; /* no NaN codes */
+      w->x8[s][i] = b;
+    }
+    for (size_t i = 0; i < (size_t)T * (w->H / 128); i++) w->sc[s][i] = 0.01f + rand_unit(rng);
+    w->ranks[s] = (epx_ref_rank_t){
+        T, w->idx[s], w->w[s], w->x[s], c->fp8 ? w->x8[s] : NULL, c->fp8 ? w->sc[s] : NULL};
+  }
+  w->ref = (epx_ref_world_t){R, w->E, w->K, w->H, w->ranks};
+}
+
+int upload(const world_t *w, int me, dev_inputs_t *d, size_t cap_rows) {
+  const int T = w->ranks[me].num_tokens;
+  const size_t TK = (size_t)T * w->K, TH = (size_t)T * w->H;
+  memset(d, 0, sizeof *d);
+  EXPECT_CUDA(cudaMalloc(&d->x, TH * 2 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->x8, TH + 16));
+  EXPECT_CUDA(cudaMalloc(&d->idx, TK * 8 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->w, TK * 4 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->sc, (size_t)T * (w->H / 128) * 4 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->y, cap_rows * w->H * 2 + 16));
+  EXPECT_CUDA(cudaMalloc(&d->out, TH * 2 + 16));
+  EXPECT_CUDA(cudaMemcpy(d->x, w->x[me], TH * 2, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(d->x8, w->x8[me], TH, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(d->idx, w->idx[me], TK * 8, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(d->w, w->w[me], TK * 4, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(d->sc, w->sc[me], (size_t)T * (w->H / 128) * 4, cudaMemcpyHostToDevice));
+  /* NOTE: cudaMemcpy runs on the legacy stream, which does not order with the tests'
+   * non-blocking streams: finish it before any kernel reads the inputs. */
+  EXPECT_CUDA(cudaDeviceSynchronize());
+  return TEST_PASS;
+}
+
+void dev_free(dev_inputs_t *d) {
+  cudaFree(d->x), cudaFree(d->x8), cudaFree(d->idx), cudaFree(d->w), cudaFree(d->sc),
+      cudaFree(d->y), cudaFree(d->out);
+}
+
+/* Compare what the GPU received with the reference, field by field, first mismatch printed. */
+int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res, int fp8, int check_meta,
+               const epx_ref_recv_t *ref, const char *label) {
+  const int n = ref->num_recv, H = w->H, K = w->K, R = w->R;
+  int prefix[EPX_MAX_RANKS + 1];
+  EXPECT_CUDA(
+      cudaMemcpy(prefix, res->recv_rank_prefix, sizeof(int) * (R + 1), cudaMemcpyDeviceToHost));
+  for (int s = 0; s <= R; s++)
+    EXPECTF(prefix[s] == ref->rank_prefix[s], "%s: rank_prefix[%d] = %d, ref %d", label, s,
+            prefix[s], ref->rank_prefix[s]);
+  int ndev = -1;
+  EXPECT_CUDA(cudaMemcpy(&ndev, res->num_recv_device, sizeof ndev, cudaMemcpyDeviceToHost));
+  EXPECT_EQ_INT(ndev, n);
+  const size_t row_bytes = (size_t)H * (fp8 ? 1 : 2);
+  char *got = malloc((size_t)n * row_bytes + 1);
+  EXPECT_CUDA(cudaMemcpy(got, res->recv_x, (size_t)n * row_bytes, cudaMemcpyDeviceToHost));
+  const char *want = fp8 ? (const char *)ref->x_fp8 : (const char *)ref->x;
+  for (int i = 0; i < n; i++)
+    if (memcmp(got + i * row_bytes, want + i * row_bytes, row_bytes)) {
+      fprintf(stderr, "  %s: recv_x row %d (source rank %d token %d) differs from the reference\n",
+              label, i, ref->src_rank[i], ref->src_token[i]);
+      free(got);
+      return TEST_FAIL;
+    }
+  free(got);
+  if (fp8) {
+    const size_t ns = (size_t)n * (H / 128);
+    float *sc = malloc(ns * 4 + 4);
+    EXPECT_CUDA(cudaMemcpy(sc, res->recv_x_scales, ns * 4, cudaMemcpyDeviceToHost));
+    int bad = memcmp(sc, ref->x_scales, ns * 4) != 0;
+    free(sc);
+    EXPECTF(!bad, "%s: recv_x_scales differ from the reference", label);
+  }
+  if (check_meta) {
+    int *idx = malloc((size_t)n * K * 4 + 4), *src = malloc((size_t)n * 4 + 4);
+    float *wt = malloc((size_t)n * K * 4 + 4);
+    EXPECT_CUDA(cudaMemcpy(idx, res->recv_topk_idx, (size_t)n * K * 4, cudaMemcpyDeviceToHost));
+    EXPECT_CUDA(cudaMemcpy(wt, res->recv_topk_weights, (size_t)n * K * 4, cudaMemcpyDeviceToHost));
+    EXPECT_CUDA(cudaMemcpy(src, res->recv_src_token, (size_t)n * 4, cudaMemcpyDeviceToHost));
+    int bad = -1;
+    for (int i = 0; i < n && bad < 0; i++) {
+      if (src[i] != ref->src_token[i]) bad = i;
+      for (int k = 0; k < K; k++)
+        if (idx[i * K + k] != ref->topk_idx[(size_t)i * K + k] ||
+            wt[i * K + k] != ref->topk_weights[(size_t)i * K + k])
+          bad = i;
+    }
+    free(idx), free(src), free(wt);
+    EXPECTF(bad < 0, "%s: row %d: topk ids, weights or source token differ from the reference",
+            label, bad);
+  }
+  (void)me;
+  return TEST_PASS;
+}
+
+/* y_d = expert output of rank d: its received BF16 rows scaled by (1 + d/4), so that rows of
+ * one token differ from rank to rank. */
+uint16_t *expert_output(const world_t *w, int d, int *num_recv) {
+  epx_ref_recv_t r;
+  memset(&r, 0, sizeof r);
+  epx_ref_dispatch(&w->ref, d, EPX_REF_PAYLOAD_BF16, 1, &r);
+  *num_recv = r.num_recv;
+  uint16_t *y = malloc((size_t)r.num_recv * w->H * 2 + 2);
+  for (size_t i = 0; i < (size_t)r.num_recv * w->H; i++)
+    y[i] = epx_ref_bf16_from_float(epx_ref_bf16_to_float(r.x[i]) * (1.f + 0.25f * d));
+  epx_ref_recv_free(&r);
+  return y;
+}
+
+/* out (BF16, on the GPU) within BF16 rounding of the float64 reference. */
+int check_combine(const world_t *w, int me, const void *out_dev, const float *weights,
+                  const char *label) {
+  const int T = w->ranks[me].num_tokens, H = w->H;
+  uint16_t *y[EPX_MAX_RANKS];
+  int nrecv;
+  for (int d = 0; d < w->R; d++) y[d] = expert_output(w, d, &nrecv);
+  double *ref = malloc(sizeof(double) * ((size_t)T * H + 1));
+  EXPECT(epx_ref_combine_f64(&w->ref, me, (const uint16_t *const *)y, weights, ref) == 0);
+  uint16_t *got = malloc((size_t)T * H * 2 + 2);
+  EXPECT_CUDA(cudaMemcpy(got, out_dev, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+  long long bad = -1;
+  double worst = 0;
+  for (size_t i = 0; i < (size_t)T * H; i++) {
+    const double g = epx_ref_bf16_to_float(got[i]), r = ref[i];
+    const double tol = fabs(r) * (1.0 / 256) + 1e-4;
+    if (!(fabs(g - r) <= tol) && bad < 0) bad = (long long)i;
+    if (fabs(g - r) > worst) worst = fabs(g - r);
+  }
+  int ok = bad < 0;
+  if (!ok)
+    fprintf(stderr, "  %s: combine out[%lld][%lld] = %g, float64 reference %.8g\n", label, bad / H,
+            bad % H, epx_ref_bf16_to_float(got[bad]), ref[bad]);
+  for (int d = 0; d < w->R; d++) free(y[d]);
+  free(ref), free(got);
+  return ok ? TEST_PASS : TEST_FAIL;
+}
