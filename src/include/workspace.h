@@ -212,7 +212,8 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->ll_combine_in_offset = n;
   n += epx__align_up(lrows * H * 2, 256);
   l->ll_combine_recv_offset = n;
-  n += epx__align_up((K > R ? K : R) * M * H * 2, 256);
+  /* DIRECT: [M, K] BF16 rows; BY_RANK: [R, M] float32 partials. */
+  n += epx__align_up((K * 2 > R * 4 ? K * 2 : R * 4) * M * H, 256);
   l->ll_my_ids_offset = n;
   n += epx__align_up(M * K * 4, 256);
   l->ll_my_w_offset = n;

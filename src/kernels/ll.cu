@@ -27,7 +27,7 @@
  *     of every rank, then sums w[t][k] * row over the token's valid slots.
  *   combine BY_RANK: block b of rank d sums, for each token staged at stage[s][t] (t % G == b;
  *     rounds of up to 8 tokens), w * y over the token's experts on d (from the dispatch header)
- *     and sends one BF16 partial to combine_recv[d*M + t] on s; block b of s waits for block b
+ *     and sends one float32 partial to combine_recv[d*M + t] on s; block b of s waits for block b
  *     of every rank and adds the partials of the token's ranks.
  *
  * Signals are 64-bit words (epoch << 32) | value: written with a system-scope release after a
@@ -577,6 +577,37 @@ __device__ __forceinline__ void store_acc(void *row, int c0, const float *acc) {
   o[1] = float8_to_bf16x8(acc + 8);
 }
 
+/* BY_RANK partials travel in float32: rounding them to BF16 on the expert side and again after
+ * the sum would miss "within BF16 rounding of the float64 sum". */
+__device__ __forceinline__ void store_acc_f32(void *row, int c0, const float *acc) {
+  float4 *o = (float4 *)((char *)row + (size_t)c0 * 4);
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    o[i] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+}
+
+/* acc += the float32 rows row_of(0..n) at channels c0..c0+15 (all loads of a row in flight). */
+template <typename RowFn>
+__device__ __forceinline__ void accumulate_rows_f32(int n, RowFn row_of, int c0, bool act,
+                                                    float *acc) {
+  for (int i = 0; i < n; i++) {
+    float w;
+    const char *row = row_of(i, &w);
+    if (!act) continue;
+    const float4 *r = (const float4 *)(row + (size_t)c0 * 4);
+    float4 v[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] = __ldcg(r + q);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      acc[4 * q] += v[q].x;
+      acc[4 * q + 1] += v[q].y;
+      acc[4 * q + 2] += v[q].z;
+      acc[4 * q + 3] += v[q].w;
+    }
+  }
+}
+
 /* Exclusive prefix of v[0..n) into prefix[0..n] (n <= 2 * kThreads), all threads. */
 __device__ void block_prefix(const int *v, int n, int *prefix, int *warp_sums) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -687,7 +718,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (lane == 0) {
             cr->n = __popc(ob);
-            cr->dst = ll_buf(ctx, s, p) + lay.ll_combine_recv_offset + ((size_t)me * M + t) * H * 2;
+            cr->dst = ll_buf(ctx, s, p) + lay.ll_combine_recv_offset + ((size_t)me * M + t) * H * 4;
           }
         }
         __syncthreads();
@@ -705,7 +736,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 return cr->src[q];
               },
               c0, c0 < H, acc);
-          if (c0 < H) store_acc(cr->dst, c0, acc);
+          if (c0 < H) store_acc_f32(cr->dst, c0, acc);
         }
         __syncthreads(); /* the rows are rewritten in the next round */
       }
@@ -809,13 +840,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (kByRank) {
         /* The partials of the token's ranks, in rank order. */
         const unsigned ranks = __reduce_or_sync(kFull, valid ? 1u << d : 0u);
-        accumulate_rows(
+        accumulate_rows_f32(
             __popc(ranks),
             [&](int i, float *wi) {
               unsigned rest = ranks;
               for (int q = 0; q < i; q++) rest &= rest - 1;
               *wi = 1.f;
-              return recv + ((size_t)(__ffs(rest) - 1) * M + t) * H * 2;
+              return recv + ((size_t)(__ffs(rest) - 1) * M + t) * H * 4;
             },
             c0, c0 < H, acc);
       } else {
