@@ -163,7 +163,7 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   c.modes = EPX_MODE_LOW_LATENCY;
   size_t ll_only = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &ll_only));
-  EXPECT_EQ_INT(ll_only, 4096 + 4096 + 21512192);
+  EXPECT_EQ_INT(ll_only, 4096 + 4096 + 23609344);
 
   /* Doubling the tokens grows the normal slab; the size is always a 4 KiB multiple. */
   c.modes = EPX_MODE_NORMAL;
