@@ -237,11 +237,12 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
  * out-of-range values fall back to the defaults with a warning. Ranks may differ: no peer
  * depends on these. */
 static int combine_send_warps, combine_unit_rows, combine_reduce_tokens, combine_send_bulk;
-static int combine_bulk_stages, combine_bulk_lag, combine_bulk_store_depth;
+static int combine_bulk_stages, combine_bulk_lag, combine_bulk_store_depth, combine_send_dynamic;
 static pthread_once_t combine_tuning_once = PTHREAD_ONCE_INIT;
 
 static void combine_tuning_load(void) {
   combine_send_bulk = epx__param_CombineSendBulk() != 0;
+  combine_send_dynamic = epx__param_CombineSendDynamic() != 0;
   /* Bulk sends: each send warp stages 32 KiB of shared memory, so at most 7 of them. */
   const int max_send_warps = combine_send_bulk ? 7 : 15,
             def_send_warps = combine_send_bulk ? 6 : 10;
@@ -287,6 +288,7 @@ static void combine_tuning(epx__combine_launch_args_t *c) {
   c->unit_rows = combine_unit_rows;
   c->reduce_tokens = combine_reduce_tokens;
   c->send_bulk = combine_send_bulk;
+  c->send_dynamic = combine_send_dynamic;
   c->bulk_stages = combine_bulk_stages;
   c->bulk_lag = combine_bulk_lag;
   c->bulk_store_depth = combine_bulk_store_depth;

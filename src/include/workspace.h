@@ -59,7 +59,10 @@ typedef struct epx__control {
   /* ll_peer_mask: bit p set once this rank gave up on peer p in a low-latency call (set by the
    * waiting kernel with atomicOr; cleared by epx_group_clear_peer_mask). */
   unsigned int ll_peer_mask;
-  int reserved[27];
+  /* combine_next_unit: the running combine's next send unit (dynamic sends); reset by its last
+   * block. */
+  unsigned int combine_next_unit;
+  int reserved[26];
   /* dispatch_done[s]: blocks of rank s that finished writing to this rank (added by s with
    * release semantics; monotonic). dispatch_expected[s]: what this rank has consumed. */
   unsigned long long dispatch_done[EPX_MAX_RANKS];

@@ -73,6 +73,7 @@ typedef struct epx__combine_launch_args {
   int unit_rows;        /* rows per send unit: a power of two dividing EPX_COMBINE_CHUNK_ROWS */
   int reduce_tokens;    /* tokens per reduce unit, >= 1 */
   int send_bulk;        /* 1: send with bulk copies through shared memory (TMA), 0: loads/stores */
+  int send_dynamic;     /* 1: send warps take units from a shared counter, 0: a fixed stride */
   int bulk_stages;      /* bulk sends: 2..8 stages sharing 32 KiB per warp */
   int bulk_lag;         /* bulk sends: 1..6 pieces between a unit's last store and its signal */
   int bulk_store_depth; /* bulk sends: 1..7 stores in flight (at most stages - 1) */

@@ -279,6 +279,21 @@ struct SendUnit {
   int s, p0, p1;
 };
 
+/* Where a warp's next unit comes from (one thread asks): a fixed stride over the list, or, when
+ * `counter` is set, the grid's shared counter, so a warp that finishes early takes more units
+ * and all send warps end together. Ids grow in both cases, keeping the list's order in time. */
+struct UnitSource {
+  long long next, stride;
+  unsigned *counter;
+};
+
+__device__ __forceinline__ long long take_unit(UnitSource *src) {
+  if (src->counter) return (long long)atomicAdd(src->counter, 1u);
+  const long long u = src->next;
+  src->next += src->stride;
+  return u;
+}
+
 /* Unit u, or false if it is empty (s has fewer rows). */
 __device__ __forceinline__ bool send_unit(const SendPlan &plan, long long u, SendUnit *su) {
   const int remote = plan.R - 1;
@@ -311,12 +326,15 @@ __device__ __forceinline__ void signal_unit(const epx__kernel_ctx_t &ctx, const 
 /* Send with the warp's loads and stores: 8 x 16 bytes in flight per lane. */
 /* Each returns the number of units sent. */
 __device__ __forceinline__ int send_units_lsu(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
-                                              long long first, long long stride, int lane) {
+                                              UnitSource source, int lane) {
   int sent = 0;
   constexpr int kUnroll = 8;
   const int n16 = (int)(plan.row_bytes / 16);
   SendUnit su;
-  for (long long u = first; u < plan.units; u += stride) {
+  for (;;) {
+    long long u = lane == 0 ? take_unit(&source) : 0;
+    u = __shfl_sync(0xffffffffu, u, 0);
+    if (u >= plan.units) break;
     if (!send_unit(plan, u, &su)) continue;
     uint64_t mark = epx::trace_begin(ctx);
     sent++;
@@ -407,37 +425,65 @@ struct PieceCursor {
   bool valid;
 };
 
-__device__ __forceinline__ void cursor_seek(const SendPlan &plan, long long stride,
-                                            PieceCursor *c) {
-  for (; c->u < plan.units; c->u += stride)
-    if (send_unit(plan, c->u, &c->su)) {
-      c->off = 0;
-      c->span = (size_t)(c->su.p1 - c->su.p0) * plan.row_bytes;
-      c->valid = true;
-      return;
+/* The load cursor takes units from the source and queues the non-empty ones (then -1 when the
+ * list is exhausted); the store cursor, which trails it by at most num_stages pieces, follows
+ * the queue, so both walk the same units whether they come from a stride or the counter. */
+constexpr int kUnitQueue = 16; /* > kTmaMaxStages + 1 */
+struct UnitQueue {
+  long long id[kUnitQueue];
+  int head, tail;
+};
+
+__device__ __forceinline__ void cursor_start(const SendPlan &plan, long long u, PieceCursor *c) {
+  c->u = u;
+  c->valid = u >= 0;
+  if (!c->valid) return;
+  send_unit(plan, u, &c->su);
+  c->off = 0;
+  c->span = (size_t)(c->su.p1 - c->su.p0) * plan.row_bytes;
+}
+
+/* Advance the cursor to its next unit: from the source (queue != NULL: the load cursor, which
+ * records it) or from the queue (the store cursor). */
+__device__ __forceinline__ void cursor_seek(const SendPlan &plan, UnitSource *source, UnitQueue *q,
+                                            bool is_load, PieceCursor *c) {
+  long long u = -1;
+  if (is_load) {
+    SendUnit su;
+    for (;;) {
+      const long long v = take_unit(source);
+      if (v >= plan.units) break;
+      if (send_unit(plan, v, &su)) {
+        u = v;
+        break;
+      }
     }
-  c->valid = false;
+    q->id[q->head++ % kUnitQueue] = u;
+  } else {
+    u = q->id[q->tail++ % kUnitQueue];
+  }
+  cursor_start(plan, u, c);
 }
 
 /* Bytes of the cursor's piece; advances it. *unit_end: the piece was its unit's last. */
-__device__ __forceinline__ uint32_t cursor_next(const SendPlan &plan, long long stride,
-                                                PieceCursor *c, size_t *off, bool *unit_end) {
+__device__ __forceinline__ uint32_t cursor_next(const SendPlan &plan, UnitSource *source,
+                                                UnitQueue *q, bool is_load, PieceCursor *c,
+                                                size_t *off, bool *unit_end) {
   const uint32_t bytes = (uint32_t)min((size_t)plan.piece_bytes, c->span - c->off);
   *off = c->off;
   c->off += bytes;
   *unit_end = c->off == c->span;
-  if (*unit_end) {
-    c->u += stride;
-    cursor_seek(plan, stride, c);
-  }
+  if (*unit_end) cursor_seek(plan, source, q, is_load, c);
   return bytes;
 }
 
-__device__ int send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &plan, long long first,
-                              long long stride, char *stages, uint64_t *bars) {
-  PieceCursor load{first, {}, 0, 0, false}, store{first, {}, 0, 0, false};
-  cursor_seek(plan, stride, &load);
-  cursor_seek(plan, stride, &store);
+__device__ int send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &plan, UnitSource source,
+                              char *stages, uint64_t *bars) {
+  PieceCursor load, store;
+  UnitQueue queue;
+  queue.head = queue.tail = 0;
+  cursor_seek(plan, &source, &queue, true, &load);
+  cursor_seek(plan, &source, &queue, false, &store);
   long long loads = 0, stores = 0;
   /* Units whose last piece is store group `group`, not yet signalled (at most lag + 1). */
   SendUnit pending[kMaxSignalLag + 1];
@@ -451,7 +497,7 @@ __device__ int send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &plan
     bool end;
     const SendUnit su = load.su;
     const int st = (int)(loads % num_stages);
-    const uint32_t bytes = cursor_next(plan, stride, &load, &off, &end);
+    const uint32_t bytes = cursor_next(plan, &source, &queue, true, &load, &off, &end);
     epx::bulk_load(stages + (size_t)st * piece, unit_src(plan, su) + off, bytes, &bars[st]);
     loads++;
   };
@@ -473,7 +519,8 @@ __device__ int send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &plan
     size_t off;
     bool end;
     const SendUnit su = store.su;
-    const uint32_t bytes = cursor_next(plan, stride, &store, &off, &end); /* = its load's */
+    const uint32_t bytes =
+        cursor_next(plan, &source, &queue, false, &store, &off, &end); /* = its load's */
     epx::bulk_store(unit_dst(plan, su) + off, stages + (size_t)st * piece, bytes);
     if (end) {
       pending[num_pending] = su;
@@ -568,10 +615,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         plan.signal[s] = (unsigned long long *)(ctx.peer_base[s] + signal) + (size_t)me * chunks;
       }
       plan.units = (long long)(most_rows + a.unit_rows - 1) / a.unit_rows * (R - 1);
-      const long long first = (long long)blockIdx.x * send_warps + warp;
-      const long long stride = (long long)gridDim.x * send_warps;
+      UnitSource source;
+      source.next = (long long)blockIdx.x * send_warps + warp;
+      source.stride = (long long)gridDim.x * send_warps;
+      source.counter = a.send_dynamic ? &ctrl->combine_next_unit : nullptr;
       if (!a.send_bulk) {
-        sent = send_units_lsu(ctx, plan, first, stride, lane);
+        sent = send_units_lsu(ctx, plan, source, lane);
       } else if (lane == 0) {
         extern __shared__ __align__(128) char dyn_smem[];
         plan.stages = a.bulk_stages;
@@ -583,7 +632,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             (uint64_t *)(dyn_smem + (size_t)send_warps * kTmaWarpBytes) + warp * kTmaMaxStages;
         for (int i = 0; i < plan.stages; i++) epx::mbarrier_init(&bars[i], 1);
         epx::fence_mbarrier_init();
-        sent = send_units_tma(ctx, plan, first, stride, stages, bars);
+        sent = send_units_tma(ctx, plan, source, stages, bars);
       }
     }
     if (lane == 0) epx::trace_end(ctx, t_send, EPX_TRACE_COMBINE_SEND, sent);
@@ -692,6 +741,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     if (tid == 0) {
       ctrl->combine_blocks_done = 0;
+      ctrl->combine_next_unit = 0;
       ctrl->combine_calls = call + 1;
     }
     if (tid < R && tid != me) {
