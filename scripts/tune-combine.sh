@@ -23,7 +23,7 @@ for sw in ${SEND_WARPS:-4 6}; do
             EPX_COMBINE_BULK_STAGES=$st EPX_COMBINE_BULK_LAG=$lag EPX_COMBINE_BULK_STORE_DEPTH=$dep \
             timeout 300 build/bin/epx_bench $args >"$log" 2>&1
           rc=$?
-          row=$(grep -E "^epx combine" "$log" | awk '{print $9 " us, " $12 " GB/s, wrong " $16}')
+          row=$(grep -E "^epx combine" "$log" | awk '{print $9 " us, " $13 " GB/s, wrong " $17}')
           echo "send_warps=$sw unit_rows=$ur reduce_tokens=$rt stages=$st lag=$lag depth=$dep: ${row:-no row} (exit $rc)"
          done
         done

@@ -578,12 +578,30 @@ __device__ __forceinline__ void store_acc(void *row, int c0, const float *acc) {
 }
 
 /* BY_RANK partials travel in float32: rounding them to BF16 on the expert side and again after
- * the sum would miss "within BF16 rounding of the float64 sum". */
-__device__ __forceinline__ void store_acc_f32(void *row, int c0, const float *acc) {
-  float4 *o = (float4 *)((char *)row + (size_t)c0 * 4);
+ * the sum would miss "within BF16 rounding of the float64 sum". WARP-COLLECTIVE: lane l holds
+ * channels ch0 + 16 l .. + 15; they go through the warp's 2 KiB of shared memory so that each
+ * store instruction writes 512 contiguous bytes to the peer (16-byte pieces 64 bytes apart,
+ * written straight from registers, made the partial send 4x slower over NVLink). */
+__device__ __forceinline__ void store_acc_f32(char *row, int ch0, int H, const float *acc,
+                                              float *warp_smem) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int i = 0; i < 4; i++)
-    o[i] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+  for (int i = 0; i < 16; i++) warp_smem[lane * 16 + ((i + lane) & 15)] = acc[i];
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const int c = (q * 32 + lane) * 4; /* channel offset in the chunk */
+    if (ch0 + c < H) {
+      const int l = c / 16, i = c % 16; /* lane and first index that hold channel c */
+      float4 v;
+      v.x = warp_smem[l * 16 + ((i + l) & 15)];
+      v.y = warp_smem[l * 16 + ((i + 1 + l) & 15)];
+      v.z = warp_smem[l * 16 + ((i + 2 + l) & 15)];
+      v.w = warp_smem[l * 16 + ((i + 3 + l) & 15)];
+      *(float4 *)(row + (size_t)(ch0 + c) * 4) = v;
+    }
+  }
+  __syncwarp();
 }
 
 /* acc += the float32 rows row_of(0..n) at channels c0..c0+15 (all loads of a row in flight). */
@@ -653,6 +671,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int s_warp_sums[kWarps];
   __shared__ CombineRows s_rows[kBatch];
   __shared__ int s_count[EPX_MAX_RANKS];
+  __shared__ float s_partial[kByRank ? kWarps : 1][kChunk]; /* store_acc_f32's transpose */
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const int R = ctx.num_ranks, me = ctx.rank;
@@ -736,7 +755,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 return cr->src[q];
               },
               c0, c0 < H, acc);
-          if (c0 < H) store_acc_f32(cr->dst, c0, acc);
+          store_acc_f32(cr->dst, ch * kChunk, H, acc, s_partial[kByRank ? warp : 0]);
         }
         __syncthreads(); /* the rows are rewritten in the next round */
       }
