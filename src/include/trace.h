@@ -44,7 +44,13 @@ extern "C" {
   X(COMBINE_UNIT, "combine", "combine unit", "peer")         \
   X(COMBINE_WAIT, "combine", "combine wait", "peer")         \
   X(COMBINE_REDUCE, "combine", "combine reduce", "tokens")   \
-  X(COMBINE_TOKEN, "combine", "combine token", "token")
+  X(COMBINE_TOKEN, "combine", "combine token", "token")      \
+  X(LL_DISPATCH_SEND, "ll", "ll dispatch send", "tokens")    \
+  X(LL_DISPATCH_WAIT, "ll", "ll dispatch wait", "sources")   \
+  X(LL_DISPATCH_RECV, "ll", "ll dispatch recv", "block")     \
+  X(LL_COMBINE_SEND, "ll", "ll combine send", "block")       \
+  X(LL_COMBINE_WAIT, "ll", "ll combine wait", "ranks")       \
+  X(LL_COMBINE_REDUCE, "ll", "ll combine reduce", "tokens")
 
 typedef enum epx__trace_tag {
 #define EPX_TRACE_TAG_ENUM_(name, cat, label, arg) EPX_TRACE_##name,

@@ -44,6 +44,7 @@
 #include "checks.h"
 #include "kernels/api.h"
 #include "kernels/timeout.cuh"
+#include "kernels/trace.cuh"
 
 namespace {
 
@@ -458,7 +459,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const uint32_t epoch = s_epoch;
 
+  /* Traced per block by thread 0: send, wait, receive (docs/profiling.md). */
   if (a.phases & EPX_LL_PHASE_SEND) {
+    const uint64_t t_send = epx::trace_begin(ctx);
     const unsigned mask = s_mask;
     const int nw = (T + 31) / 32;
     const IdxT *topk = (const IdxT *)a.topk_idx;
@@ -498,9 +501,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     /* 4. Everything of this block is issued: tell every rank, with this rank's token count. */
     signal_ranks(ctx, mask, lay.ll_dflag_offset, p, epoch, (uint32_t)T);
+    if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_LL_DISPATCH_SEND, T);
   }
 
   if (a.phases & EPX_LL_PHASE_RECV) {
+    const uint64_t t_wait = epx::trace_begin(ctx);
     char *own = ll_buf(ctx, me, p);
     /* Block b of every source, all waited for at once (thread s for source s). */
     if (tid < R) {
@@ -514,6 +519,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       s_src_tokens[s] = v == kNoSignal ? kNoSignal : (v > (uint32_t)M ? (uint32_t)M : v);
     }
     __syncthreads();
+    const uint64_t t_recv = epx::trace_begin(ctx);
+    if (tid == 0) {
+      int live = 0;
+      for (int s = 0; s < R; s++) live += s_src_tokens[s] != kNoSignal;
+      epx::trace_end(ctx, t_wait, EPX_TRACE_LL_DISPATCH_WAIT, live);
+    }
     if (kByRank) fan_out<kFp8>(ctx, a, epoch, s_src_tokens, s_plan, s_src);
     /* Counts of the local experts e % G == b: sender blocks b wrote their cnt words. */
     const int *cnt = (const int *)(own + lay.ll_cnt_offset);
@@ -535,6 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       count[j] = total;
     }
+    if (tid == 0) epx::trace_end(ctx, t_recv, EPX_TRACE_LL_DISPATCH_RECV, b);
   }
 }
 
@@ -693,6 +705,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t epoch = s_epoch, dispatch_epoch = s_dispatch_epoch;
 
   if (a.phases & EPX_LL_PHASE_SEND) {
+    const uint64_t t_send = epx::trace_begin(ctx);
     const unsigned mask = s_mask;
     if (kByRank) {
       /* Partials of the tokens that blocks b of the sources staged here in the dispatch, the
@@ -813,9 +826,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     signal_ranks(ctx, mask, lay.ll_cflag_offset, p, epoch, 0u);
+    if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_LL_COMBINE_SEND, b);
   }
 
   if (a.phases & EPX_LL_PHASE_RECV) {
+    const uint64_t t_wait = epx::trace_begin(ctx);
     const int T = a.num_tokens;
     if (tid == 0) s_ok = (1u << R) - 1u;
     __syncthreads();
@@ -833,6 +848,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     const unsigned ok = s_ok;
+    const uint64_t t_reduce = epx::trace_begin(ctx);
+    if (tid == 0) epx::trace_end(ctx, t_wait, EPX_TRACE_LL_COMBINE_WAIT, __popc(ok));
     const int *my_ids = (const int *)(own + lay.ll_my_ids_offset);
     const float *my_w = (const float *)(own + lay.ll_my_w_offset);
     const char *recv = own + lay.ll_combine_recv_offset;
@@ -889,6 +906,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (c0 < H) store_acc((char *)a.out + (size_t)t * H * 2, c0, acc);
     }
+    if (tid == 0) epx::trace_end(ctx, t_reduce, EPX_TRACE_LL_COMBINE_REDUCE, T);
   }
 }
 

@@ -24,6 +24,9 @@
  *   ll_peer_masking               the last rank stops answering: the others finish within the
  *                                 budget, report PEER_FAILED and the mask, keep serving; after
  *                                 epx_group_clear_peer_mask every rank works again
+ *   ll_traced_cycle               both routes, traced (docs/profiling.md): results still match;
+ *                                 the file holds each block's send, wait and receive spans of
+ *                                 dispatch and combine on every rank
  */
 #include <math.h>
 #include <stdio.h>
@@ -32,8 +35,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/json.h"
+#include "common/trace_check.h"
 #include "gpu/gpu_util.h"
 #include "ref/epx_ref.h"
+#include "trace.h"
 
 typedef enum {
   ROUTE_UNIFORM,    /* distinct experts, uniform */
@@ -1008,6 +1014,53 @@ EPX_GPU_TEST(ll_peer_masking, 300) {
     EXPECT_OK(epx_group_get_async_error(g, &err));
     EXPECTF(err.status == EPX_OK, "after recovery: %s", err.message);
     if (host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    dev_free(&d);
+    world_free(&w);
+    EXPECT_OK(epx_group_destroy(g));
+  }
+  return TEST_PASS;
+}
+
+/* One traced dispatch + combine per route: the results are an untraced run's, and every rank
+ * recorded one span of each low-latency stage per block. */
+EPX_GPU_TEST(ll_traced_cycle, 300) {
+  if (!EPX_TRACE_COMPILED) return TEST_SKIP; /* a TRACE=0 build */
+  static const char *const stages[] = {"ll dispatch send", "ll dispatch wait", "ll dispatch recv",
+                                       "ll combine send",  "ll combine wait",  "ll combine reduce"};
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++) {
+    uint64_t rng = t->seed;
+    const ll_case_t *c = &cases[0];
+    world_t w;
+    world_make(&w, t->num_ranks, c, &rng);
+    epx_group_config_t cfg = ll_config(&w, route);
+    epx_group_t g = NULL;
+    EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+    epx_group_config_t resolved;
+    EXPECT_OK(epx_group_get_config(g, &resolved));
+    ll_dev_t d;
+    if (dev_alloc(&w, &d) != TEST_PASS) return TEST_FAIL;
+    char label[64], path[128];
+    snprintf(label, sizeof label, "traced %s", route_name(route));
+    snprintf(path, sizeof path, "/tmp/epx_test_ll_trace_%d_%d.json", (int)getppid(), route);
+    EXPECT_OK(epx_trace_start(g, 0, t->stream));
+    if (run_cycle(t, g, &w, c, &d, label) != TEST_PASS) return TEST_FAIL;
+    epx_trace_summary_t sum;
+    EXPECT_OK(epx_trace_dump(g, path, &sum, t->stream));
+    EXPECT_EQ_INT(sum.num_dropped, 0);
+    if (t->rank == 0) {
+      char why[512];
+      json_value_t *root = json_parse_file(path, why, sizeof why);
+      EXPECTF(root != NULL, "%s: %s", path, why);
+      trace_facts_t facts;
+      EXPECTF(trace_check(root, &facts, why, sizeof why) == 0, "%s: %s", path, why);
+      for (int q = 0; q < t->num_ranks; q++)
+        for (size_t i = 0; i < sizeof stages / sizeof stages[0]; i++)
+          EXPECTF(trace_count_spans(root, q, stages[i]) == resolved.ll_num_sms,
+                  "%s: rank %d has %lld '%s' spans, expected one per block (%d)", label, q,
+                  trace_count_spans(root, q, stages[i]), stages[i], resolved.ll_num_sms);
+      json_free(root);
+      unlink(path);
+    }
     dev_free(&d);
     world_free(&w);
     EXPECT_OK(epx_group_destroy(g));
