@@ -519,12 +519,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       s_src_tokens[s] = v == kNoSignal ? kNoSignal : (v > (uint32_t)M ? (uint32_t)M : v);
     }
     __syncthreads();
-    const uint64_t t_recv = epx::trace_begin(ctx);
     if (tid == 0) {
       int live = 0;
       for (int s = 0; s < R; s++) live += s_src_tokens[s] != kNoSignal;
       epx::trace_end(ctx, t_wait, EPX_TRACE_LL_DISPATCH_WAIT, live);
     }
+    const uint64_t t_recv =
+        epx::trace_begin(ctx); /* after the wait's end: spans must not overlap */
     if (kByRank) fan_out<kFp8>(ctx, a, epoch, s_src_tokens, s_plan, s_src);
     /* Counts of the local experts e % G == b: sender blocks b wrote their cnt words. */
     const int *cnt = (const int *)(own + lay.ll_cnt_offset);
@@ -848,8 +849,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     const unsigned ok = s_ok;
-    const uint64_t t_reduce = epx::trace_begin(ctx);
     if (tid == 0) epx::trace_end(ctx, t_wait, EPX_TRACE_LL_COMBINE_WAIT, __popc(ok));
+    const uint64_t t_reduce = epx::trace_begin(ctx); /* after the wait's end */
     const int *my_ids = (const int *)(own + lay.ll_my_ids_offset);
     const float *my_w = (const float *)(own + lay.ll_my_w_offset);
     const char *recv = own + lay.ll_combine_recv_offset;
