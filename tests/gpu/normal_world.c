@@ -193,3 +193,30 @@ int check_combine(const world_t *w, int me, const void *out_dev, const float *we
   free(ref), free(got);
   return ok ? TEST_PASS : TEST_FAIL;
 }
+
+int check_combine_unchanged(const world_t *w, int me, const void *out_dev, const char *label) {
+  const int R = w->R;
+  uint16_t *y[EPX_MAX_RANKS];
+  for (int d = 0; d < R; d++) {
+    epx_ref_recv_t r;
+    memset(&r, 0, sizeof r);
+    EXPECT(epx_ref_dispatch(&w->ref, d, EPX_REF_PAYLOAD_BF16, 1, &r) == 0);
+    y[d] = r.x;
+    r.x = NULL;
+    epx_ref_recv_free(&r);
+  }
+  const size_t n = (size_t)w->ranks[me].num_tokens * w->H;
+  uint16_t *want = malloc(n * 2 + 2), *got = malloc(n * 2 + 2);
+  int ok = epx_ref_combine(&w->ref, me, (const uint16_t *const *)y, NULL, want) == 0;
+  for (int d = 0; d < R; d++) free(y[d]);
+  if (ok && cudaMemcpy(got, out_dev, n * 2, cudaMemcpyDeviceToHost) != cudaSuccess) ok = 0;
+  long long bad = -1;
+  for (size_t i = 0; ok && i < n && bad < 0; i++)
+    if (got[i] != want[i]) bad = (long long)i;
+  if (bad >= 0)
+    fprintf(stderr, "  %s: out[%lld][%lld] = 0x%04x, reference 0x%04x\n", label, bad / w->H,
+            bad % w->H, got[bad], want[bad]);
+  free(want), free(got);
+  EXPECTF(ok, "%s: reference combine or copy-back failed", label);
+  return bad < 0 ? TEST_PASS : TEST_FAIL;
+}

@@ -53,6 +53,10 @@ int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res, int f
                const epx_ref_recv_t *ref, const char *label);
 /* y_d = expert output of rank d: its received BF16 rows scaled by (1 + d/4). */
 uint16_t *expert_output(const world_t *w, int d, int *num_recv);
+/* out (BF16, on the GPU) of an unweighted combine of the dispatched rows sent back unchanged
+ * equals the reference bit for bit (sums of at most R BF16 rows of one token are exact in
+ * float32); the first mismatch is printed with label. */
+int check_combine_unchanged(const world_t *w, int me, const void *out_dev, const char *label);
 /* out (BF16, on the GPU) within BF16 rounding of the float64 reference. */
 int check_combine(const world_t *w, int me, const void *out_dev, const float *weights,
                   const char *label);
