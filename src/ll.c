@@ -137,9 +137,9 @@ EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_arg
                           g->ll.pending[KIND_DISPATCH][parity] ? "dispatch" : "combine");
 
   const int fp8 = a->recv_dtype == EPX_DTYPE_FP8_E4M3;
-  g->ll.dispatch_tokens[parity] = a->num_tokens;
   epx__ll_dispatch_launch_args_t d = dispatch_launch_args(
       g, parity, fp8, a->split ? EPX_LL_PHASE_SEND : EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV);
+  d.num_tokens = a->num_tokens;
   d.x = a->x;
   d.topk_idx = a->topk_idx;
   d.idx_is_int64 = a->topk_idx_dtype == EPX_DTYPE_INT64;
@@ -148,6 +148,8 @@ EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_arg
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   EPX_CHECK(epx__ll_dispatch_launch(&ctx, &d, stream));
+  /* Only a queued dispatch owns the buffer: a failed launch leaves the previous call's state. */
+  g->ll.dispatch_tokens[parity] = a->num_tokens;
 
   const unsigned long long seq = ++g->ll.seq;
   g->ll.dispatch_id[parity] = seq;
@@ -308,7 +310,10 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
     g->ll.seq = seq;
   }
 exit:
-  if (dev) cudaFree(dev);
+  if (dev) {
+    const epx_status_t freed = CUDA_STATUS(cudaFree(dev));
+    if (res == EPX_OK) res = freed;
+  }
   free(host);
   return res;
 }

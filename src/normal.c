@@ -69,11 +69,13 @@ EPX_EXPORT epx_status_t epx_handle_destroy(epx_handle_t h) {
   if (!h) return EPX_OK;
   EPX_CHECK(epx__handle_check(h->group, h));
   epx__registry_remove(h);
+  /* Release everything, report the first failure. */
   epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
-  cudaEventDestroy(h->counts_ready);
-  cudaFreeHost(h->host_counts);
-  cudaFree(h->device_block);
+  const epx_status_t e1 = CUDA_STATUS(cudaEventDestroy(h->counts_ready));
+  const epx_status_t e2 = CUDA_STATUS(cudaFreeHost(h->host_counts));
+  const epx_status_t e3 = CUDA_STATUS(cudaFree(h->device_block));
   free(h);
+  if (res == EPX_OK) res = e1 != EPX_OK ? e1 : e2 != EPX_OK ? e2 : e3;
   return res;
 }
 

@@ -278,12 +278,17 @@ enum {
   HDR = HDR_END + K
 };
 
+#define EPX_TRACE_MAX_RETIRED 8
+
 struct epx__trace {
   epx__trace_ring_t *ring;      /* device: header + capacity events; NULL before the first start */
   unsigned long long capacity;  /* of ring */
   unsigned long long *sync_dev; /* device [2][SYNC_WORDS]: the clock at start, at dump */
   long long *hdr_dev;           /* device [(R + 1) x HDR]: the all-gather (own header last) */
   char *env_path;               /* EPX_TRACE destination of this group, or NULL */
+  /* Rings of earlier capacities, freed at destroy: graphs captured while tracing may hold them. */
+  epx__trace_ring_t *retired[EPX_TRACE_MAX_RETIRED];
+  int num_retired;
 };
 
 static epx_status_t ensure_state(epx_group_t g) {
@@ -299,7 +304,7 @@ static epx_status_t ensure_state(epx_group_t g) {
   g->trace = tr;
   return EPX_OK;
 fail:
-  if (tr->sync_dev) cudaFree(tr->sync_dev);
+  if (tr->sync_dev) (void)CUDA_STATUS(cudaFree(tr->sync_dev)); /* logged; res is the cause */
   free(tr);
   return res;
 }
@@ -342,13 +347,23 @@ static epx_status_t trace_start(epx_group_t g, int capacity, cudaStream_t stream
   EPX_CHECK(ensure_state(g));
   struct epx__trace *tr = g->trace;
   if (!tr->ring || tr->capacity != (unsigned long long)cap) {
-    if (tr->ring) CUDA_CHECK(cudaFree(tr->ring)); /* synchronizes the device */
+    /* A graph captured while tracing still writes to the old ring when replayed: keep it
+     * until the group is destroyed rather than free memory a graph may write. */
+    if (tr->ring) {
+      if (tr->num_retired == EPX_TRACE_MAX_RETIRED)
+        return epx__set_error(EPX_ERR_UNSUPPORTED,
+                              "%s: capacity changed more than %d times on this group; keep one "
+                              "capacity (or create a new group)",
+                              fn, EPX_TRACE_MAX_RETIRED);
+      tr->retired[tr->num_retired++] = tr->ring;
+    }
     tr->ring = NULL;
     CUDA_CHECK(cudaMalloc((void **)&tr->ring,
                           sizeof(epx__trace_ring_t) + (size_t)cap * sizeof(epx__trace_event_t)));
     tr->capacity = (unsigned long long)cap;
   }
-  /* Empty the buffer before any kernel can see it (no kernel holds its pointer now). */
+  /* Empty the buffer before this start's kernels see it (graphs captured during an earlier
+   * trace with this ring would record into it again when replayed: the dump counts them). */
   const epx__trace_ring_t empty = {0, tr->capacity};
   CUDA_CHECK(
       cudaMemcpyAsync(tr->ring, &empty, sizeof empty, cudaMemcpyHostToDevice, g->setup_stream));
@@ -668,9 +683,11 @@ void epx__trace_group_end(epx_group_t g) {
                tr->env_path, s.num_dropped);
   }
   g->trace_ring = NULL;
-  if (tr->ring) cudaFree(tr->ring);
-  if (tr->sync_dev) cudaFree(tr->sync_dev);
-  if (tr->hdr_dev) cudaFree(tr->hdr_dev);
+  /* Teardown goes on whatever fails; CUDA_STATUS logs each failure. */
+  if (tr->ring) (void)CUDA_STATUS(cudaFree(tr->ring));
+  if (tr->sync_dev) (void)CUDA_STATUS(cudaFree(tr->sync_dev));
+  if (tr->hdr_dev) (void)CUDA_STATUS(cudaFree(tr->hdr_dev));
+  for (int i = 0; i < tr->num_retired; i++) (void)CUDA_STATUS(cudaFree(tr->retired[i]));
   free(tr->env_path);
   free(tr);
   g->trace = NULL;

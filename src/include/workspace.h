@@ -62,7 +62,10 @@ typedef struct epx__control {
   /* combine_next_unit: the running combine's next send unit (dynamic sends); reset by its last
    * block. */
   unsigned int combine_next_unit;
-  int reserved[26];
+  /* combine_abort: n + 1 once a wait of combine call n timed out, so that the call's other waits
+   * give up at once (an older, unrelated async error must not make them stop waiting). */
+  unsigned int combine_abort;
+  int reserved[25];
   /* dispatch_done[s]: blocks of rank s that finished writing to this rank (added by s with
    * release semantics; monotonic). dispatch_expected[s]: what this rank has consumed. */
   unsigned long long dispatch_done[EPX_MAX_RANKS];

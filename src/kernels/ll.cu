@@ -915,7 +915,15 @@ template <typename IdxT, bool kFp8, bool kByRank>
 epx_status_t launch_dispatch(const epx__kernel_ctx_t *ctx, const epx__ll_dispatch_launch_args_t *a,
                              size_t smem, cudaStream_t stream) {
   auto kernel = ll_dispatch_kernel<IdxT, kFp8, kByRank>;
-  if (smem > 48 * 1024)
+  /* Beyond 48 KiB of static + dynamic shared memory a kernel needs the opt-in; the static part
+   * (~6 KiB) is read once per instantiation. */
+  static size_t static_bytes = (size_t)-1;
+  if (static_bytes == (size_t)-1) {
+    cudaFuncAttributes fa;
+    CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    static_bytes = fa.sharedSizeBytes;
+  }
+  if (smem + static_bytes > 48 * 1024)
     CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kernel<<<a->num_blocks, kThreads, smem, stream>>>(*ctx, *a);

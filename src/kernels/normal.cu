@@ -550,19 +550,21 @@ __device__ int send_units_tma(const epx__kernel_ctx_t &ctx, const SendPlan &plan
   return sent;
 }
 
-/* Wait until *flag >= target; gives up at once when another wait of this group has already
- * timed out (so a dead peer costs one budget, not one per chunk). Sleeps between polls so a
- * waiting warp leaves issue slots to the send warps of its block. */
-__device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, const epx__control_t *ctrl,
-                                           const uint64_t *flag, uint64_t target, int peer) {
+/* Wait until *flag >= target; gives up at once when another wait of this combine call has
+ * already timed out (so a dead peer costs one budget, not one per chunk). Sleeps between polls
+ * so a waiting warp leaves issue slots to the send warps of its block. */
+__device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, epx__control_t *ctrl,
+                                           unsigned call, const uint64_t *flag, uint64_t target,
+                                           int peer) {
   if (epx::ld_acquire_sys(flag) >= target) return true;
   const uint64_t start = epx::globaltimer_ns();
   for (;;) {
     __nanosleep(128);
     if (epx::ld_acquire_sys(flag) >= target) return true;
-    if (*(volatile const int *)&ctrl->error_claim) return false;
+    if (*(volatile const unsigned *)&ctrl->combine_abort == call + 1) return false;
     if (epx::globaltimer_ns() - start > ctx.timeout_ns) {
       epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, peer, -1, (long long)target);
+      atomicExch(&ctrl->combine_abort, call + 1);
       return false;
     }
   }
@@ -599,7 +601,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool waits = lane < R && lane != me;
       const uint64_t t_wait = epx::trace_begin(ctx);
       if (waits)
-        ok = wait_chunk(ctx, ctrl, (const uint64_t *)&ctrl->combine_finished[lane], call - 1, lane);
+        ok = wait_chunk(ctx, ctrl, call, (const uint64_t *)&ctrl->combine_finished[lane], call - 1,
+                        lane);
       epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
     }
     if (__all_sync(0xffffffffu, ok)) {
@@ -661,7 +664,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (waits) {
             const int full =
                 min(EPX_COMBINE_CHUNK_ROWS, rows_from_lane - chunk * EPX_COMBINE_CHUNK_ROWS);
-            wait_chunk(ctx, ctrl, my_signal + (size_t)lane * chunks + chunk, (uint64_t)full, lane);
+            wait_chunk(ctx, ctrl, call, my_signal + (size_t)lane * chunks + chunk, (uint64_t)full,
+                       lane);
             checked_chunk = chunk; /* on failure the error is recorded; go on without waiting */
           }
           epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
