@@ -11,6 +11,8 @@
  *   normal_graph_replay               cached dispatch + combine captured once, replayed 100x
  *   normal_loop_1000                  1000 iterations, new T and routing each, all checked
  *   normal_refuses_bad_arguments      named errors, nothing sent, the group still works
+ *   normal_bad_id_then_combine        an id outside [-1, E): async INVALID_ARGUMENT, empty slot;
+ *                                     three combines after it (error on record) still right
  *   normal_combine_times_out          one rank skips a combine: TIMEOUT naming it, < budget+1s
  */
 #include <math.h>
@@ -337,6 +339,66 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_group_destroy(g2));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/* An expert id outside [-1, E) is reported (async INVALID_ARGUMENT from the layout) and treated
+ * as an empty slot; the combines that follow, with that error still on record, are still right:
+ * a combine must not take an older async error for a timeout of its own and stop waiting. */
+EPX_GPU_TEST(normal_bad_id_then_combine, 120) {
+  const int R = t->num_ranks, me = t->rank;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"bad_id", 256, 1024, 8 * R, 4, ROUTE_UNIFORM, 256, -1, 0};
+  world_t w;
+  world_make(&w, R, &c, &rng);
+  for (int s = 0; s < R; s++) w.idx[s][1] = w.E + 3; /* token 0, slot 1, on every rank */
+  epx_group_config_t cfg = gpu_test_config(c.max_tokens, w.H, w.E, w.K);
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  dev_inputs_t d;
+  if (upload(&w, me, &d, (size_t)R * c.max_tokens) != TEST_PASS) return TEST_FAIL;
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = d.x;
+  a.topk_idx = d.idx;
+  a.topk_weights = (const float *)d.w;
+  a.num_tokens = w.ranks[me].num_tokens;
+  epx_dispatch_result_t res;
+  EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  epx_ref_recv_t ref;
+  memset(&ref, 0, sizeof ref);
+  EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+  if (check_recv(&w, me, &res, 0, 1, &ref, "bad id dispatch") != TEST_PASS) return TEST_FAIL;
+  epx_ref_recv_free(&ref);
+  int nrecv = 0;
+  uint16_t *y = expert_output(&w, me, &nrecv);
+  EXPECT_CUDA(cudaMemcpy(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaDeviceSynchronize()); /* legacy-stream copy before the test stream's work */
+  free(y);
+  for (int rep = 0; rep < 3; rep++) { /* both slab parities, the error still on record */
+    epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+    ca.x = d.y;
+    ca.out = d.out;
+    ca.topk_idx = d.idx;
+    ca.topk_weights = (const float *)d.w;
+    EXPECT_CUDA(cudaMemsetAsync(d.out, 0xFF, (size_t)a.num_tokens * w.H * 2, t->stream));
+    EXPECT_OK(epx_combine(g, h, &ca, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    char label[48];
+    snprintf(label, sizeof label, "combine %d after a bad id", rep);
+    if (check_combine(&w, me, d.out, w.w[me], label) != TEST_PASS) return TEST_FAIL;
+  }
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  EXPECT_EQ_INT(err.status, EPX_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ_INT(err.stage, EPX_STAGE_LAYOUT);
+  EXPECT_OK(epx_group_clear_async_error(g));
+  dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
   return TEST_PASS;
 }
