@@ -121,5 +121,20 @@ static inline uint64_t epx_test_rand(uint64_t *state) {
 static inline int epx_test_rand_int(uint64_t *state, int n) {
   return (int)(epx_test_rand(state) % (uint64_t)n);
 }
+/* Uniform in [0, 1) with 24 bits. */
+static inline float epx_test_rand_unit(uint64_t *state) {
+  return (float)(epx_test_rand(state) >> 40) / (float)(1ull << 24);
+}
+/* An expert in [0, range) that none of ids[0..k) names, or -1 after 100 draws that all did. */
+static inline int64_t epx_test_rand_new_expert(uint64_t *state, const int64_t *ids, int k,
+                                               int range) {
+  for (int tries = 0; tries < 100; tries++) {
+    const int64_t e = epx_test_rand_int(state, range);
+    int again = 0;
+    for (int j = 0; j < k; j++) again |= ids[j] == e;
+    if (!again) return e;
+  }
+  return -1;
+}
 
 #endif /* EPX_TESTS_RUNNER_H_ */

@@ -8,10 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-float rand_unit(uint64_t *rng) {
-  return (float)(epx_test_rand(rng) >> 40) / (float)(1ull << 24);
-}
-
 static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64_t *rng) {
   for (int k = 0; k < K; k++) {
     int64_t e = -1;
@@ -21,13 +17,8 @@ static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64
       e = -1;
     else {
       const int range = route == ROUTE_ONE_RANK ? E / R : E; /* ONE_RANK: only rank 0's experts */
-      int again, tries = 0;
-      do {
-        e = epx_test_rand_int(rng, range);
-        again = 0;
-        for (int j = 0; j < k; j++) again |= ids[j] == e;
-      } while (again && ++tries < 100);
-      if (again || (route == ROUTE_HOLES && epx_test_rand_int(rng, 4) == 0)) e = -1;
+      e = epx_test_rand_new_expert(rng, ids, k, range);
+      if (e < 0 || (route == ROUTE_HOLES && epx_test_rand_int(rng, 4) == 0)) e = -1;
     }
     ids[k] = e;
   }
@@ -56,14 +47,15 @@ void world_make(world_t *w, int R, const normal_case_t *c, uint64_t *rng) {
     w->sc[s] = malloc(sizeof(float) * ((size_t)T * (w->H / 128) + 1));
     for (int t = 0; t < T; t++)
       route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, R, c->route, rng);
-    for (size_t i = 0; i < TK; i++) w->w[s][i] = rand_unit(rng);
+    for (size_t i = 0; i < TK; i++) w->w[s][i] = epx_test_rand_unit(rng);
     for (size_t i = 0; i < TH; i++) {
-      w->x[s][i] = epx_ref_bf16_from_float(4.f * rand_unit(rng) - 2.f);
+      w->x[s][i] = epx_ref_bf16_from_float(4.f * epx_test_rand_unit(rng) - 2.f);
       uint8_t b = (uint8_t)epx_test_rand(rng);
       if ((b & 0x7f) == 0x7f) b ^= 1; /* no NaN codes */
       w->x8[s][i] = b;
     }
-    for (size_t i = 0; i < (size_t)T * (w->H / 128); i++) w->sc[s][i] = 0.01f + rand_unit(rng);
+    for (size_t i = 0; i < (size_t)T * (w->H / 128); i++)
+      w->sc[s][i] = 0.01f + epx_test_rand_unit(rng);
     w->ranks[s] = (epx_ref_rank_t){
         T, w->idx[s], w->w[s], w->x[s], c->fp8 ? w->x8[s] : NULL, c->fp8 ? w->sc[s] : NULL};
   }

@@ -41,7 +41,6 @@ typedef struct {
   void *x, *x8, *idx, *w, *sc, *y, *out;
 } dev_inputs_t;
 
-float rand_unit(uint64_t *rng);
 /* The world of case c at R ranks; free with world_free. */
 void world_make(world_t *w, int R, const normal_case_t *c, uint64_t *rng);
 void world_free(world_t *w);

@@ -72,10 +72,6 @@ typedef struct {
   epx_ref_world_t ref;
 } world_t;
 
-static float rand_unit(uint64_t *rng) {
-  return (float)(epx_test_rand(rng) >> 40) / (float)(1ull << 24);
-}
-
 static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64_t *rng) {
   for (int k = 0; k < K; k++) {
     int64_t e = -1;
@@ -86,13 +82,8 @@ static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64
                                                     : epx_test_rand_int(rng, E);
     } else if (route != ROUTE_EMPTY) {
       const int range = route == ROUTE_ONE_RANK ? E / R : E;
-      int again, tries = 0;
-      do {
-        e = epx_test_rand_int(rng, range);
-        again = 0;
-        for (int j = 0; j < k; j++) again |= ids[j] == e;
-      } while (again && ++tries < 100);
-      if (again || (route == ROUTE_HOLES && epx_test_rand_int(rng, 4) == 0)) e = -1;
+      e = epx_test_rand_new_expert(rng, ids, k, range);
+      if (e < 0 || (route == ROUTE_HOLES && epx_test_rand_int(rng, 4) == 0)) e = -1;
       if (route == ROUTE_BAD && epx_test_rand_int(rng, 16) == 0) {
         const int64_t bad[3] = {E, -2, 1 << 20};
         e = bad[epx_test_rand_int(rng, 3)];
@@ -124,10 +115,10 @@ static void world_make(world_t *w, int R, const ll_case_t *c, uint64_t *rng) {
     w->x[s] = malloc(sizeof(uint16_t) * (TH + 1));
     for (int t = 0; t < T; t++)
       route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, R, c->route, rng);
-    for (size_t i = 0; i < TK; i++) w->w[s][i] = rand_unit(rng) + 0.01f;
+    for (size_t i = 0; i < TK; i++) w->w[s][i] = epx_test_rand_unit(rng) + 0.01f;
     for (size_t i = 0; i < TH; i++) {
       /* Mostly [-2, 2); a few large and tiny values so FP8 groups have varied scales. */
-      float v = 4.f * rand_unit(rng) - 2.f;
+      float v = 4.f * epx_test_rand_unit(rng) - 2.f;
       const int kind = epx_test_rand_int(rng, 64);
       if (kind == 0) v *= 300.f;
       if (kind == 1) v *= 1e-5f;
@@ -618,9 +609,9 @@ static void world_refill(world_t *w, const ll_case_t *c, uint64_t *rng) {
     const int T = w->ranks[s].num_tokens;
     for (int t = 0; t < T; t++)
       route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, w->R, c->route, rng);
-    for (size_t i = 0; i < (size_t)T * w->K; i++) w->w[s][i] = rand_unit(rng) + 0.01f;
+    for (size_t i = 0; i < (size_t)T * w->K; i++) w->w[s][i] = epx_test_rand_unit(rng) + 0.01f;
     for (size_t i = 0; i < (size_t)T * w->H; i++)
-      w->x[s][i] = epx_ref_bf16_from_float(4.f * rand_unit(rng) - 2.f);
+      w->x[s][i] = epx_ref_bf16_from_float(4.f * epx_test_rand_unit(rng) - 2.f);
   }
 }
 

@@ -92,7 +92,7 @@ static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
   /* Cached dispatch of fresh payload with the same routing. */
   for (int s = 0; s < R; s++)
     for (size_t i = 0; i < (size_t)w.ranks[s].num_tokens * w.H; i++)
-      w.x[s][i] = epx_ref_bf16_from_float(rand_unit(rng) - 0.5f);
+      w.x[s][i] = epx_ref_bf16_from_float(epx_test_rand_unit(rng) - 0.5f);
   EXPECT_CUDA(cudaMemcpyAsync(d.x, w.x[me], (size_t)w.ranks[me].num_tokens * w.H * 2,
                               cudaMemcpyHostToDevice, t->stream));
   EXPECT_OK(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream));
@@ -177,7 +177,7 @@ EPX_GPU_TEST(normal_graph_replay, 300) {
     if (replay % 20 == 0) {
       for (int s = 0; s < R; s++)
         for (size_t i = 0; i < (size_t)w.ranks[s].num_tokens * w.H; i++)
-          w.x[s][i] = epx_ref_bf16_from_float(4.f * rand_unit(&rng) - 2.f);
+          w.x[s][i] = epx_ref_bf16_from_float(4.f * epx_test_rand_unit(&rng) - 2.f);
       EXPECT_CUDA(cudaMemcpyAsync(d.x, w.x[me], (size_t)w.ranks[me].num_tokens * w.H * 2,
                                   cudaMemcpyHostToDevice, t->stream));
     }
