@@ -183,6 +183,13 @@ int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stat
 int bench_trace_iteration(bench_rank_t *b, epx_group_t group, bench_iter_fn fn, void *arg,
                           const char *path, double *us, epx_trace_summary_t *summary);
 
+/* --trace: when opt->trace_path is set and the row's name contains opt->trace_op (if given),
+ * one traced iteration of fn (bench_trace_iteration) written to the trace path with
+ * "-<op>-<tokens>t-<sms>sms" before its extension; rank 0 prints a line about it. Otherwise
+ * nothing. Collective. */
+int bench_trace_row(bench_rank_t *b, epx_group_t group, const char *name, bench_iter_fn fn,
+                    void *arg, int tokens, int sms, const bench_stats_t *st);
+
 /* Gather every rank's stats, wrong rows (-1 = not checked) and logical bytes, and fill row's
  * median_us, min_us, max_us, bytes, gbps and wrong. Collective. */
 int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wrong, double bytes,

@@ -70,46 +70,14 @@ static double nccl_gbps(const bench_table_t *t, const char *op, int tokens) {
   return NAN;
 }
 
-/* --trace: FILE with "-<op>-<T>t-<S>sms" before its extension, op without "epx " and with
- * '_' for spaces: out/t.json -> out/t-dispatch_bf16-4096t-24sms.json. */
-static void trace_file(const char *base, const char *op, int tokens, int sms, char *out,
-                       size_t len) {
-  char slug[32];
-  snprintf(slug, sizeof slug, "%s", strncmp(op, "epx ", 4) ? op : op + 4);
-  for (char *c = slug; *c; c++)
-    if (*c == ' ') *c = '_';
-  const char *dot = strrchr(base, '.'), *slash = strrchr(base, '/');
-  if (!dot || (slash && dot < slash)) dot = base + strlen(base);
-  snprintf(out, len, "%.*s-%s-%dt-%dsms%s", (int)(dot - base), base, slug, tokens, sms, dot);
-}
-
-/* One traced iteration of the op (after its timed ones), reported by rank 0. */
-static int trace_row(epx_op_t *op, const char *name, bench_iter_fn fn, int sms,
-                     const bench_stats_t *st) {
-  bench_rank_t *b = op->b;
-  char path[1024];
-  trace_file(b->opt->trace_path, name, op->w->num_tokens, sms, path, sizeof path);
-  double us = 0;
-  epx_trace_summary_t sum;
-  BENCH_TRY(bench_trace_iteration(b, op->group, fn, op, path, &us, &sum));
-  if (b->rank == 0)
-    printf(
-        "# trace %s: %lld events (%lld dropped); traced iteration %.1f us, untraced median "
-        "%.1f us (rank 0); clock spread %lld ns, timer step %lld ns\n",
-        path, sum.num_events, sum.num_dropped, us, st->median_us, sum.clock_spread_ns,
-        sum.timer_tick_ns);
-  return 0;
-}
-
 /* Time one op, check it, gather across ranks and emit its row. */
 static int emit(epx_op_t *op, const char *name, bench_iter_fn fn, int sms, double row_bytes,
                 const char *nccl_op, int check) {
   bench_rank_t *b = op->b;
   bench_stats_t st;
   BENCH_TRY(bench_time(b, fn, op, &st));
-  const bench_options_t *opt = b->opt;
-  if (opt->trace_path && (!opt->trace_op || strstr(name, opt->trace_op)))
-    BENCH_TRY(trace_row(op, name, fn, sms, &st)); /* before the check: it checks this one too */
+  /* Before the check: it checks the traced iteration too. */
+  BENCH_TRY(bench_trace_row(b, op->group, name, fn, op, op->w->num_tokens, sms, &st));
   /* Rows received by this rank, from the device prefix (valid in every mode). */
   int prefix[EPX_MAX_RANKS + 1], counts[EPX_MAX_RANKS];
   BENCH_CUDA(cudaStreamSynchronize(b->stream));

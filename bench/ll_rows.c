@@ -1,6 +1,7 @@
 /*
  * ll_rows.c - EPX's low-latency rows in epx_bench for one workload (its token count): one group
- * per route (DIRECT, BY_RANK), each with config.ll_num_sms = auto (every SM of the GPU).
+ * per route (DIRECT, BY_RANK, and "mixed" = DISPATCH_BY_RANK: combine rows only, its dispatch
+ * is BY_RANK's), each with config.ll_num_sms = auto (every SM of the GPU).
  *
  * Rows (docs/bench.md), each named "<op> <route>":
  *   ll dispatch fp8         epx_ll_dispatch: FP8 quantized on the fly, per-128 scales; one kernel
@@ -144,10 +145,23 @@ static int received_rows(ll_op_t *op, long long *rows) {
   return check_errors(op);
 }
 
+/* The row's name: "<op> <route>". */
+static void row_name(const char *op_name, const char *route, char *name, size_t len) {
+  snprintf(name, len, "%s %s", op_name, route);
+}
+
+/* --trace: one traced iteration of an op timed by bench_time (split rows are not traced). */
+static int trace(ll_op_t *op, const char *op_name, const char *route, int sms, bench_iter_fn fn,
+                 const bench_stats_t *st) {
+  char name[32];
+  row_name(op_name, route, name, sizeof name);
+  return bench_trace_row(op->b, op->group, name, fn, op, op->w->num_tokens, sms, st);
+}
+
 static int emit(ll_op_t *op, const char *op_name, const char *route, int sms,
                 const bench_stats_t *st, double bytes, long long wrong) {
   char name[32];
-  snprintf(name, sizeof name, "%s %s", op_name, route);
+  row_name(op_name, route, name, sizeof name);
   bench_row_t row = bench_workload_row(op->b, name, op->w->num_tokens);
   row.sms = sms;
   BENCH_TRY(bench_finish_row(op->b, st, wrong, bytes, &row));
@@ -161,7 +175,9 @@ static int route_rows(bench_rank_t *b, bench_workload_t *w, int route, const flo
   const bench_options_t *opt = b->opt;
   const int H = opt->hidden;
   const double fp8_row = (double)H + (double)(H / 128) * 4, bf16_row = 2.0 * H;
-  const char *rname = route == EPX_LL_ROUTE_DIRECT ? "direct" : "by-rank";
+  const char *rname = route == EPX_LL_ROUTE_DIRECT    ? "direct"
+                      : route == EPX_LL_ROUTE_BY_RANK ? "by-rank"
+                                                      : "mixed";
   int max_tokens = 0;
   for (int i = 0; i < opt->num_ll_tokens; i++)
     if (opt->ll_tokens[i] > max_tokens) max_tokens = opt->ll_tokens[i];
@@ -182,23 +198,34 @@ static int route_rows(bench_rank_t *b, bench_workload_t *w, int route, const flo
   bench_stats_t st, st2;
   long long rows = 0;
 
-  op.dtype = EPX_DTYPE_FP8_E4M3;
-  BENCH_TRY(bench_time(b, dispatch_iter, &op, &st));
-  BENCH_TRY(received_rows(&op, &rows));
-  BENCH_TRY(emit(&op, "ll dispatch fp8", rname, sms, &st, rows * fp8_row, -1));
-  BENCH_TRY(time_split(&op, 0, &st, &st2));
-  BENCH_TRY(emit(&op, "ll dispatch send fp8", rname, sms, &st, rows * fp8_row, -1));
-  BENCH_TRY(emit(&op, "ll dispatch recv fp8", rname, sms, &st2, rows * fp8_row, -1));
+  /* The mixed route's dispatch is BY_RANK's kernel: its rows would repeat the by-rank ones. */
+  if (route != EPX_LL_ROUTE_DISPATCH_BY_RANK) {
+    op.dtype = EPX_DTYPE_FP8_E4M3;
+    BENCH_TRY(bench_time(b, dispatch_iter, &op, &st));
+    BENCH_TRY(trace(&op, "ll dispatch fp8", rname, sms, dispatch_iter, &st));
+    BENCH_TRY(received_rows(&op, &rows));
+    BENCH_TRY(emit(&op, "ll dispatch fp8", rname, sms, &st, rows * fp8_row, -1));
+    BENCH_TRY(time_split(&op, 0, &st, &st2));
+    BENCH_TRY(emit(&op, "ll dispatch send fp8", rname, sms, &st, rows * fp8_row, -1));
+    BENCH_TRY(emit(&op, "ll dispatch recv fp8", rname, sms, &st2, rows * fp8_row, -1));
+  }
 
   op.dtype = EPX_DTYPE_BF16;
-  BENCH_TRY(bench_time(b, dispatch_iter, &op, &st));
-  BENCH_TRY(received_rows(&op, &rows));
-  BENCH_TRY(emit(&op, "ll dispatch bf16", rname, sms, &st, rows * bf16_row, -1));
+  if (route != EPX_LL_ROUTE_DISPATCH_BY_RANK) {
+    BENCH_TRY(bench_time(b, dispatch_iter, &op, &st));
+    BENCH_TRY(trace(&op, "ll dispatch bf16", rname, sms, dispatch_iter, &st));
+    BENCH_TRY(received_rows(&op, &rows));
+    BENCH_TRY(emit(&op, "ll dispatch bf16", rname, sms, &st, rows * bf16_row, -1));
+  } else {
+    BENCH_TRY(dispatch_iter(&op, b->stream)); /* the rows its combine returns */
+    BENCH_TRY(check_errors(&op));
+  }
 
   /* Combine the latest BF16 dispatch, its rows read in place. */
   const double pairs = (double)w->num_tokens * opt->top_k; /* distinct, all valid */
   BENCH_CUDA(cudaMemsetAsync(out, 0xff, (size_t)w->max_tokens * H * 2, b->stream));
   BENCH_TRY(bench_time(b, combine_iter, &op, &st));
+  BENCH_TRY(trace(&op, "ll combine", rname, sms, combine_iter, &st)); /* before the check */
   long long wrong = 0;
   BENCH_CUDA(cudaMemsetAsync(w->wrong_dev, 0, sizeof *w->wrong_dev, b->stream));
   BENCH_CUDA(bench_check_scaled_launch(out, ones, w->num_tokens, H, opt->seed, b->rank,
@@ -243,7 +270,7 @@ int bench_ll_rows(bench_rank_t *b, bench_workload_t *w) {
   BENCH_CUDA(cudaStreamSynchronize(b->stream));
   free(weights_host);
   free(ones_host);
-  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++)
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++)
     BENCH_TRY(route_rows(b, w, route, weights, out, ones));
   BENCH_CUDA(cudaFree(weights));
   BENCH_CUDA(cudaFree(ones));

@@ -8,7 +8,10 @@
  * smallest and largest single iteration seen on any rank.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
 #include "bench.h"
 
@@ -45,12 +48,19 @@ static int timed_loop(bench_rank_t *b, bench_iter_fn fn, void *arg, cudaEvent_t 
     BENCH_EPX(epx_group_barrier(b->group, b->stream));
     BENCH_TRY(fn(arg, b->stream));
   }
+  double host_ns = 0;
   for (int i = 0; i < n; i++) {
     BENCH_EPX(epx_group_barrier(b->group, b->stream));
     BENCH_CUDA(cudaEventRecord(ev[2 * i], b->stream));
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     BENCH_TRY(fn(arg, b->stream));
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    host_ns += (t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec);
     BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], b->stream));
   }
+  if (getenv("EPX_BENCH_HOST_US") && b->rank == 0)
+    printf("# host: %.2f us per call (rank 0, mean of %d)\n", host_ns / n / 1e3, n);
   BENCH_CUDA(cudaStreamSynchronize(b->stream));
   BENCH_TRY(check_async_error(b));
   for (int i = 0; i < n; i++) {
@@ -112,6 +122,37 @@ int bench_trace_iteration(bench_rank_t *b, epx_group_t group, bench_iter_fn fn, 
     return -1;
   }
   return check_async_error(b);
+}
+
+/* --trace: FILE with "-<op>-<T>t-<S>sms" before its extension, op without "epx " and with
+ * '_' for spaces: out/t.json -> out/t-dispatch_bf16-4096t-24sms.json. */
+static void trace_file(const char *base, const char *op, int tokens, int sms, char *out,
+                       size_t len) {
+  char slug[48];
+  snprintf(slug, sizeof slug, "%s", strncmp(op, "epx ", 4) ? op : op + 4);
+  for (char *c = slug; *c; c++)
+    if (*c == ' ') *c = '_';
+  const char *dot = strrchr(base, '.'), *slash = strrchr(base, '/');
+  if (!dot || (slash && dot < slash)) dot = base + strlen(base);
+  snprintf(out, len, "%.*s-%s-%dt-%dsms%s", (int)(dot - base), base, slug, tokens, sms, dot);
+}
+
+int bench_trace_row(bench_rank_t *b, epx_group_t group, const char *name, bench_iter_fn fn,
+                    void *arg, int tokens, int sms, const bench_stats_t *st) {
+  const bench_options_t *opt = b->opt;
+  if (!opt->trace_path || (opt->trace_op && !strstr(name, opt->trace_op))) return 0;
+  char path[1024];
+  trace_file(opt->trace_path, name, tokens, sms, path, sizeof path);
+  double us = 0;
+  epx_trace_summary_t sum;
+  BENCH_TRY(bench_trace_iteration(b, group, fn, arg, path, &us, &sum));
+  if (b->rank == 0)
+    printf(
+        "# trace %s: %lld events (%lld dropped); traced iteration %.1f us, untraced median "
+        "%.1f us (rank 0); clock spread %lld ns, timer step %lld ns\n",
+        path, sum.num_events, sum.num_dropped, us, st->median_us, sum.clock_spread_ns,
+        sum.timer_tick_ns);
+  return 0;
 }
 
 /* all[q * BENCH_GATHER_FIELDS + f] = field f of rank q, through b->gather_dev. */

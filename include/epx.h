@@ -129,12 +129,15 @@ typedef struct epx_group_config {
 /* How low-latency mode moves a token to the experts of one rank. Every rank of a group uses the
  * same route (it is part of the config, checked at group creation). */
 typedef enum epx_ll_route {
-  EPX_LL_ROUTE_AUTO = 0,   /* the measured default (docs/low-latency.md) */
-  EPX_LL_ROUTE_DIRECT = 1, /* one NVLink copy per (token, expert), written into its final row;
-                              combine returns one row per (token, expert) */
-  EPX_LL_ROUTE_BY_RANK = 2 /* one NVLink copy per (token, destination rank), fanned out to the
-                              rank's experts by the receiver; combine sums a token's rows on the
-                              expert side and returns one partial per (token, rank) */
+  EPX_LL_ROUTE_AUTO = 0,    /* the measured default (docs/low-latency.md) */
+  EPX_LL_ROUTE_DIRECT = 1,  /* one NVLink copy per (token, expert), written into its final row;
+                               combine returns one row per (token, expert) */
+  EPX_LL_ROUTE_BY_RANK = 2, /* one NVLink copy per (token, destination rank), fanned out to the
+                               rank's experts by the receiver; combine sums a token's rows on
+                               the expert side and returns one float32 partial per (token,
+                               rank) */
+  EPX_LL_ROUTE_DISPATCH_BY_RANK = 3 /* dispatch as BY_RANK, combine as DIRECT: the fastest of
+                                       each measured on 4x H200 (the default) */
 } epx_ll_route_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each

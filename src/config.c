@@ -16,7 +16,7 @@
 #define MAX_SMS 1024
 #define MAX_TIMEOUT_MS (3600 * 1000)
 /* The route of EPX_LL_ROUTE_AUTO (docs/low-latency.md says how it was chosen). */
-#define EPX_LL_ROUTE_DEFAULT EPX_LL_ROUTE_BY_RANK
+#define EPX_LL_ROUTE_DEFAULT EPX_LL_ROUTE_DISPATCH_BY_RANK
 
 static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
   if (num_ranks < 2)
@@ -69,9 +69,10 @@ static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
   EPX_ARG_CHECK(c->ll_num_sms >= 0 && c->ll_num_sms <= EPX_LL_MAX_BLOCKS,
                 "config.ll_num_sms = %d: must be 0 (auto) or 1..%d", c->ll_num_sms,
                 EPX_LL_MAX_BLOCKS);
-  EPX_ARG_CHECK(c->ll_route == EPX_LL_ROUTE_DIRECT || c->ll_route == EPX_LL_ROUTE_BY_RANK,
-                "config.ll_route = %d: must be 0 (auto), EPX_LL_ROUTE_DIRECT or "
-                "EPX_LL_ROUTE_BY_RANK",
+  EPX_ARG_CHECK(c->ll_route == EPX_LL_ROUTE_DIRECT || c->ll_route == EPX_LL_ROUTE_BY_RANK ||
+                    c->ll_route == EPX_LL_ROUTE_DISPATCH_BY_RANK,
+                "config.ll_route = %d: must be 0 (auto), EPX_LL_ROUTE_DIRECT, "
+                "EPX_LL_ROUTE_BY_RANK or EPX_LL_ROUTE_DISPATCH_BY_RANK",
                 c->ll_route);
   if (c->modes & EPX_MODE_LOW_LATENCY) {
     EPX_ARG_CHECK(c->hidden % 128 == 0,

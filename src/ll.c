@@ -67,7 +67,8 @@ static epx__ll_dispatch_launch_args_t dispatch_launch_args(epx_group_t g, int pa
   d.num_experts = g->config.num_experts;
   d.max_tokens = g->config.max_tokens_per_rank;
   d.fp8 = fp8;
-  d.by_rank = g->config.ll_route == EPX_LL_ROUTE_BY_RANK;
+  d.by_rank = g->config.ll_route == EPX_LL_ROUTE_BY_RANK ||
+              g->config.ll_route == EPX_LL_ROUTE_DISPATCH_BY_RANK;
   d.parity = parity;
   d.phases = phases;
   d.num_blocks = g->config.ll_num_sms;

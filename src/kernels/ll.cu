@@ -327,6 +327,20 @@ __device__ void send_tokens(const epx__ll_dispatch_launch_args_t &a, int i0, int
     const int num_dst = plan->num_dst;
     if (num_dst == 0) continue; /* no valid expert on a live rank (warp-uniform) */
     const int4 *src = (const int4 *)((const char *)a.x + (size_t)t * H * 2);
+    if (!kFp8) {
+      /* Lane l copies channels 8 l and 256 + 8 l of the chunk, so that each store instruction
+       * writes 512 contiguous bytes: 16-byte pieces 32 bytes apart (two int4 per lane) made
+       * the BF16 send 1.2-1.6x slower over NVLink (docs/low-latency.md, "Measured"). */
+      const int ca = ch * kChunk + lane * 8, cb = ca + 256;
+      int4 va = make_int4(0, 0, 0, 0), vb = va;
+      if (ca < H) va = epx::ld_nc_na_v4(src + ca / 8);
+      if (cb < H) vb = epx::ld_nc_na_v4(src + cb / 8);
+      for (int d = 0; d < num_dst; d++) {
+        if (ca < H) *(int4 *)(plan->payload[d] + (size_t)ca * 2) = va;
+        if (cb < H) *(int4 *)(plan->payload[d] + (size_t)cb * 2) = vb;
+      }
+      continue;
+    }
     const int c0 = ch * kChunk + lane * 16;
     const bool act = c0 < H;
     int4 v0 = make_int4(0, 0, 0, 0), v1 = v0;
@@ -334,21 +348,25 @@ __device__ void send_tokens(const epx__ll_dispatch_launch_args_t &a, int i0, int
       v0 = epx::ld_nc_na_v4(src + c0 / 8);
       v1 = epx::ld_nc_na_v4(src + c0 / 8 + 1);
     }
-    if (kFp8) {
-      float scale;
-      const int4 q = quantize16(v0, v1, a.ue8m0 != 0, &scale);
-      if (act)
-        for (int d = 0; d < num_dst; d++) {
-          *(int4 *)(plan->payload[d] + c0) = q;
-          if ((lane & 7) == 0) plan->scales[d][c0 / 128] = scale;
-        }
-    } else if (act) {
+    float scale;
+    const int4 q = quantize16(v0, v1, a.ue8m0 != 0, &scale);
+    /* The chunk's 4 scales (lanes 0, 8, 16, 24) go as one 16-byte store by lane 0 when the
+     * chunk is whole and the row's scales are 16-byte aligned: 4-byte remote stores cost an
+     * NVLink write each. */
+    float sc[4];
+#pragma unroll
+    for (int g = 0; g < 4; g++) sc[g] = __shfl_sync(kFull, scale, 8 * g);
+    const bool whole = ch * kChunk + kChunk <= H;
+    if (act)
       for (int d = 0; d < num_dst; d++) {
-        int4 *dst = (int4 *)(plan->payload[d] + (size_t)c0 * 2);
-        dst[0] = v0;
-        dst[1] = v1;
+        *(int4 *)(plan->payload[d] + c0) = q;
+        float *srow = plan->scales[d] + ch * (kChunk / 128);
+        if (whole && ((uintptr_t)srow & 15) == 0) {
+          if (lane == 0) *(float4 *)srow = make_float4(sc[0], sc[1], sc[2], sc[3]);
+        } else if ((lane & 7) == 0) {
+          plan->scales[d][c0 / 128] = scale;
+        }
       }
-    }
   }
 }
 
@@ -793,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int q = 0; q < 2; q++) {
           const int u = u0 + q * kWarps, g = b + (u / nch) * G;
-          c0[q] = (u % nch) * kChunk + lane * 16;
+          c0[q] = (u % nch) * kChunk + lane * 8;
           valid[q] = g < total;
           if (!valid[q]) continue;
           int lo = 0, hi = L * R; /* the segment of row g: prefix[lo] <= g < prefix[lo + 1] */
@@ -808,11 +826,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           seg_s[q] = lo % R;
           row[q] = (size_t)j * RM + (size_t)seg_s[q] * M + (g - s_prefix[lo]);
           src_info[q] = __ldcg(info + row[q]);
-          if (c0[q] < H) {
-            const int4 *src = (const int4 *)((const char *)a.x + (row[q] * H + c0[q]) * 2);
-            x0[q] = epx::ld_nc_na_v4(src);
-            x1[q] = epx::ld_nc_na_v4(src + 1);
-          }
+          /* Lane l: channels 8 l and 256 + 8 l of the chunk, 512 contiguous bytes per store
+           * instruction (two int4 per lane, 32 bytes apart, made this send 1.3x slower). */
+          const int4 *src = (const int4 *)((const char *)a.x + (row[q] * H + c0[q]) * 2);
+          if (c0[q] < H) x0[q] = epx::ld_nc_na_v4(src);
+          if (c0[q] + 256 < H) x1[q] = epx::ld_nc_na_v4(src + 32);
         }
         if (!valid[0]) break;
 #pragma unroll
@@ -822,7 +840,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           int4 *dst = (int4 *)(ll_buf(ctx, seg_s[q], p) + lay.ll_combine_recv_offset +
                                (((size_t)t * K + k) * H + c0[q]) * 2);
           dst[0] = x0[q];
-          dst[1] = x1[q];
+          if (c0[q] + 256 < H) dst[32] = x1[q];
         }
       }
     }

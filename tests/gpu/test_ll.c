@@ -8,7 +8,7 @@
  * token differ from expert to expert and from rank to rank.
  *
  *   test                          what
- *   ll_dispatch_combine_cases     both routes x the table below: BF16 bit-exact; FP8 payload and
+ *   ll_dispatch_combine_cases     every route x the table below: BF16 bit-exact; FP8 payload and
  *                                 scales bit-exact (plain and UE8M0); counts, segments, sources;
  *                                 weighted combine within BF16 rounding of float64; split and
  *                                 zero-copy variants; random and adversarial routings
@@ -24,7 +24,7 @@
  *   ll_peer_masking               the last rank stops answering: the others finish within the
  *                                 budget, report PEER_FAILED and the mask, keep serving; after
  *                                 epx_group_clear_peer_mask every rank works again
- *   ll_traced_cycle               both routes, traced (docs/profiling.md): results still match;
+ *   ll_traced_cycle               every route, traced (docs/profiling.md): results still match;
  *                                 the file holds each block's send, wait and receive spans of
  *                                 dispatch and combine on every rank
  */
@@ -456,7 +456,9 @@ static epx_group_config_t ll_config(const world_t *w, int route) {
 }
 
 static const char *route_name(int route) {
-  return route == EPX_LL_ROUTE_DIRECT ? "direct" : "by-rank";
+  return route == EPX_LL_ROUTE_DIRECT    ? "direct"
+         : route == EPX_LL_ROUTE_BY_RANK ? "by-rank"
+                                         : "mixed";
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -484,7 +486,7 @@ static const ll_case_t cases[] = {
 };
 
 EPX_GPU_TEST(ll_dispatch_combine_cases, 900) {
-  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++) {
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {
     uint64_t rng = t->seed; /* the same on every rank: the world is shared */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
       const ll_case_t *c = &cases[i];
@@ -521,7 +523,7 @@ EPX_GPU_TEST(ll_dispatch_combine_cases, 900) {
 /* Two micro-batches: both dispatches sent before either is received, then both combines. */
 EPX_GPU_TEST(ll_split_two_microbatches, 300) {
   const int me = t->rank;
-  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++) {
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {
     uint64_t rng = t->seed;
     const ll_case_t c = {"mb", 64, 512, 8 * t->num_ranks, 6, ROUTE_HOLES, -1, -1, 1, 0, 1, 0, 0};
     world_t w[2];
@@ -631,7 +633,7 @@ static int identity_outputs(const world_t *w, uint16_t **y) {
  * routing, weights and payload change (same T); every replay is checked. Plain and split. */
 EPX_GPU_TEST(ll_graph_replay, 600) {
   const int me = t->rank;
-  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++) {
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {
     for (int split = 0; split < 2; split++) {
       uint64_t rng = t->seed + (uint64_t)split;
       const ll_case_t c = {"graph", 64, 512, 8 * t->num_ranks, 4, ROUTE_DUPLICATES, -1, -1, 0, 0,
@@ -877,7 +879,7 @@ EPX_GPU_TEST(ll_refuses_bad_arguments, 300) {
  * treated as empty slots: both outputs match the reference, which treats them the same way. */
 EPX_GPU_TEST(ll_bad_expert_ids, 300) {
   const int me = t->rank;
-  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++) {
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {
     uint64_t rng = t->seed;
     const ll_case_t c = {"bad_ids", 64, 256, 8 * t->num_ranks, 8, ROUTE_BAD, 64, -1, 1, 0, 0, 0, 0};
     world_t w;
@@ -922,7 +924,7 @@ static double wall_s(void) {
 EPX_GPU_TEST(ll_peer_masking, 300) {
   const int me = t->rank, R = t->num_ranks, dead = R - 1;
   const int budget_ms = 1000;
-  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++) {
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {
     uint64_t rng = t->seed;
     const ll_case_t c = {"mask", 32, 256, 4 * R, 4, ROUTE_HOLES, -1, -1, 1, 0, 0, 1, 0};
     world_t w;
@@ -1018,7 +1020,7 @@ EPX_GPU_TEST(ll_traced_cycle, 300) {
   if (!EPX_TRACE_COMPILED) return TEST_SKIP; /* a TRACE=0 build */
   static const char *const stages[] = {"ll dispatch send", "ll dispatch wait", "ll dispatch recv",
                                        "ll combine send",  "ll combine wait",  "ll combine reduce"};
-  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_BY_RANK; route++) {
+  for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {
     uint64_t rng = t->seed;
     const ll_case_t *c = &cases[0];
     world_t w;
