@@ -4,7 +4,7 @@
  *
  * One block of 1024 threads (32 warps) walks the tokens in tiles of 1024, one token per thread.
  * Positions are an exclusive scan per destination rank: a warp ballot gives the rank within the
- * warp, per-warp totals in shared memory give the warp's offset, and rank_base carries the
+ * warp, R threads scan the per-warp totals into each warp's offset, and rank_base carries the
  * running total from tile to tile. Expert counts are shared-memory atomics (E <= 1024).
  * Invalid expert ids (outside [-1, E)) are skipped as empty slots; the lowest flat position
  * t*K+k of one is kept and raised as EPX_ERR_INVALID_ARGUMENT at the end. Nothing is written
@@ -25,6 +25,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     layout_kernel(epx__kernel_ctx_t ctx, epx__layout_launch_args_t a) {
   __shared__ int expert_count[EPX_MAX_EXPERTS];
   __shared__ int warp_count[kWarps][EPX_MAX_RANKS];
+  __shared__ int warp_offset[kWarps][EPX_MAX_RANKS]; /* first position of each warp's tokens */
   __shared__ int rank_base[EPX_MAX_RANKS];
   __shared__ unsigned long long first_bad;
 
@@ -41,47 +42,66 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int tile = 0; tile < T; tile += kThreads) {
     const int t = tile + tid;
+    /* The token's ids in registers: every loop over k or r below is unrolled to the compile-time
+     * maximum, so nothing is indexed at run time (a run-time index put these arrays in local
+     * memory and made this kernel 40 us of a 4096-token dispatch). All loads are issued before any
+     * check: an atomic between two loads keeps the compiler from overlapping them, and each would
+     * cost a full memory latency. */
+    long long raw[EPX_MAX_TOP_K];
+#pragma unroll
+    for (int k = 0; k < EPX_MAX_TOP_K; k++)
+      raw[k] = (t < T && k < K) ? (long long)topk[(size_t)t * K + k] : -1;
+    int ids[EPX_MAX_TOP_K];
+#pragma unroll
+    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
+      const long long e = raw[k];
+      ids[k] = -1;
+      if (e < -1 || e >= E)
+        atomicMin(&first_bad, (unsigned long long)t * K + k);
+      else
+        ids[k] = (int)e;
+    }
     unsigned rank_mask = 0;
-    if (t < T) {
-      long long ids[EPX_MAX_TOP_K];
-      for (int k = 0; k < K; k++) ids[k] = (long long)topk[(size_t)t * K + k];
-      for (int k = 0; k < K; k++) {
-        const long long e = ids[k];
-        if (e == -1) continue;
-        if (e < -1 || e >= E) {
-          atomicMin(&first_bad, (unsigned long long)t * K + k);
-          continue;
-        }
-        rank_mask |= 1u << (int)(e / experts_per_rank);
-        bool repeated = false; /* count a token once per expert, even if listed twice */
-        for (int j = 0; j < k; j++) repeated |= ids[j] == e;
-        if (!repeated) atomicAdd(&expert_count[e], 1);
-      }
+#pragma unroll
+    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
+      if (ids[k] < 0) continue;
+      rank_mask |= 1u << (ids[k] / experts_per_rank);
+      bool repeated = false; /* count a token once per expert, even if listed twice */
+#pragma unroll
+      for (int j = 0; j < k; j++) repeated |= ids[j] == ids[k];
+      if (!repeated) atomicAdd(&expert_count[ids[k]], 1);
     }
     int prefix[EPX_MAX_RANKS];
-    for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int r = 0; r < EPX_MAX_RANKS; r++) {
       const unsigned ballot = __ballot_sync(0xffffffffu, (rank_mask >> r) & 1u);
       prefix[r] = __popc(ballot & ((1u << lane) - 1u));
-      if (lane == 0) warp_count[warp][r] = __popc(ballot);
+      if (lane == 0 && r < R) warp_count[warp][r] = __popc(ballot);
+    }
+    __syncthreads();
+    /* Thread r scans the warps' counts of rank r; warp_offset is read only after the next
+     * barrier, and rewritten only after the next tile's first one. */
+    if (tid < R) {
+      int running = rank_base[tid];
+      for (int w = 0; w < kWarps; w++) {
+        warp_offset[w][tid] = running;
+        running += warp_count[w][tid];
+      }
+      rank_base[tid] = running;
     }
     __syncthreads();
     if (t < T) {
-      for (int r = 0; r < R; r++) {
+#pragma unroll
+      for (int r = 0; r < EPX_MAX_RANKS; r++) {
+        if (r >= R) break;
         const bool in_rank = (rank_mask >> r) & 1u;
-        int offset = rank_base[r] + prefix[r];
-        for (int w = 0; w < warp; w++) offset += warp_count[w][r];
         if (a.is_token_in_rank) a.is_token_in_rank[(size_t)t * R + r] = in_rank ? 1 : 0;
-        if (a.token_pos_in_rank) a.token_pos_in_rank[(size_t)t * R + r] = in_rank ? offset : -1;
+        if (a.token_pos_in_rank)
+          a.token_pos_in_rank[(size_t)t * R + r] = in_rank ? warp_offset[warp][r] + prefix[r] : -1;
       }
     }
-    __syncthreads();
-    if (tid < R) {
-      int total = 0;
-      for (int w = 0; w < kWarps; w++) total += warp_count[w][tid];
-      rank_base[tid] += total;
-    }
-    __syncthreads();
   }
+  __syncthreads();
 
   if (a.num_tokens_per_rank && tid < R) a.num_tokens_per_rank[tid] = rank_base[tid];
   if (a.num_tokens_per_expert)

@@ -29,6 +29,8 @@
  *     rounds of up to 8 tokens), w * y over the token's experts on d (from the dispatch header)
  *     and sends one float32 partial to combine_recv[d*M + t] on s; block b of s waits for block b
  *     of every rank and adds the partials of the token's ranks.
+ *   Route DISPATCH_BY_RANK (the default) runs the BY_RANK dispatch and the DIRECT combine: the
+ *     fan-out writes each row's src_info (source, token, first slot) as the DIRECT dispatch does.
  *
  * Signals are 64-bit words (epoch << 32) | value: written with a system-scope release after a
  * __syncthreads and a system fence, read with acquire loads in bounded waits. Each block keeps
