@@ -188,7 +188,7 @@ int check_combine(const world_t *w, int me, const void *out_dev, const float *we
 
 int check_combine_unchanged(const world_t *w, int me, const void *out_dev, const char *label) {
   const int R = w->R;
-  uint16_t *y[EPX_MAX_RANKS];
+  uint16_t *y[EPX_MAX_RANKS] = {NULL};
   for (int d = 0; d < R; d++) {
     epx_ref_recv_t r;
     memset(&r, 0, sizeof r);
