@@ -2,13 +2,21 @@
  * layout.cu - dispatch layout of one rank's tokens: per-rank and per-expert token counts,
  * is_token_in_rank [T, R], and each token's position in each destination rank's stream.
  *
- * One block of 1024 threads (32 warps) walks the tokens in tiles of 1024, one token per thread.
- * Positions are an exclusive scan per destination rank: a warp ballot gives the rank within the
- * warp, R threads scan the per-warp totals into each warp's offset, and rank_base carries the
- * running total from tile to tile. Expert counts are shared-memory atomics (E <= 1024).
- * Invalid expert ids (outside [-1, E)) are skipped as empty slots; the lowest flat position
- * t*K+k of one is kept and raised as EPX_ERR_INVALID_ARGUMENT at the end. Nothing is written
- * outside the caller's arrays.
+ * ceil(T / 512) blocks of 512 threads; block b owns the tile of tokens [512 b, 512 b + 512), one
+ * token per thread. The work per token (its ids, the expert count once per distinct expert, its
+ * rank mask) is a few hundred instructions, so one block walking every tile was compute bound
+ * (~7 us per 1024 tokens, 30 us of a 4096-token dispatch); blocks share nothing and never wait
+ * for each other:
+ *   1. Prefix: block b counts, per destination rank, the tokens before its tile (rank masks only,
+ *      no deduplication: tens of instructions per token). The last block thus sees every token
+ *      and alone reports the lowest invalid id and writes num_tokens_per_rank.
+ *   2. Own tile: a warp ballot gives a token's rank within its warp, the per-warp totals give the
+ *      warp's offset, the prefix gives the tile's; expert counts go to shared memory, then one
+ *      global atomicAdd per expert touched (the host zeroes num_tokens_per_expert first).
+ * Invalid expert ids (outside [-1, E)) are skipped as empty slots; the lowest flat position t*K+k
+ * of one is raised as EPX_ERR_INVALID_ARGUMENT. Nothing is written outside the caller's arrays.
+ * Every loop over k or r is unrolled to the compile-time maximum, so the per-token arrays stay
+ * in registers (indexed at run time they went to local memory).
  */
 #include "checks.h"
 #include "kernels/api.h"
@@ -17,16 +25,45 @@
 
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 512; /* = tokens per tile */
 constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+/* Token t's K ids (invalid ones as -1), all loads issued before any check, and the lowest flat
+ * position of an invalid one folded into *first_bad. */
+template <typename IdxT>
+__device__ __forceinline__ void load_ids(const IdxT *topk, int t, int K, int E, int *ids,
+                                         unsigned long long *first_bad) {
+  long long raw[EPX_MAX_TOP_K];
+#pragma unroll
+  for (int k = 0; k < EPX_MAX_TOP_K; k++) raw[k] = k < K ? (long long)topk[(size_t)t * K + k] : -1;
+#pragma unroll
+  for (int k = 0; k < EPX_MAX_TOP_K; k++) {
+    ids[k] = -1;
+    if (raw[k] < -1 || raw[k] >= E) {
+      const unsigned long long pos = (unsigned long long)t * K + k;
+      if (pos < *first_bad) *first_bad = pos;
+    } else {
+      ids[k] = (int)raw[k];
+    }
+  }
+}
+
+/* Bit r set when one of the ids is an expert of rank r. */
+__device__ __forceinline__ unsigned rank_mask_of(const int *ids, int experts_per_rank) {
+  unsigned mask = 0;
+#pragma unroll
+  for (int k = 0; k < EPX_MAX_TOP_K; k++)
+    if (ids[k] >= 0) mask |= 1u << (ids[k] / experts_per_rank);
+  return mask;
+}
 
 template <typename IdxT>
 __global__ void __launch_bounds__(kThreads, 1)
     layout_kernel(epx__kernel_ctx_t ctx, epx__layout_launch_args_t a) {
   __shared__ int expert_count[EPX_MAX_EXPERTS];
   __shared__ int warp_count[kWarps][EPX_MAX_RANKS];
-  __shared__ int warp_offset[kWarps][EPX_MAX_RANKS]; /* first position of each warp's tokens */
-  __shared__ int rank_base[EPX_MAX_RANKS];
+  __shared__ int tile_base[EPX_MAX_RANKS];
   __shared__ unsigned long long first_bad;
 
   const uint64_t t_start = epx::trace_begin(ctx);
@@ -34,83 +71,100 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int T = a.num_tokens, K = a.top_k, E = a.num_experts, R = a.num_ranks;
   const int experts_per_rank = E / R;
   const IdxT *topk = (const IdxT *)a.topk_idx;
+  const int tile = blockIdx.x * kThreads;
+  const bool last = blockIdx.x == gridDim.x - 1;
 
   for (int e = tid; e < E; e += kThreads) expert_count[e] = 0;
-  if (tid < EPX_MAX_RANKS) rank_base[tid] = 0;
   if (tid == 0) first_bad = ~0ull;
-  __syncthreads();
 
-  for (int tile = 0; tile < T; tile += kThreads) {
-    const int t = tile + tid;
-    /* The token's ids in registers: every loop over k or r below is unrolled to the compile-time
-     * maximum, so nothing is indexed at run time (a run-time index put these arrays in local
-     * memory and made this kernel 40 us of a 4096-token dispatch). All loads are issued before any
-     * check: an atomic between two loads keeps the compiler from overlapping them, and each would
-     * cost a full memory latency. */
-    long long raw[EPX_MAX_TOP_K];
+  /* 1. Tokens of each rank before this tile. */
+  unsigned long long my_bad = ~0ull;
+  int before[EPX_MAX_RANKS];
 #pragma unroll
-    for (int k = 0; k < EPX_MAX_TOP_K; k++)
-      raw[k] = (t < T && k < K) ? (long long)topk[(size_t)t * K + k] : -1;
-    int ids[EPX_MAX_TOP_K];
-#pragma unroll
-    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
-      const long long e = raw[k];
-      ids[k] = -1;
-      if (e < -1 || e >= E)
-        atomicMin(&first_bad, (unsigned long long)t * K + k);
-      else
-        ids[k] = (int)e;
-    }
-    unsigned rank_mask = 0;
-#pragma unroll
-    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
-      if (ids[k] < 0) continue;
-      rank_mask |= 1u << (ids[k] / experts_per_rank);
-      bool repeated = false; /* count a token once per expert, even if listed twice */
-#pragma unroll
-      for (int j = 0; j < k; j++) repeated |= ids[j] == ids[k];
-      if (!repeated) atomicAdd(&expert_count[ids[k]], 1);
-    }
-    int prefix[EPX_MAX_RANKS];
-#pragma unroll
-    for (int r = 0; r < EPX_MAX_RANKS; r++) {
-      const unsigned ballot = __ballot_sync(0xffffffffu, (rank_mask >> r) & 1u);
-      prefix[r] = __popc(ballot & ((1u << lane) - 1u));
-      if (lane == 0 && r < R) warp_count[warp][r] = __popc(ballot);
-    }
-    __syncthreads();
-    /* Thread r scans the warps' counts of rank r; warp_offset is read only after the next
-     * barrier, and rewritten only after the next tile's first one. */
-    if (tid < R) {
-      int running = rank_base[tid];
-      for (int w = 0; w < kWarps; w++) {
-        warp_offset[w][tid] = running;
-        running += warp_count[w][tid];
-      }
-      rank_base[tid] = running;
-    }
-    __syncthreads();
-    if (t < T) {
-#pragma unroll
-      for (int r = 0; r < EPX_MAX_RANKS; r++) {
-        if (r >= R) break;
-        const bool in_rank = (rank_mask >> r) & 1u;
-        if (a.is_token_in_rank) a.is_token_in_rank[(size_t)t * R + r] = in_rank ? 1 : 0;
-        if (a.token_pos_in_rank)
-          a.token_pos_in_rank[(size_t)t * R + r] = in_rank ? warp_offset[warp][r] + prefix[r] : -1;
+  for (int r = 0; r < EPX_MAX_RANKS; r++) before[r] = 0;
+    /* Only a mask per token: no per-token arrays, so unrolling keeps several tokens' loads in
+     * flight (this loop is the last block's critical path: tile / kThreads tokens per thread). */
+#pragma unroll 2
+  for (int t = tid; t < tile; t += kThreads) {
+    unsigned mask = 0;
+#pragma unroll 8
+    for (int k = 0; k < K; k++) {
+      const long long e = (long long)topk[(size_t)t * K + k];
+      if (e >= 0 && e < E) {
+        mask |= 1u << ((int)e / experts_per_rank);
+      } else if (e != -1) {
+        const unsigned long long pos = (unsigned long long)t * K + k;
+        if (pos < my_bad) my_bad = pos;
       }
     }
+#pragma unroll
+    for (int r = 0; r < EPX_MAX_RANKS; r++) before[r] += (mask >> r) & 1u;
+  }
+#pragma unroll
+  for (int r = 0; r < EPX_MAX_RANKS; r++) {
+    const int sum = __reduce_add_sync(kFull, before[r]);
+    if (lane == 0) warp_count[warp][r] = sum;
   }
   __syncthreads();
+  if (tid < R) {
+    int sum = 0;
+    for (int w = 0; w < kWarps; w++) sum += warp_count[w][tid];
+    tile_base[tid] = sum;
+  }
+  __syncthreads(); /* warp_count is rewritten below */
 
-  if (a.num_tokens_per_rank && tid < R) a.num_tokens_per_rank[tid] = rank_base[tid];
+  /* 2. This tile. */
+  const int t = tile + tid;
+  int ids[EPX_MAX_TOP_K];
+#pragma unroll
+  for (int k = 0; k < EPX_MAX_TOP_K; k++) ids[k] = -1;
+  if (t < T) load_ids(topk, t, K, E, ids, &my_bad);
+  const unsigned rank_mask = rank_mask_of(ids, experts_per_rank);
+#pragma unroll
+  for (int k = 0; k < EPX_MAX_TOP_K; k++) {
+    if (ids[k] < 0) continue;
+    bool repeated = false; /* count a token once per expert, even if listed twice */
+#pragma unroll
+    for (int j = 0; j < k; j++) repeated |= ids[j] == ids[k];
+    if (!repeated) atomicAdd(&expert_count[ids[k]], 1);
+  }
+  if (my_bad != ~0ull) atomicMin(&first_bad, my_bad);
+  int prefix[EPX_MAX_RANKS];
+#pragma unroll
+  for (int r = 0; r < EPX_MAX_RANKS; r++) {
+    const unsigned ballot = __ballot_sync(kFull, (rank_mask >> r) & 1u);
+    prefix[r] = __popc(ballot & ((1u << lane) - 1u));
+    if (lane == 0) warp_count[warp][r] = __popc(ballot);
+  }
+  __syncthreads();
+  if (t < T) {
+#pragma unroll
+    for (int r = 0; r < EPX_MAX_RANKS; r++) {
+      if (r >= R) break;
+      const bool in_rank = (rank_mask >> r) & 1u;
+      int offset = tile_base[r] + prefix[r];
+      for (int w = 0; w < warp; w++) offset += warp_count[w][r];
+      if (a.is_token_in_rank) a.is_token_in_rank[(size_t)t * R + r] = in_rank ? 1 : 0;
+      if (a.token_pos_in_rank) a.token_pos_in_rank[(size_t)t * R + r] = in_rank ? offset : -1;
+    }
+  }
+
   if (a.num_tokens_per_expert)
-    for (int e = tid; e < E; e += kThreads) a.num_tokens_per_expert[e] = expert_count[e];
+    for (int e = tid; e < E; e += kThreads)
+      if (expert_count[e]) atomicAdd(&a.num_tokens_per_expert[e], expert_count[e]);
+  if (!last) return;
+  /* The last block has seen every token: totals per rank and the lowest invalid id. */
+  if (a.num_tokens_per_rank && tid < R) {
+    int total = tile_base[tid];
+    for (int w = 0; w < kWarps; w++) total += warp_count[w][tid];
+    a.num_tokens_per_rank[tid] = total;
+  }
   if (tid == 0 && first_bad != ~0ull) {
     const long long pos = (long long)first_bad;
     epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_LAYOUT, -1, pos,
                      (long long)topk[pos]);
   }
+  /* One span per call: the last block's, which does the most work. */
   if (tid == 0) epx::trace_end(ctx, t_start, EPX_TRACE_LAYOUT, T);
 }
 
@@ -119,10 +173,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 extern "C" epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx,
                                            const epx__layout_launch_args_t *args,
                                            cudaStream_t stream) {
+  const int blocks = args->num_tokens > 0 ? (args->num_tokens + kThreads - 1) / kThreads : 1;
+  if (args->num_tokens_per_expert)
+    CUDA_CHECK(cudaMemsetAsync(args->num_tokens_per_expert, 0,
+                               sizeof(int) * (size_t)args->num_experts, stream));
   if (args->idx_is_int64)
-    layout_kernel<long long><<<1, kThreads, 0, stream>>>(*ctx, *args);
+    layout_kernel<long long><<<blocks, kThreads, 0, stream>>>(*ctx, *args);
   else
-    layout_kernel<int><<<1, kThreads, 0, stream>>>(*ctx, *args);
+    layout_kernel<int><<<blocks, kThreads, 0, stream>>>(*ctx, *args);
   CUDA_CHECK(cudaGetLastError());
   return EPX_OK;
 }
