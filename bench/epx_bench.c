@@ -8,7 +8,7 @@
  *   1. the machine's ceiling: SM-driven all-to-all push, one row per --sms entry (ceiling.c);
  *   2. for each --tokens entry, on one seeded workload (workload.c):
  *      the NCCL baseline rows (nccl_ep.c), then the EPX rows (epx_rows.c), per --epx-sms;
- *   3. for each --ll-tokens entry, the low-latency rows of both routes (ll_rows.c).
+ *   3. for each --ll-tokens entry, the low-latency rows of every route (ll_rows.c).
  * --rows normal / ll keeps only the normal (2.) or the low-latency (3.) rows.
  * Every rank keeps the same table; rank 0 prints it as rows are measured and writes --json.
  * On a failure a rank returns at once without tearing anything down: its peers may be stuck
