@@ -38,8 +38,16 @@ EPX_EXPORT epx_status_t epx_layout(epx_group_t g, const epx_layout_args_t *args,
   }
   if (args->num_tokens_per_rank)
     EPX_CHECK(check_device_ptr(args->num_tokens_per_rank, 4, "args->num_tokens_per_rank"));
-  if (args->num_tokens_per_expert)
+  if (args->num_tokens_per_expert) {
     EPX_CHECK(check_device_ptr(args->num_tokens_per_expert, 4, "args->num_tokens_per_expert"));
+    /* The layout zeroes it with a memset before its blocks add their counts: keep it to memory
+     * the memset is known to serve (device or managed), not mapped host memory. */
+    struct cudaPointerAttributes attr;
+    CUDA_CHECK(cudaPointerGetAttributes(&attr, args->num_tokens_per_expert));
+    EPX_ARG_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged,
+                  "epx_layout: args->num_tokens_per_expert = %p is host memory; pass device memory",
+                  (void *)args->num_tokens_per_expert);
+  }
 
   return epx__layout_enqueue(g, args, stream);
 }

@@ -17,9 +17,11 @@
  *              src_info    [L, RM] int4: source rank, token, slot, 0
  *              cnt         [L, R] int: rows of (local expert, source), written by the source
  *              recv_count  [L], recv_begin [L, R], recv_num [L, R] int: this rank's outputs
- *              stage       [R, M] rows of (144-byte header, payload, scales): route BY_RANK
+ *              stage       [R, M] rows of (144-byte header, payload, scales): BY_RANK dispatch
+ *                          (routes BY_RANK and DISPATCH_BY_RANK); combine reads the headers
  *              combine_in  [L, RM, H] BF16: the zero-copy combine input
- *              combine_recv [max(K, R), M, H] BF16: rows returned to this rank
+ *              combine_recv max(2K, 4R) x M x H bytes: rows returned to this rank, DIRECT
+ *                          combine [M, K, H] BF16, BY_RANK combine [R, M, H] float32
  *              my_ids, my_w [M, K] int32 / float32: this rank's routing, kept for combine
  *              dflag, cflag [R, EPX_LL_MAX_BLOCKS] u64: dispatch / combine signals, written by
  *                          block b of source s at [s][b]: (epoch << 32) | low word

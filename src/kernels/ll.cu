@@ -11,7 +11,8 @@
  * handles the tokens t = b, b + G, b + 2G, ... of that rank.
  *   dispatch send: in rounds of up to 8 tokens, warp w plans token w of the round (its
  *     distinct experts, their slots, the destinations), then the 16 warps copy the round's
- *     tokens in 512-channel chunks (16 channels per lane), quantized to FP8 once per token. Route
+ *     tokens in 512-channel chunks (FP8: lane l quantizes channels 16l..16l+15 once per token;
+ *     BF16: lane l copies channels 8l and 256 + 8l, so each store writes 512 bytes). Route
  * DIRECT writes one row per (token, expert) into its final slot on the expert's rank. Route BY_RANK
  * writes one staged row per (token, destination rank) at stage[s][t] of the destination, after a
  * header listing the token's experts there (local id, slot, weight); the own rank's rows are
