@@ -388,6 +388,23 @@ EPX_HOST_TEST(ref_fp8_quantize_hand, 10) {
  * Normal dispatch and combine.
  * ------------------------------------------------------------------------------------------- */
 
+/* The 4 received rows of a hand-world dispatch (top-2, hidden 2): sources, ids, weights, x. */
+static int check_hand_rows(const epx_ref_recv_t *r, const int *src_rank, const int *src_token,
+                           const int64_t *idx, const float *w, const float *x) {
+  for (int i = 0; i < 4; i++) {
+    EXPECT_EQ_INT(r->src_rank[i], src_rank[i]);
+    EXPECT_EQ_INT(r->src_token[i], src_token[i]);
+  }
+  for (int i = 0; i < 8; i++) {
+    EXPECTF(r->topk_idx[i] == idx[i], "topk_idx[%d][%d] = %lld, want %lld", i / 2, i % 2,
+            (long long)r->topk_idx[i], (long long)idx[i]);
+    EXPECTF(r->topk_weights[i] == w[i], "topk_weights[%d][%d] = %g, want %g", i / 2, i % 2,
+            r->topk_weights[i], w[i]);
+    EXPECTF(r->x[i] == bf(x[i]), "x[%d][%d] = %g, want %g", i / 2, i % 2, fb(r->x[i]), x[i]);
+  }
+  return TEST_PASS;
+}
+
 EPX_HOST_TEST(ref_dispatch_hand, 10) {
   hand_world_t h;
   hand_world_init(&h);
@@ -403,17 +420,7 @@ EPX_HOST_TEST(ref_dispatch_hand, 10) {
     const float w[8] = {0.5f, 0, 1.0f, 0, 0, 0.5f, 0.25f, 0.5f};
     const float x[8] = {1, -1, 4, -4, 11, -11, 13, -13};
     const int prefix[3] = {0, 2, 4};
-    for (int i = 0; i < 4; i++) {
-      EXPECT_EQ_INT(r.src_rank[i], src_rank[i]);
-      EXPECT_EQ_INT(r.src_token[i], src_token[i]);
-    }
-    for (int i = 0; i < 8; i++) {
-      EXPECTF(r.topk_idx[i] == idx[i], "topk_idx[%d][%d] = %lld, want %lld", i / 2, i % 2,
-              (long long)r.topk_idx[i], (long long)idx[i]);
-      EXPECTF(r.topk_weights[i] == w[i], "topk_weights[%d][%d] = %g, want %g", i / 2, i % 2,
-              r.topk_weights[i], w[i]);
-      EXPECTF(r.x[i] == bf(x[i]), "x[%d][%d] = %g, want %g", i / 2, i % 2, fb(r.x[i]), x[i]);
-    }
+    EXPECT(check_hand_rows(&r, src_rank, src_token, idx, w, x) == TEST_PASS);
     for (int s = 0; s < 3; s++) EXPECT_EQ_INT(r.rank_prefix[s], prefix[s]);
     EXPECT_EQ_INT(r.num_recv_per_expert[0], 2);
     EXPECT_EQ_INT(r.num_recv_per_expert[1], 2);
@@ -432,17 +439,7 @@ EPX_HOST_TEST(ref_dispatch_hand, 10) {
     const int64_t idx[8] = {-1, 0, 1, 0, 0, -1, -1, 1};
     const float w[8] = {0, 0.25f, 0.125f, 0.75f, 0.5f, 0, 0, 0.25f};
     const float x[8] = {1, -1, 2, -2, 11, -11, 12, -12};
-    for (int i = 0; i < 4; i++) {
-      EXPECT_EQ_INT(r.src_rank[i], src_rank[i]);
-      EXPECT_EQ_INT(r.src_token[i], src_token[i]);
-    }
-    for (int i = 0; i < 8; i++) {
-      EXPECTF(r.topk_idx[i] == idx[i], "topk_idx[%d][%d] = %lld, want %lld", i / 2, i % 2,
-              (long long)r.topk_idx[i], (long long)idx[i]);
-      EXPECTF(r.topk_weights[i] == w[i], "topk_weights[%d][%d] = %g, want %g", i / 2, i % 2,
-              r.topk_weights[i], w[i]);
-      EXPECTF(r.x[i] == bf(x[i]), "x[%d][%d] = %g, want %g", i / 2, i % 2, fb(r.x[i]), x[i]);
-    }
+    EXPECT(check_hand_rows(&r, src_rank, src_token, idx, w, x) == TEST_PASS);
     EXPECT_EQ_INT(r.num_recv_per_expert[0], 3);
     EXPECT_EQ_INT(r.num_recv_per_expert[1], 2);
     EXPECT_EQ_INT(r.num_recv_per_expert_aligned[0], 4);

@@ -23,8 +23,10 @@
 #include "trace.h"
 
 /* The writer's output in memory, parsed; *text keeps the raw bytes (free both). */
-static json_value_t *write_and_parse(int R, const epx__trace_rank_t *ranks, char **text,
-                                     size_t *len) {
+/* Write ranks as the trace JSON into *text, parse it and run trace_check on it (facts out).
+ * NULL, after saying why on stderr, when writing, parsing or checking fails. */
+static json_value_t *write_and_check(int R, const epx__trace_rank_t *ranks, char **text,
+                                     size_t *len, trace_facts_t *facts) {
   FILE *f = open_memstream(text, len);
   if (!f) return NULL;
   const epx_status_t st = epx__trace_write_json(f, R, ranks);
@@ -32,7 +34,15 @@ static json_value_t *write_and_parse(int R, const epx__trace_rank_t *ranks, char
   if (st != EPX_OK) return NULL;
   char err[256];
   json_value_t *root = json_parse(*text, *len, err, sizeof err);
-  if (!root) fprintf(stderr, "  trace JSON does not parse: %s\n", err);
+  if (!root) {
+    fprintf(stderr, "  trace JSON does not parse: %s\n", err);
+    return NULL;
+  }
+  if (trace_check(root, facts, err, sizeof err) != 0) {
+    fprintf(stderr, "  trace check: %s\n", err);
+    json_free(root);
+    return NULL;
+  }
   return root;
 }
 
@@ -101,11 +111,9 @@ EPX_HOST_TEST(trace_writer_output_is_valid_json, 30) {
   epx__trace_rank_t ranks[2] = {rank_of(e0, 9, 0, t0), rank_of(e1, 2, 0, t0)};
   char *text = NULL;
   size_t len = 0;
-  json_value_t *root = write_and_parse(2, ranks, &text, &len);
-  EXPECT(root != NULL);
   trace_facts_t facts;
-  char why[256];
-  EXPECTF(trace_check(root, &facts, why, sizeof why) == 0, "%s", why);
+  json_value_t *root = write_and_check(2, ranks, &text, &len, &facts);
+  EXPECT(root != NULL);
   EXPECT_EQ_INT(facts.num_ranks, 2);
   EXPECT_EQ_INT(facts.events, 11);
   EXPECT_EQ_INT(facts.spans[0], 9);
@@ -183,11 +191,9 @@ EPX_HOST_TEST(trace_clocks_are_aligned, 10) {
   ranks[1].capacity = 16;
   char *text = NULL;
   size_t len = 0;
-  json_value_t *root = write_and_parse(2, ranks, &text, &len);
-  EXPECT(root != NULL);
   trace_facts_t facts;
-  char why[256];
-  EXPECTF(trace_check(root, &facts, why, sizeof why) == 0, "%s", why);
+  json_value_t *root = write_and_check(2, ranks, &text, &len, &facts);
+  EXPECT(root != NULL);
   long long ts0, dur0, ts1, dur1, arg;
   EXPECT(trace_find_span(root, 0, "barrier", &ts0, &dur0, &arg) == 0);
   EXPECT(trace_find_span(root, 1, "barrier", &ts1, &dur1, &arg) == 0);
@@ -210,11 +216,9 @@ EPX_HOST_TEST(trace_dropped_events_are_reported, 10) {
   ranks[1].num_dropped = 7; /* 11 claimed, 4 kept */
   char *text = NULL;
   size_t len = 0;
-  json_value_t *root = write_and_parse(3, ranks, &text, &len);
-  EXPECT(root != NULL);
   trace_facts_t facts;
-  char why[256];
-  EXPECTF(trace_check(root, &facts, why, sizeof why) == 0, "%s", why);
+  json_value_t *root = write_and_check(3, ranks, &text, &len, &facts);
+  EXPECT(root != NULL);
   EXPECT_EQ_INT(facts.events, 10);
   EXPECT_EQ_INT(facts.dropped, 7);
   EXPECT_EQ_INT(facts.dropped_per_rank[1], 7);
@@ -231,11 +235,9 @@ EPX_HOST_TEST(trace_empty_and_unaligned_ranks, 10) {
   for (int q = 0; q < 3; q++) ranks[q].capacity = 8; /* no events, no clock syncs */
   char *text = NULL;
   size_t len = 0;
-  json_value_t *root = write_and_parse(3, ranks, &text, &len);
-  EXPECT(root != NULL);
   trace_facts_t facts;
-  char why[256];
-  EXPECTF(trace_check(root, &facts, why, sizeof why) == 0, "%s", why);
+  json_value_t *root = write_and_check(3, ranks, &text, &len, &facts);
+  EXPECT(root != NULL);
   EXPECT_EQ_INT(facts.num_ranks, 3);
   EXPECT_EQ_INT(facts.events, 0);
   EXPECT(strstr(text, "\"clock_aligned\":false") != NULL);
@@ -250,6 +252,7 @@ EPX_HOST_TEST(trace_empty_and_unaligned_ranks, 10) {
       "{\"a\":01}",                              /* leading zero */
       "{\"a\":\"\\q\"}",                         /* bad escape */
   };
+  char why[256];
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     json_value_t *v = json_parse(bad[i], strlen(bad[i]), why, sizeof why);
     EXPECTF(v == NULL, "accepted %s", bad[i]);
