@@ -13,104 +13,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arg_check.h"
 #include "checks.h"
 #include "config.h"
 #include "debug.h"
 #include "group.h"
-#include "kernels/api.h"
+#include "kernels/barrier.h"
+#include "registry.h"
 #include "trace.h"
 #include "transport.h"
 
-/* ------------------------------------------------------------------------------------------
- * Registry of live groups: a destroyed or foreign handle is refused without dereferencing it.
- * ---------------------------------------------------------------------------------------- */
-typedef struct live_node {
-  const void *object; /* a live group or handle */
-  struct live_node *next;
-} live_node_t;
-
-static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
-static live_node_t *live_groups;
-
-static void live_add(const void *g, live_node_t *node) {
-  pthread_mutex_lock(&live_lock);
-  node->object = g;
-  node->next = live_groups;
-  live_groups = node;
-  pthread_mutex_unlock(&live_lock);
-}
-
-static live_node_t *live_remove(const void *g) {
-  pthread_mutex_lock(&live_lock);
-  live_node_t **pp = &live_groups, *found = NULL;
-  while (*pp && (*pp)->object != g) pp = &(*pp)->next;
-  if (*pp) {
-    found = *pp;
-    *pp = found->next;
-  }
-  pthread_mutex_unlock(&live_lock);
-  return found;
-}
-
-static int live_contains(const void *object) {
-  pthread_mutex_lock(&live_lock);
-  live_node_t *n = live_groups;
-  while (n && n->object != object) n = n->next;
-  pthread_mutex_unlock(&live_lock);
-  return n != NULL;
-}
-
-epx_status_t epx__registry_add(const void *object) {
-  live_node_t *node = (live_node_t *)calloc(1, sizeof *node);
-  if (!node) return epx__set_error(EPX_ERR_SYSTEM, "out of host memory");
-  live_add(object, node);
-  return EPX_OK;
-}
-
-void epx__registry_remove(const void *object) {
-  free(live_remove(object));
-}
-
-epx_status_t epx__group_check(epx_group_t g) {
-  if (!g) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "group is NULL");
-  if (!live_contains(g))
-    return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "group %p is not a live EPX group (destroyed, or never created)",
-                          (void *)g);
-  return EPX_OK;
-}
-
-epx_status_t epx__handle_check(epx_group_t g, epx_handle_t h) {
-  EPX_CHECK(epx__group_check(g));
-  if (!h) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "handle is NULL");
-  if (!live_contains(h))
-    return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "handle %p is not a live EPX handle (destroyed, or never created)",
-                          (void *)h);
-  if (h->group != g)
-    return epx__set_error(EPX_ERR_INVALID_USAGE, "handle %p belongs to another group (%p, not %p)",
-                          (void *)h, (void *)h->group, (void *)g);
-  return EPX_OK;
-}
-
-epx_status_t epx__check_device_ptr(const void *p, size_t align, const char *what) {
-  if (!p) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s is NULL", what);
-  if ((uintptr_t)p % align != 0)
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is not %zu-byte aligned", what, p,
-                          align);
-  struct cudaPointerAttributes attr;
-  cudaError_t e = cudaPointerGetAttributes(&attr, p);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError(); /* do not leave the query's error behind for the caller */
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s = %p is not GPU memory (%s)", what, p,
-                          cudaGetErrorString(e));
-  }
-  if (attr.type == cudaMemoryTypeUnregistered ||
-      (attr.type == cudaMemoryTypeHost && !attr.devicePointer))
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
-                          "%s = %p is host memory the GPU cannot access; pass device memory", what,
-                          p);
-  return EPX_OK;
+epx__control_t *epx__group_control(epx_group_t g) {
+  return (epx__control_t *)(g->workspace + g->layout.control_offset);
 }
 
 void epx__group_kernel_ctx(epx_group_t g, epx__kernel_ctx_t *ctx) {
@@ -238,7 +152,7 @@ static epx_status_t local_checks(ncclComm_t comm, int num_ranks, const epx_group
 
 EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config,
                                          epx_group_t *group) {
-  EPX_ARG_CHECK(comm != NULL, "epx_group_create: comm is NULL");
+  EPX_CHECK(epx__check_not_null("epx_group_create", "comm", comm));
   if (group) *group = NULL;
   int num_ranks = 0, rank = 0;
   NCCL_CHECK(ncclCommCount(comm, &num_ranks));
@@ -273,12 +187,7 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   if (res != EPX_OK) return res;
 
   epx_group_t g = (epx_group_t)calloc(1, sizeof *g);
-  live_node_t *node = (live_node_t *)calloc(1, sizeof *node);
-  if (!g || !node) {
-    free(g);
-    free(node);
-    return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
-  }
+  if (!g) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
   g->rank = rank;
   g->num_ranks = num_ranks;
   g->comm = comm;
@@ -293,9 +202,11 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   memset((void *)g->error_host, 0, sizeof *g->error_host);
   CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&g->error_dev, (void *)g->error_host, 0), res,
                   fail);
+  /* Registered before the transport opens: nothing that can fail on one rank alone comes
+   * after the collective open. */
+  EPX_CHECK_GOTO(epx__registry_add(g), res, fail);
   g->transport = &epx__transport_nvlink;
   EPX_CHECK_GOTO(g->transport->open(g), res, fail);
-  live_add(g, node);
   if (trace_ranks == num_ranks)
     epx__trace_env_begin(g); /* collective; a failure is logged, the group works untraced */
   else if (trace_ranks > 0)
@@ -306,19 +217,18 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   *group = g;
   return EPX_OK;
 fail:
+  epx__registry_remove(g);
   if (g->transport) g->transport->close(g);
   if (g->error_host) cudaFreeHost((void *)g->error_host);
   if (g->setup_stream) cudaStreamDestroy(g->setup_stream);
   free(g);
-  free(node);
   return res;
 }
 
 EPX_EXPORT epx_status_t epx_group_destroy(epx_group_t g) {
   if (!g) return EPX_OK;
   EPX_CHECK(epx__group_check(g));
-  live_node_t *node = live_remove(g);
-  free(node);
+  epx__registry_remove(g);
   epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
   epx__trace_group_end(g); /* collective: writes EPX_TRACE's file, frees the trace buffers */
   epx_status_t r2 = g->transport->close(g);
@@ -331,28 +241,28 @@ EPX_EXPORT epx_status_t epx_group_destroy(epx_group_t g) {
 
 EPX_EXPORT epx_status_t epx_group_rank(epx_group_t g, int *rank) {
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(rank != NULL, "epx_group_rank: rank is NULL");
+  EPX_CHECK(epx__check_not_null("epx_group_rank", "rank", rank));
   *rank = g->rank;
   return EPX_OK;
 }
 
 EPX_EXPORT epx_status_t epx_group_size(epx_group_t g, int *num_ranks) {
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(num_ranks != NULL, "epx_group_size: num_ranks is NULL");
+  EPX_CHECK(epx__check_not_null("epx_group_size", "num_ranks", num_ranks));
   *num_ranks = g->num_ranks;
   return EPX_OK;
 }
 
 EPX_EXPORT epx_status_t epx_group_get_config(epx_group_t g, epx_group_config_t *config) {
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(config != NULL, "epx_group_get_config: config is NULL");
+  EPX_CHECK(epx__check_not_null("epx_group_get_config", "config", config));
   *config = g->config;
   return EPX_OK;
 }
 
 EPX_EXPORT epx_status_t epx_group_workspace_bytes(epx_group_t g, size_t *bytes) {
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(bytes != NULL, "epx_group_workspace_bytes: bytes is NULL");
+  EPX_CHECK(epx__check_not_null("epx_group_workspace_bytes", "bytes", bytes));
   *bytes = g->layout.total_bytes;
   return EPX_OK;
 }
@@ -381,7 +291,7 @@ static const char *stage_name(int stage) {
 
 EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error_t *err) {
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(err != NULL, "epx_group_get_async_error: error is NULL");
+  EPX_CHECK(epx__check_not_null("epx_group_get_async_error", "error", err));
   memset(err, 0, sizeof *err);
   err->peer = -1;
   err->position = -1;
@@ -417,7 +327,7 @@ EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error
 EPX_EXPORT epx_status_t epx_group_clear_async_error(epx_group_t g) {
   EPX_CHECK(epx__group_check(g));
   CUDA_CHECK(cudaDeviceSynchronize());
-  epx__control_t *ctrl = (epx__control_t *)(g->workspace + g->layout.control_offset);
+  epx__control_t *ctrl = epx__group_control(g);
   CUDA_CHECK(cudaMemsetAsync(&ctrl->error_claim, 0, sizeof ctrl->error_claim, g->setup_stream));
   CUDA_CHECK(cudaStreamSynchronize(g->setup_stream));
   memset((void *)g->error_host, 0, sizeof *g->error_host);

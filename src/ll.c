@@ -14,9 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arg_check.h"
 #include "checks.h"
 #include "group.h"
-#include "kernels/api.h"
+#include "kernels/ll.h"
+#include "registry.h"
 
 enum { KIND_DISPATCH = 0, KIND_COMBINE = 1 };
 
@@ -97,37 +99,31 @@ EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_arg
                                         epx_ll_dispatch_result_t *out, cudaStream_t stream) {
   static const char fn[] = "epx_ll_dispatch";
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(a != NULL, "%s: args is NULL", fn);
-  EPX_ARG_CHECK(out != NULL, "%s: result is NULL", fn);
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(epx__check_not_null(fn, "result", out));
   EPX_CHECK(require_ll(g, fn));
-  EPX_ARG_CHECK(a->size == sizeof(epx_ll_dispatch_args_t),
-                "%s: args->size = %zu, expected %zu; initialize with EPX_LL_DISPATCH_ARGS_INIT", fn,
-                a->size, sizeof(epx_ll_dispatch_args_t));
-  EPX_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= g->config.max_tokens_per_rank,
-                "%s: args->num_tokens = %d: must be in [0, max_tokens_per_rank = %d]", fn,
-                a->num_tokens, g->config.max_tokens_per_rank);
-  EPX_ARG_CHECK(a->topk_idx_dtype == EPX_DTYPE_INT64 || a->topk_idx_dtype == EPX_DTYPE_INT32,
-                "%s: args->topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32", fn,
-                (int)a->topk_idx_dtype);
+  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_ll_dispatch_args_t),
+                                   "EPX_LL_DISPATCH_ARGS_INIT"));
+  EPX_CHECK(
+      epx__check_token_count(fn, "args->num_tokens", a->num_tokens, g->config.max_tokens_per_rank));
+  EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
   EPX_ARG_CHECK(a->recv_dtype == EPX_DTYPE_BF16 || a->recv_dtype == EPX_DTYPE_FP8_E4M3,
                 "%s: args->recv_dtype = %d: must be EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3", fn,
                 (int)a->recv_dtype);
   EPX_ARG_CHECK(g->config.dtypes & a->recv_dtype,
-                "%s: args->recv_dtype = %s, but the group was created without it (config.dtypes "
+                "%s: args->recv_dtype = %s: must be one the group was created with (config.dtypes "
                 "= 0x%x)",
                 fn, a->recv_dtype == EPX_DTYPE_BF16 ? "BF16" : "FP8_E4M3", g->config.dtypes);
-  EPX_ARG_CHECK(a->ue8m0 == 0 || a->ue8m0 == 1, "%s: args->ue8m0 = %d: must be 0 or 1", fn,
-                a->ue8m0);
+  EPX_CHECK(epx__check_flag(fn, "args->ue8m0", a->ue8m0));
   EPX_ARG_CHECK(!a->ue8m0 || a->recv_dtype == EPX_DTYPE_FP8_E4M3,
-                "%s: args->ue8m0 = 1 needs args->recv_dtype = EPX_DTYPE_FP8_E4M3", fn);
-  EPX_ARG_CHECK(a->split == 0 || a->split == 1, "%s: args->split = %d: must be 0 or 1", fn,
-                a->split);
+                "%s: args->ue8m0 = 1: needs args->recv_dtype = EPX_DTYPE_FP8_E4M3", fn);
+  EPX_CHECK(epx__check_flag(fn, "args->split", a->split));
   if (a->num_tokens > 0) {
-    EPX_CHECK(epx__check_device_ptr(a->x, 16, "epx_ll_dispatch: args->x"));
-    EPX_CHECK(epx__check_device_ptr(a->topk_idx, a->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4,
-                                    "epx_ll_dispatch: args->topk_idx"));
+    EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
+    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_idx", a->topk_idx,
+                                    epx__index_bytes(a->topk_idx_dtype)));
     if (a->topk_weights)
-      EPX_CHECK(epx__check_device_ptr(a->topk_weights, 4, "epx_ll_dispatch: args->topk_weights"));
+      EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
   }
   const int parity = g->ll.next_parity;
   if (g->ll.pending[KIND_DISPATCH][parity] || g->ll.pending[KIND_COMBINE][parity])
@@ -169,12 +165,11 @@ EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_
                                        cudaStream_t stream) {
   static const char fn[] = "epx_ll_combine";
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(a != NULL, "%s: args is NULL", fn);
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
   EPX_CHECK(require_ll(g, fn));
-  EPX_ARG_CHECK(a->size == sizeof(epx_ll_combine_args_t),
-                "%s: args->size = %zu, expected %zu; initialize with EPX_LL_COMBINE_ARGS_INIT", fn,
-                a->size, sizeof(epx_ll_combine_args_t));
-  EPX_ARG_CHECK(a->dispatch != NULL, "%s: args->dispatch is NULL", fn);
+  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_ll_combine_args_t),
+                                   "EPX_LL_COMBINE_ARGS_INIT"));
+  EPX_CHECK(epx__check_not_null(fn, "args->dispatch", a->dispatch));
   const epx_ll_dispatch_result_t *d = a->dispatch;
   EPX_ARG_CHECK(d->buffer == 0 || d->buffer == 1,
                 "%s: args->dispatch->buffer = %d: not a dispatch result of this group", fn,
@@ -194,15 +189,15 @@ EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_
   if (g->ll.pending[KIND_COMBINE][parity])
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "%s: a split combine of args->dispatch still waits for epx_ll_recv", fn);
-  EPX_ARG_CHECK(a->split == 0 || a->split == 1, "%s: args->split = %d: must be 0 or 1", fn,
-                a->split);
-  EPX_ARG_CHECK(!a->split || a->hook != NULL, "%s: args->split = 1 needs args->hook", fn);
+  EPX_CHECK(epx__check_flag(fn, "args->split", a->split));
+  EPX_ARG_CHECK(!a->split || a->hook != NULL, "%s: args->hook is NULL: args->split = 1 needs it",
+                fn);
   const int T = g->ll.dispatch_tokens[parity];
-  if (T > 0) EPX_CHECK(epx__check_device_ptr(a->out, 16, "epx_ll_combine: args->out"));
+  if (T > 0) EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));
   const void *x =
       a->x ? a->x : (const void *)(ll_buffer(g, parity) + g->layout.ll_combine_in_offset);
   /* Expert outputs may be 0 rows on this rank, but the pointer must still be device memory. */
-  if (a->x) EPX_CHECK(epx__check_device_ptr(a->x, 16, "epx_ll_combine: args->x"));
+  if (a->x) EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
 
   epx__ll_combine_launch_args_t c = combine_launch_args(
       g, parity, x, a->out, a->split ? EPX_LL_PHASE_SEND : EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV);
@@ -221,7 +216,7 @@ EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_
 EPX_EXPORT epx_status_t epx_ll_recv(epx_group_t g, epx_ll_hook_t *hook, cudaStream_t stream) {
   static const char fn[] = "epx_ll_recv";
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(hook != NULL, "%s: hook is NULL", fn);
+  EPX_CHECK(epx__check_not_null(fn, "hook", hook));
   EPX_CHECK(require_ll(g, fn));
   const unsigned long long id = hook->id;
   const int kind = (int)((id >> 1) & 1u), parity = (int)(id & 1u);
@@ -248,8 +243,8 @@ EPX_EXPORT epx_status_t epx_ll_recv(epx_group_t g, epx_ll_hook_t *hook, cudaStre
 
 EPX_EXPORT epx_status_t epx_group_get_peer_mask(epx_group_t g, unsigned int *mask) {
   EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(mask != NULL, "epx_group_get_peer_mask: mask is NULL");
-  const epx__control_t *ctrl = (const epx__control_t *)(g->workspace + g->layout.control_offset);
+  EPX_CHECK(epx__check_not_null("epx_group_get_peer_mask", "mask", mask));
+  const epx__control_t *ctrl = epx__group_control(g);
   /* NOTE: a copy on the group's own non-blocking stream: it waits for no caller stream, so a
    * low-latency kernel that is still waiting on a peer does not block the query. */
   unsigned value = 0;
@@ -265,7 +260,7 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
   epx_status_t res = EPX_OK;
   const size_t num_epochs = 2 * 2 * EPX_LL_MAX_BLOCKS;
   uint32_t *host = NULL, *dev = NULL;
-  epx__control_t *ctrl = (epx__control_t *)(g->workspace + g->layout.control_offset);
+  epx__control_t *ctrl = epx__group_control(g);
   uint32_t *epochs = (uint32_t *)(g->workspace + g->layout.ll_offset + g->layout.ll_epoch_offset);
   const int ll = (g->config.modes & EPX_MODE_LOW_LATENCY) != 0;
   /* 1. Nothing of ours is in flight any more. */

@@ -13,71 +13,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arg_check.h"
 #include "checks.h"
 #include "group.h"
-#include "kernels/api.h"
+#include "handle.h"
+#include "kernels/normal.h"
+#include "layout.h"
 #include "param.h"
-
-EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
-  EPX_CHECK(epx__group_check(g));
-  EPX_ARG_CHECK(handle != NULL, "epx_handle_create: handle is NULL");
-  *handle = NULL;
-  if (!(g->config.modes & EPX_MODE_NORMAL))
-    return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "epx_handle_create: the group was created without EPX_MODE_NORMAL");
-  const size_t T = (size_t)g->config.max_tokens_per_rank, R = (size_t)g->num_ranks,
-               E = (size_t)g->config.num_experts;
-  /* One device block: meta | pos [T, R] | per-rank [R] | per-expert [E] | in_rank [T, R] */
-  const size_t meta_bytes = epx__align_up(sizeof(epx__recv_meta_t), 256);
-  const size_t pos_bytes = epx__align_up(T * R * 4, 256), rank_bytes = epx__align_up(R * 4, 256);
-  const size_t expert_bytes = epx__align_up(E * 4, 256), in_bytes = epx__align_up(T * R, 256);
-  epx_handle_t h = (epx_handle_t)calloc(1, sizeof *h);
-  if (!h) return epx__set_error(EPX_ERR_SYSTEM, "epx_handle_create: out of host memory");
-  h->group = g;
-  h->num_tokens = -1;
-  epx_status_t res = EPX_OK;
-  CUDA_CHECK_GOTO(
-      cudaMalloc(&h->device_block, meta_bytes + pos_bytes + rank_bytes + expert_bytes + in_bytes),
-      res, fail);
-  char *p = (char *)h->device_block;
-  h->meta = (epx__recv_meta_t *)p;
-  h->token_pos_in_rank = (int *)(p += meta_bytes);
-  h->num_tokens_per_rank = (int *)(p += pos_bytes);
-  h->num_tokens_per_expert = (int *)(p += rank_bytes);
-  h->is_token_in_rank = (uint8_t *)(p += expert_bytes);
-  CUDA_CHECK_GOTO(cudaMemset(h->meta, 0, sizeof *h->meta), res, fail);
-  CUDA_CHECK_GOTO(cudaDeviceSynchronize(), res,
-                  fail); /* the legacy-stream memset is done before any use */
-  CUDA_CHECK_GOTO(
-      cudaHostAlloc((void **)&h->host_counts, (1 + E / R) * sizeof(int), cudaHostAllocMapped), res,
-      fail);
-  CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&h->host_counts_dev, h->host_counts, 0), res,
-                  fail);
-  CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&h->counts_ready, cudaEventDisableTiming), res, fail);
-  EPX_CHECK_GOTO(epx__registry_add(h), res, fail);
-  *handle = h;
-  return EPX_OK;
-fail:
-  if (h->counts_ready) cudaEventDestroy(h->counts_ready);
-  if (h->host_counts) cudaFreeHost(h->host_counts);
-  if (h->device_block) cudaFree(h->device_block);
-  free(h);
-  return res;
-}
-
-EPX_EXPORT epx_status_t epx_handle_destroy(epx_handle_t h) {
-  if (!h) return EPX_OK;
-  EPX_CHECK(epx__handle_check(h->group, h));
-  epx__registry_remove(h);
-  /* Release everything, report the first failure. */
-  epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
-  const epx_status_t e1 = CUDA_STATUS(cudaEventDestroy(h->counts_ready));
-  const epx_status_t e2 = CUDA_STATUS(cudaFreeHost(h->host_counts));
-  const epx_status_t e3 = CUDA_STATUS(cudaFree(h->device_block));
-  free(h);
-  if (res == EPX_OK) res = e1 != EPX_OK ? e1 : e2 != EPX_OK ? e2 : e3;
-  return res;
-}
+#include "registry.h"
 
 static epx__routing_t routing_of(epx_handle_t h) {
   epx__routing_t r = {h->is_token_in_rank,
@@ -105,20 +48,20 @@ static void fill_result(epx_group_t g, epx_handle_t h, int x_is_fp8, int num_rec
 }
 
 /* Payload checks shared by epx_dispatch and epx_dispatch_cached. */
-static epx_status_t check_payload(epx_group_t g, const char *fn, const void *x, epx_dtype_t x_dtype,
-                                  const float *x_scales, int num_tokens) {
+static epx_status_t check_payload(epx_group_t g, const char *fn, const char *x_name, const void *x,
+                                  epx_dtype_t x_dtype, const float *x_scales, int num_tokens) {
+  char arg[64];
+  snprintf(arg, sizeof arg, "%s_dtype", x_name);
   EPX_ARG_CHECK(x_dtype == EPX_DTYPE_BF16 || x_dtype == EPX_DTYPE_FP8_E4M3,
-                "%s: x_dtype = %d: must be EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3", fn, (int)x_dtype);
+                "%s: %s = %d: must be EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3", fn, arg, (int)x_dtype);
   EPX_ARG_CHECK(g->config.dtypes & x_dtype,
-                "%s: x_dtype = %s, but the group was created without it (config.dtypes = 0x%x)", fn,
-                x_dtype == EPX_DTYPE_BF16 ? "BF16" : "FP8_E4M3", g->config.dtypes);
+                "%s: %s = %s: must be one the group was created with (config.dtypes = 0x%x)", fn,
+                arg, x_dtype == EPX_DTYPE_BF16 ? "BF16" : "FP8_E4M3", g->config.dtypes);
   if (num_tokens == 0) return EPX_OK;
-  char what[64];
-  snprintf(what, sizeof what, "%s: x", fn);
-  EPX_CHECK(epx__check_device_ptr(x, 16, what));
+  EPX_CHECK(epx__check_device_ptr(fn, x_name, x, 16));
   if (x_dtype == EPX_DTYPE_FP8_E4M3) {
-    snprintf(what, sizeof what, "%s: x_scales", fn);
-    EPX_CHECK(epx__check_device_ptr(x_scales, 4, what));
+    snprintf(arg, sizeof arg, "%s_scales", x_name);
+    EPX_CHECK(epx__check_device_ptr(fn, arg, x_scales, 4));
   }
   return EPX_OK;
 }
@@ -147,39 +90,33 @@ static epx__dispatch_launch_args_t dispatch_args_of(epx_group_t g, epx_handle_t 
 
 EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_dispatch_args_t *a,
                                      epx_dispatch_result_t *out, cudaStream_t stream) {
+  static const char fn[] = "epx_dispatch";
   EPX_CHECK(epx__handle_check(g, h));
-  EPX_ARG_CHECK(a != NULL, "epx_dispatch: args is NULL");
-  EPX_ARG_CHECK(out != NULL, "epx_dispatch: result is NULL");
-  EPX_ARG_CHECK(
-      a->size == sizeof(epx_dispatch_args_t),
-      "epx_dispatch: args->size = %zu, expected %zu; initialize with EPX_DISPATCH_ARGS_INIT",
-      a->size, sizeof(epx_dispatch_args_t));
-  EPX_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= g->config.max_tokens_per_rank,
-                "epx_dispatch: args->num_tokens = %d: must be in [0, max_tokens_per_rank = %d]",
-                a->num_tokens, g->config.max_tokens_per_rank);
-  EPX_ARG_CHECK(
-      a->topk_idx_dtype == EPX_DTYPE_INT64 || a->topk_idx_dtype == EPX_DTYPE_INT32,
-      "epx_dispatch: args->topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32",
-      (int)a->topk_idx_dtype);
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(epx__check_not_null(fn, "result", out));
+  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_dispatch_args_t),
+                                   "EPX_DISPATCH_ARGS_INIT"));
+  EPX_CHECK(
+      epx__check_token_count(fn, "args->num_tokens", a->num_tokens, g->config.max_tokens_per_rank));
+  EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
   EPX_ARG_CHECK(a->expert_alignment >= 0 && a->expert_alignment <= 4096,
-                "epx_dispatch: args->expert_alignment = %d: must be in [0, 4096]",
-                a->expert_alignment);
-  EPX_ARG_CHECK(a->sync_counts == 0 || a->sync_counts == 1,
-                "epx_dispatch: args->sync_counts = %d: must be 0 or 1", a->sync_counts);
+                "%s: args->expert_alignment = %d: must be in [0, 4096]", fn, a->expert_alignment);
+  EPX_CHECK(epx__check_flag(fn, "args->sync_counts", a->sync_counts));
   EPX_ARG_CHECK(a->sync_counts || !a->num_recv_per_expert,
-                "epx_dispatch: args->num_recv_per_expert needs sync_counts = 1 (use the device "
-                "counts otherwise)");
-  EPX_CHECK(check_payload(g, "epx_dispatch", a->x, a->x_dtype, a->x_scales, a->num_tokens));
+                "%s: args->num_recv_per_expert = %p: must be NULL unless args->sync_counts = 1 "
+                "(use the device counts otherwise)",
+                fn, (void *)a->num_recv_per_expert);
+  EPX_CHECK(check_payload(g, fn, "args->x", a->x, a->x_dtype, a->x_scales, a->num_tokens));
   if (a->num_tokens > 0) {
-    EPX_CHECK(epx__check_device_ptr(a->topk_idx, a->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4,
-                                    "epx_dispatch: topk_idx"));
+    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_idx", a->topk_idx,
+                                    epx__index_bytes(a->topk_idx_dtype)));
     if (a->topk_weights)
-      EPX_CHECK(epx__check_device_ptr(a->topk_weights, 4, "epx_dispatch: topk_weights"));
+      EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
   }
   if (a->sync_counts && stream_is_capturing(stream))
     return epx__set_error(
         EPX_ERR_INVALID_USAGE,
-        "epx_dispatch: sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs");
+        "%s: args->sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs", fn);
 
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
@@ -220,13 +157,13 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
 EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const void *x,
                                             epx_dtype_t x_dtype, const float *x_scales,
                                             epx_dispatch_result_t *out, cudaStream_t stream) {
+  static const char fn[] = "epx_dispatch_cached";
   EPX_CHECK(epx__handle_check(g, h));
-  EPX_ARG_CHECK(out != NULL, "epx_dispatch_cached: result is NULL");
+  EPX_CHECK(epx__check_not_null(fn, "result", out));
   if (h->num_tokens < 0)
-    return epx__set_error(
-        EPX_ERR_INVALID_USAGE,
-        "epx_dispatch_cached: the handle holds no routing yet; call epx_dispatch first");
-  EPX_CHECK(check_payload(g, "epx_dispatch_cached", x, x_dtype, x_scales, h->num_tokens));
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the handle holds no routing yet; call epx_dispatch first", fn);
+  EPX_CHECK(check_payload(g, fn, "x", x, x_dtype, x_scales, h->num_tokens));
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   epx__dispatch_launch_args_t d = dispatch_args_of(g, h, x, x_dtype, x_scales);
@@ -298,27 +235,26 @@ static void combine_tuning(epx__combine_launch_args_t *c) {
 
 EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a,
                                     cudaStream_t stream) {
+  static const char fn[] = "epx_combine";
   EPX_CHECK(epx__handle_check(g, h));
-  EPX_ARG_CHECK(a != NULL, "epx_combine: args is NULL");
-  EPX_ARG_CHECK(
-      a->size == sizeof(epx_combine_args_t),
-      "epx_combine: args->size = %zu, expected %zu; initialize with EPX_COMBINE_ARGS_INIT", a->size,
-      sizeof(epx_combine_args_t));
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_combine_args_t),
+                                   "EPX_COMBINE_ARGS_INIT"));
   if (h->num_tokens < 0)
     return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "epx_combine: the handle holds no routing yet; call epx_dispatch first");
+                          "%s: the handle holds no routing yet; call epx_dispatch first", fn);
   /* The rows to send back may be 0 on this rank, but the pointer must still be valid memory. */
-  EPX_CHECK(epx__check_device_ptr(a->x, 16, "epx_combine: x"));
-  if (h->num_tokens > 0) EPX_CHECK(epx__check_device_ptr(a->out, 16, "epx_combine: out"));
+  EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
+  if (h->num_tokens > 0) EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));
   EPX_ARG_CHECK(!a->topk_weights == !a->topk_idx,
-                "epx_combine: weighted combine needs both topk_idx and topk_weights (or neither)");
+                "%s: args->topk_idx and args->topk_weights: a weighted combine needs both (or "
+                "neither)",
+                fn);
   if (a->topk_weights && h->num_tokens > 0) {
-    EPX_ARG_CHECK(a->topk_idx_dtype == EPX_DTYPE_INT64 || a->topk_idx_dtype == EPX_DTYPE_INT32,
-                  "epx_combine: topk_idx_dtype = %d: must be EPX_DTYPE_INT64 or EPX_DTYPE_INT32",
-                  (int)a->topk_idx_dtype);
-    EPX_CHECK(epx__check_device_ptr(a->topk_idx, a->topk_idx_dtype == EPX_DTYPE_INT64 ? 8 : 4,
-                                    "epx_combine: topk_idx"));
-    EPX_CHECK(epx__check_device_ptr(a->topk_weights, 4, "epx_combine: topk_weights"));
+    EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
+    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_idx", a->topk_idx,
+                                    epx__index_bytes(a->topk_idx_dtype)));
+    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
   }
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);

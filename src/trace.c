@@ -24,7 +24,8 @@
 
 #include "checks.h"
 #include "group.h"
-#include "kernels/api.h"
+#include "kernels/barrier.h"
+#include "registry.h"
 #include "param.h"
 
 /* ------------------------------------------------------------------------------------------

@@ -8,23 +8,20 @@
  * earlier writes to p are visible before it), then waits for p's announcement in our inbox.
  * Barriers of one group must be ordered (one stream, or synchronized streams).
  */
-#include "kernels/api.h"
-#include "kernels/timeout.cuh"
+#include "kernels/barrier.h"
+#include "kernels/launch.cuh"
 #include "kernels/trace.cuh"
-#include "checks.h"
+#include "kernels/wait.cuh"
+#include "kernels/workspace.cuh"
 
 namespace {
-
-__device__ __forceinline__ epx__control_t *control_of(const epx__kernel_ctx_t &ctx, int rank) {
-  return (epx__control_t *)(ctx.peer_base[rank] + ctx.layout.control_offset);
-}
 
 /* One round: announce `epoch` to rank `lane` and wait for its announcement. False on timeout
  * (raised as an async error naming the peer). Lanes >= R do nothing. */
 __device__ __forceinline__ bool barrier_round(const epx__kernel_ctx_t &ctx, epx__control_t *mine,
                                               int lane, uint64_t epoch) {
   if (lane >= ctx.num_ranks) return true;
-  epx::st_release_sys((uint64_t *)&control_of(ctx, lane)->barrier_inbox[ctx.rank], epoch);
+  epx::st_release_sys((uint64_t *)&epx::control_of(ctx, lane)->barrier_inbox[ctx.rank], epoch);
   return epx::wait_geq(ctx, (const uint64_t *)&mine->barrier_inbox[lane], epoch, EPX_STAGE_BARRIER,
                        lane);
 }
@@ -32,7 +29,7 @@ __device__ __forceinline__ bool barrier_round(const epx__kernel_ctx_t &ctx, epx_
 __global__ void barrier_kernel(epx__kernel_ctx_t ctx) {
   const int lane = threadIdx.x;
   const uint64_t t0 = epx::trace_begin(ctx);
-  epx__control_t *mine = control_of(ctx, ctx.rank);
+  epx__control_t *mine = epx::control_of(ctx);
   const uint64_t epoch = mine->barrier_epoch + 1;
   __syncwarp();
   if (lane == 0) mine->barrier_epoch = epoch;
@@ -60,7 +57,7 @@ __device__ uint64_t timer_tick_ns() {
  * about one flag latency of each other, which is what makes the stamps comparable. */
 __global__ void clock_sync_kernel(epx__kernel_ctx_t ctx, unsigned long long *out, int rounds) {
   const int lane = threadIdx.x;
-  epx__control_t *mine = control_of(ctx, ctx.rank);
+  epx__control_t *mine = epx::control_of(ctx);
   const uint64_t base = mine->barrier_epoch;
   __syncwarp();
   if (lane == 0) {
@@ -78,15 +75,11 @@ __global__ void clock_sync_kernel(epx__kernel_ctx_t ctx, unsigned long long *out
 }  // namespace
 
 extern "C" epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stream) {
-  barrier_kernel<<<1, 32, 0, stream>>>(*ctx);
-  CUDA_CHECK(cudaGetLastError());
-  return EPX_OK;
+  return epx::launch<barrier_kernel>(1, 32, 0, stream, *ctx);
 }
 
 extern "C" epx_status_t epx__clock_sync_launch(const epx__kernel_ctx_t *ctx,
                                                unsigned long long *out, int rounds,
                                                cudaStream_t stream) {
-  clock_sync_kernel<<<1, 32, 0, stream>>>(*ctx, out, rounds);
-  CUDA_CHECK(cudaGetLastError());
-  return EPX_OK;
+  return epx::launch<clock_sync_kernel>(1, 32, 0, stream, *ctx, out, rounds);
 }

@@ -18,10 +18,10 @@
  * Every loop over k or r is unrolled to the compile-time maximum, so the per-token arrays stay
  * in registers (indexed at run time they went to local memory).
  */
-#include "checks.h"
-#include "kernels/api.h"
-#include "kernels/timeout.cuh"
+#include "kernels/launch.cuh"
+#include "kernels/layout.h"
 #include "kernels/trace.cuh"
+#include "kernels/wait.cuh"
 
 namespace {
 
@@ -177,10 +177,7 @@ extern "C" epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx,
   if (args->num_tokens_per_expert)
     CUDA_CHECK(cudaMemsetAsync(args->num_tokens_per_expert, 0,
                                sizeof(int) * (size_t)args->num_experts, stream));
-  if (args->idx_is_int64)
-    layout_kernel<long long><<<blocks, kThreads, 0, stream>>>(*ctx, *args);
-  else
-    layout_kernel<int><<<blocks, kThreads, 0, stream>>>(*ctx, *args);
-  CUDA_CHECK(cudaGetLastError());
-  return EPX_OK;
+  return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
+    return epx::launch<layout_kernel<IdxT>>(blocks, kThreads, 0, stream, *ctx, *args);
+  });
 }

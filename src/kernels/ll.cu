@@ -45,8 +45,10 @@
 #include <cuda_fp8.h>
 
 #include "checks.h"
-#include "kernels/api.h"
-#include "kernels/timeout.cuh"
+#include "kernels/launch.cuh"
+#include "kernels/ll.h"
+#include "kernels/wait.cuh"
+#include "kernels/workspace.cuh"
 #include "kernels/trace.cuh"
 
 namespace {
@@ -75,10 +77,6 @@ __device__ __forceinline__ char *ll_buf(const epx__kernel_ctx_t &ctx, int r, int
   return ctx.peer_base[r] + ctx.layout.ll_offset + (size_t)parity * ctx.layout.ll_parity_bytes;
 }
 
-__device__ __forceinline__ epx__control_t *control_of(const epx__kernel_ctx_t &ctx) {
-  return (epx__control_t *)(ctx.peer_base[ctx.rank] + ctx.layout.control_offset);
-}
-
 /* This rank's epoch of block `block` for (kind, parity). */
 __device__ __forceinline__ uint32_t *epoch_slot(const epx__kernel_ctx_t &ctx, int kind, int parity,
                                                 int block) {
@@ -88,13 +86,13 @@ __device__ __forceinline__ uint32_t *epoch_slot(const epx__kernel_ctx_t &ctx, in
 }
 
 __device__ __forceinline__ unsigned read_mask(const epx__kernel_ctx_t &ctx) {
-  return *(volatile unsigned *)&control_of(ctx)->ll_peer_mask;
+  return *(volatile unsigned *)&epx::control_of(ctx)->ll_peer_mask;
 }
 
 /* Give up on `peer`: set its mask bit; the first block to do so records the async error. */
 __device__ void mask_peer(const epx__kernel_ctx_t &ctx, int peer, int stage, uint32_t epoch) {
   const unsigned bit = 1u << peer;
-  const unsigned old = atomicOr(&control_of(ctx)->ll_peer_mask, bit);
+  const unsigned old = atomicOr(&epx::control_of(ctx)->ll_peer_mask, bit);
   if (!(old & bit)) epx::raise_error(ctx, EPX_ERR_PEER_FAILED, stage, peer, -1, (long long)epoch);
 }
 

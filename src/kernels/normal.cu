@@ -21,8 +21,10 @@
 #include <cuda_bf16.h>
 
 #include "checks.h"
-#include "kernels/api.h"
-#include "kernels/timeout.cuh"
+#include "kernels/launch.cuh"
+#include "kernels/normal.h"
+#include "kernels/wait.cuh"
+#include "kernels/workspace.cuh"
 #include "kernels/trace.cuh"
 
 namespace {
@@ -30,10 +32,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4;
-
-__device__ __forceinline__ epx__control_t *control_of(const epx__kernel_ctx_t &ctx, int rank) {
-  return (epx__control_t *)(ctx.peer_base[rank] + ctx.layout.control_offset);
-}
 
 __device__ __forceinline__ void red_release_sys_add(unsigned long long *p, unsigned long long v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -46,7 +44,7 @@ __device__ __forceinline__ void signal_dispatch_done(const epx__kernel_ctx_t &ct
   __syncthreads();
   if (threadIdx.x < ctx.num_ranks) {
     __threadfence_system();
-    red_release_sys_add(&control_of(ctx, threadIdx.x)->dispatch_done[ctx.rank], 1);
+    red_release_sys_add(&epx::control_of(ctx, threadIdx.x)->dispatch_done[ctx.rank], 1);
   }
 }
 
@@ -88,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int count[EPX_MAX_RANKS][EPX_MAX_RANKS];
   __shared__ int expert_sum[EPX_MAX_EXPERTS / 2];
   __shared__ int timed_out;
-  epx__control_t *ctrl = control_of(ctx, me);
+  epx__control_t *ctrl = epx::control_of(ctx, me);
   if (tid == 0) {
     epoch = ctrl->notify_epoch + 1;
     ctrl->notify_epoch = epoch;
@@ -237,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (blockIdx.x == 0 && warp == 0) {
     const uint64_t t_wait = epx::trace_begin(ctx);
     if (tid < R) {
-      epx__control_t *ctrl = control_of(ctx, me);
+      epx__control_t *ctrl = epx::control_of(ctx, me);
       const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
       epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected, EPX_STAGE_DISPATCH,
                     tid);
@@ -580,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int H = a.hidden, K = a.top_k, epr = a.num_experts / R, n16 = H * 2 / 16;
   const int send_warps = a.send_warps, reduce_warps = kWarps - a.send_warps;
   const epx__recv_meta_t *meta = a.routing.meta;
-  epx__control_t *ctrl = control_of(ctx, me);
+  epx__control_t *ctrl = epx::control_of(ctx, me);
   const epx__ws_layout_t &L = ctx.layout;
   const size_t chunks = L.combine_chunks;
   __shared__ int prefix[EPX_MAX_RANKS + 1];
@@ -750,7 +748,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (tid < R && tid != me) {
       __threadfence_system();
-      epx::st_release_sys((uint64_t *)&control_of(ctx, tid)->combine_finished[me],
+      epx::st_release_sys((uint64_t *)&epx::control_of(ctx, tid)->combine_finished[me],
                           (uint64_t)call + 1);
     }
   }

@@ -18,7 +18,7 @@
 
 #include <stdint.h>
 
-#include "group.h"
+#include "kernel_ctx.h"
 #include "kernels/ptx.cuh"
 #include "trace.h"
 

@@ -1,0 +1,72 @@
+/*
+ * handle.c - epx_handle_create / epx_handle_destroy: the device buffers that keep the routing
+ * of one normal-mode dispatch for its combine and cached dispatches (handle.h).
+ */
+#include <stdlib.h>
+
+#include "arg_check.h"
+#include "checks.h"
+#include "group.h"
+#include "handle.h"
+#include "registry.h"
+
+EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
+  EPX_CHECK(epx__group_check(g));
+  EPX_CHECK(epx__check_not_null("epx_handle_create", "handle", handle));
+  *handle = NULL;
+  if (!(g->config.modes & EPX_MODE_NORMAL))
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "epx_handle_create: the group was created without EPX_MODE_NORMAL");
+  const size_t T = (size_t)g->config.max_tokens_per_rank, R = (size_t)g->num_ranks,
+               E = (size_t)g->config.num_experts;
+  /* One device block: meta | pos [T, R] | per-rank [R] | per-expert [E] | in_rank [T, R] */
+  const size_t meta_bytes = epx__align_up(sizeof(epx__recv_meta_t), 256);
+  const size_t pos_bytes = epx__align_up(T * R * 4, 256), rank_bytes = epx__align_up(R * 4, 256);
+  const size_t expert_bytes = epx__align_up(E * 4, 256), in_bytes = epx__align_up(T * R, 256);
+  epx_handle_t h = (epx_handle_t)calloc(1, sizeof *h);
+  if (!h) return epx__set_error(EPX_ERR_SYSTEM, "epx_handle_create: out of host memory");
+  h->group = g;
+  h->num_tokens = -1;
+  epx_status_t res = EPX_OK;
+  CUDA_CHECK_GOTO(
+      cudaMalloc(&h->device_block, meta_bytes + pos_bytes + rank_bytes + expert_bytes + in_bytes),
+      res, fail);
+  char *p = (char *)h->device_block;
+  h->meta = (epx__recv_meta_t *)p;
+  h->token_pos_in_rank = (int *)(p += meta_bytes);
+  h->num_tokens_per_rank = (int *)(p += pos_bytes);
+  h->num_tokens_per_expert = (int *)(p += rank_bytes);
+  h->is_token_in_rank = (uint8_t *)(p += expert_bytes);
+  CUDA_CHECK_GOTO(cudaMemset(h->meta, 0, sizeof *h->meta), res, fail);
+  CUDA_CHECK_GOTO(cudaDeviceSynchronize(), res,
+                  fail); /* the legacy-stream memset is done before any use */
+  CUDA_CHECK_GOTO(
+      cudaHostAlloc((void **)&h->host_counts, (1 + E / R) * sizeof(int), cudaHostAllocMapped), res,
+      fail);
+  CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&h->host_counts_dev, h->host_counts, 0), res,
+                  fail);
+  CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&h->counts_ready, cudaEventDisableTiming), res, fail);
+  EPX_CHECK_GOTO(epx__registry_add(h), res, fail);
+  *handle = h;
+  return EPX_OK;
+fail:
+  if (h->counts_ready) cudaEventDestroy(h->counts_ready);
+  if (h->host_counts) cudaFreeHost(h->host_counts);
+  if (h->device_block) cudaFree(h->device_block);
+  free(h);
+  return res;
+}
+
+EPX_EXPORT epx_status_t epx_handle_destroy(epx_handle_t h) {
+  if (!h) return EPX_OK;
+  EPX_CHECK(epx__handle_check(h->group, h));
+  epx__registry_remove(h);
+  /* Release everything, report the first failure. */
+  epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
+  const epx_status_t e1 = CUDA_STATUS(cudaEventDestroy(h->counts_ready));
+  const epx_status_t e2 = CUDA_STATUS(cudaFreeHost(h->host_counts));
+  const epx_status_t e3 = CUDA_STATUS(cudaFree(h->device_block));
+  free(h);
+  if (res == EPX_OK) res = e1 != EPX_OK ? e1 : e2 != EPX_OK ? e2 : e3;
+  return res;
+}

@@ -1,0 +1,26 @@
+/*
+ * handle.h - the routing of one normal-mode dispatch (device buffers) and its host-visible
+ * counts: the object behind epx_handle_t (src/handle.c).
+ */
+#ifndef EPX_HANDLE_H_
+#define EPX_HANDLE_H_
+
+#include <stdint.h>
+
+#include "epx.h"
+#include "workspace.h"
+
+struct epx_handle {
+  epx_group_t group;
+  void *device_block; /* one allocation behind the routing arrays and meta */
+  uint8_t *is_token_in_rank;
+  int *token_pos_in_rank;
+  int *num_tokens_per_rank;
+  int *num_tokens_per_expert;
+  epx__recv_meta_t *meta;
+  int *host_counts, *host_counts_dev; /* mapped [1 + E/R]: num_recv, per-expert */
+  cudaEvent_t counts_ready;
+  int num_tokens; /* of the dispatch that filled the handle; -1 before */
+};
+
+#endif /* EPX_HANDLE_H_ */

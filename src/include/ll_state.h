@@ -1,0 +1,21 @@
+/*
+ * ll_state.h - host-side bookkeeping of low-latency calls (src/ll.c), kept in the group.
+ *
+ * Every rank makes the same collective calls, so these evolve identically on every rank; a
+ * captured graph replays its calls with the buffers chosen at capture time.
+ */
+#ifndef EPX_LL_STATE_H_
+#define EPX_LL_STATE_H_
+
+typedef struct epx__ll_host {
+  unsigned long long seq;            /* low-latency calls issued; call ids are seq values */
+  int next_parity;                   /* buffer of the next dispatch */
+  unsigned long long dispatch_id[2]; /* call id of the latest dispatch on each buffer */
+  int dispatch_tokens[2];            /* its num_tokens */
+  int dispatch_fp8[2];               /* its receive dtype is FP8 */
+  void *combine_out[2];              /* out of a split combine, for its epx_ll_recv */
+  unsigned long long pending[2][2];  /* [0 dispatch, 1 combine][buffer]: hook id of a split call
+                                        awaiting epx_ll_recv, or 0 */
+} epx__ll_host_t;
+
+#endif /* EPX_LL_STATE_H_ */

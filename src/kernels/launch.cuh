@@ -1,0 +1,77 @@
+/*
+ * launch.cuh - how every EPX kernel is launched, and how run-time values pick a compile-time
+ * specialisation.
+ *
+ *   return epx::launch<my_kernel<IdxT, kFp8>>(grid, block, smem, stream, ctx, args);
+ *
+ * launch() opts the kernel into more than 48 KiB of shared memory when its static plus dynamic
+ * bytes need it (one rule for every kernel), launches with cudaLaunchKernelEx and returns the
+ * status of this launch: an older error left on the thread by someone else is not reported as
+ * this launch's.
+ *
+ * The switches turn a run-time value into a compile-time name inside the lambda they run; every
+ * value maps to exactly one case, so nothing falls through to a case silently:
+ *   EPX_BOOL_SWITCH(cond, kName, [&] { ... kName ... })        bool constant
+ *   EPX_INDEX_SWITCH(is_int64, IdxT, [&] { ... IdxT ... })     long long or int
+ */
+#ifndef EPX_KERNELS_LAUNCH_CUH_
+#define EPX_KERNELS_LAUNCH_CUH_
+
+#include <stdint.h>
+
+#include "checks.h"
+
+namespace epx {
+
+/* Shared memory a kernel may use without opting in. */
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+
+template <auto kKernel, typename... Args>
+epx_status_t launch(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream,
+                    const Args &...args) {
+  if (dynamic_smem > 0) {
+    /* Static shared bytes of this kernel, read once (the same on every GPU of one build). */
+    static size_t static_bytes = SIZE_MAX;
+    if (static_bytes == SIZE_MAX) {
+      cudaFuncAttributes fa;
+      CUDA_CHECK(cudaFuncGetAttributes(&fa, kKernel));
+      static_bytes = fa.sharedSizeBytes;
+    }
+    if (static_bytes + dynamic_smem > kDefaultSharedBytes)
+      CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)dynamic_smem));
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = dynamic_smem;
+  config.stream = stream;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, kKernel, args...));
+  return EPX_OK;
+}
+
+}  // namespace epx
+
+#define EPX_BOOL_SWITCH(cond, name, ...)  \
+  [&] {                                   \
+    if (cond) {                           \
+      constexpr static bool name = true;  \
+      return __VA_ARGS__();               \
+    } else {                              \
+      constexpr static bool name = false; \
+      return __VA_ARGS__();               \
+    }                                     \
+  }()
+
+#define EPX_INDEX_SWITCH(is_int64, name, ...) \
+  [&] {                                       \
+    if (is_int64) {                           \
+      using name = long long;                 \
+      return __VA_ARGS__();                   \
+    } else {                                  \
+      using name = int;                       \
+      return __VA_ARGS__();                   \
+    }                                         \
+  }()
+
+#endif  // EPX_KERNELS_LAUNCH_CUH_
