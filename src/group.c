@@ -18,7 +18,7 @@
 #include "config.h"
 #include "debug.h"
 #include "group.h"
-#include "kernels/barrier.h"
+#include "kernels/api.h"
 #include "registry.h"
 #include "trace.h"
 #include "transport.h"

@@ -7,7 +7,7 @@
 #include "arg_check.h"
 #include "checks.h"
 #include "group.h"
-#include "kernels/layout.h"
+#include "kernels/api.h"
 #include "layout.h"
 #include "registry.h"
 

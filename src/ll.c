@@ -17,7 +17,7 @@
 #include "arg_check.h"
 #include "checks.h"
 #include "group.h"
-#include "kernels/ll.h"
+#include "kernels/api.h"
 #include "registry.h"
 
 enum { KIND_DISPATCH = 0, KIND_COMBINE = 1 };

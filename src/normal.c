@@ -17,7 +17,7 @@
 #include "checks.h"
 #include "group.h"
 #include "handle.h"
-#include "kernels/normal.h"
+#include "kernels/api.h"
 #include "layout.h"
 #include "param.h"
 #include "registry.h"

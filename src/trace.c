@@ -24,7 +24,7 @@
 
 #include "checks.h"
 #include "group.h"
-#include "kernels/barrier.h"
+#include "kernels/api.h"
 #include "registry.h"
 #include "param.h"
 

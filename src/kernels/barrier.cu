@@ -8,7 +8,7 @@
  * earlier writes to p are visible before it), then waits for p's announcement in our inbox.
  * Barriers of one group must be ordered (one stream, or synchronized streams).
  */
-#include "kernels/barrier.h"
+#include "kernels/api.h"
 #include "kernels/launch.cuh"
 #include "kernels/trace.cuh"
 #include "kernels/wait.cuh"

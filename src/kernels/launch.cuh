@@ -9,10 +9,13 @@
  * status of this launch: an older error left on the thread by someone else is not reported as
  * this launch's.
  *
- * The switches turn a run-time value into a compile-time name inside the lambda they run; every
- * value maps to exactly one case, so nothing falls through to a case silently:
- *   EPX_BOOL_SWITCH(cond, kName, [&] { ... kName ... })        bool constant
- *   EPX_INDEX_SWITCH(is_int64, IdxT, [&] { ... IdxT ... })     long long or int
+ * The switches turn a run-time value into a compile-time name inside the lambda they run, one
+ * macro per specialisation axis. Each lists its values once; a value outside them returns
+ * EPX_ERR_UNSUPPORTED naming it, so nothing falls through to another case silently:
+ *   EPX_BOOL_SWITCH(cond, kName, [&] { ... kName ... })            bool constant
+ *   EPX_INDEX_SWITCH(is_int64, IdxT, [&] { ... IdxT ... })         long long or int
+ *   EPX_RANKS_SWITCH(num_ranks, kRanks, [&] { ... kRanks ... })    2, 4 or 8: the smallest
+ *       compiled rank count >= num_ranks (code specialised for kRanks serves fewer ranks)
  */
 #ifndef EPX_KERNELS_LAUNCH_CUH_
 #define EPX_KERNELS_LAUNCH_CUH_
@@ -72,6 +75,31 @@ epx_status_t launch(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t str
       using name = int;                       \
       return __VA_ARGS__();                   \
     }                                         \
+  }()
+
+#define EPX_RANKS_SWITCH(num_ranks, name, ...)                                                 \
+  [&]() -> epx_status_t {                                                                      \
+    switch (num_ranks) {                                                                       \
+      case 2: {                                                                                \
+        constexpr static int name = 2;                                                         \
+        return __VA_ARGS__();                                                                  \
+      }                                                                                        \
+      case 3:                                                                                  \
+      case 4: {                                                                                \
+        constexpr static int name = 4;                                                         \
+        return __VA_ARGS__();                                                                  \
+      }                                                                                        \
+      case 5:                                                                                  \
+      case 6:                                                                                  \
+      case 7:                                                                                  \
+      case 8: {                                                                                \
+        constexpr static int name = 8;                                                         \
+        return __VA_ARGS__();                                                                  \
+      }                                                                                        \
+      default:                                                                                 \
+        return epx__set_error(EPX_ERR_UNSUPPORTED, "%s = %d: kernels are compiled for 2 to 8", \
+                              #num_ranks, (int)(num_ranks));                                   \
+    }                                                                                          \
   }()
 
 #endif  // EPX_KERNELS_LAUNCH_CUH_

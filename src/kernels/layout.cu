@@ -19,7 +19,7 @@
  * in registers (indexed at run time they went to local memory).
  */
 #include "kernels/launch.cuh"
-#include "kernels/layout.h"
+#include "kernels/api.h"
 #include "kernels/trace.cuh"
 #include "kernels/wait.cuh"
 

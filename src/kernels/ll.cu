@@ -46,7 +46,7 @@
 
 #include "checks.h"
 #include "kernels/launch.cuh"
-#include "kernels/ll.h"
+#include "kernels/api.h"
 #include "kernels/wait.cuh"
 #include "kernels/workspace.cuh"
 #include "kernels/trace.cuh"

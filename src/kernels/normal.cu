@@ -22,7 +22,7 @@
 
 #include "checks.h"
 #include "kernels/launch.cuh"
-#include "kernels/normal.h"
+#include "kernels/api.h"
 #include "kernels/wait.cuh"
 #include "kernels/workspace.cuh"
 #include "kernels/trace.cuh"

@@ -1,8 +1,11 @@
 /*
- * normal.h - launchers of normal (high-throughput) mode: notify, dispatch, combine.
+ * api.h - host launchers of EPX's kernels, one section per kernel family (layout.cu,
+ * barrier.cu, normal-mode and low-latency files). Each takes the group's kernel context by value
+ * plus an args struct, launches on the caller's stream through epx::launch (launch.cuh) and
+ * returns the launch's status.
  */
-#ifndef EPX_KERNELS_NORMAL_H_
-#define EPX_KERNELS_NORMAL_H_
+#ifndef EPX_KERNELS_API_H_
+#define EPX_KERNELS_API_H_
 
 #include <stdint.h>
 
@@ -13,6 +16,26 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+typedef struct epx__layout_launch_args {
+  const void *topk_idx;
+  int idx_is_int64;
+  int num_tokens, top_k, num_experts, num_ranks;
+  int *num_tokens_per_rank;   /* [R] or NULL */
+  int *num_tokens_per_expert; /* [E] or NULL */
+  uint8_t *is_token_in_rank;  /* [T, R] or NULL */
+  int *token_pos_in_rank;     /* [T, R] or NULL */
+} epx__layout_launch_args_t;
+
+epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx, const epx__layout_launch_args_t *args,
+                                cudaStream_t stream);
+
+/* One-block barrier across all ranks through the control region's inboxes. */
+epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stream);
+/* Clock sync of tracing: `rounds` barrier rounds; out[0] = %globaltimer's step, out[1 + r] =
+ * this rank's %globaltimer at the end of round r (0 if it timed out). Device memory. */
+epx_status_t epx__clock_sync_launch(const epx__kernel_ctx_t *ctx, unsigned long long *out,
+                                    int rounds, cudaStream_t stream);
 
 /* Normal mode. The routing of one dispatch, kept in its handle (device memory). */
 typedef struct epx__routing {
@@ -66,8 +89,35 @@ epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
 epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                  const epx__combine_launch_args_t *args, cudaStream_t stream);
 
+/* Low-latency mode (src/kernels/ll.cu). phases: EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV. */
+#define EPX_LL_PHASE_SEND 1
+#define EPX_LL_PHASE_RECV 2
+
+typedef struct epx__ll_dispatch_launch_args {
+  const void *x;        /* [T, H] BF16 */
+  const void *topk_idx; /* [T, K] */
+  int idx_is_int64;
+  const float *topk_weights; /* [T, K] or NULL (weights 1) */
+  int num_tokens, hidden, top_k, num_experts, max_tokens;
+  int fp8, ue8m0, by_rank, parity, phases, num_blocks;
+} epx__ll_dispatch_launch_args_t;
+
+typedef struct epx__ll_combine_launch_args {
+  const void *x;  /* [L, R*M, H] BF16 expert outputs */
+  void *out;      /* [T, H] BF16 */
+  int num_tokens; /* T of the dispatch */
+  int hidden, top_k, num_experts, max_tokens;
+  int by_rank, parity, phases, num_blocks;
+} epx__ll_combine_launch_args_t;
+
+epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,
+                                     const epx__ll_dispatch_launch_args_t *args,
+                                     cudaStream_t stream);
+epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
+                                    const epx__ll_combine_launch_args_t *args, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
 
-#endif /* EPX_KERNELS_NORMAL_H_ */
+#endif /* EPX_KERNELS_API_H_ */
