@@ -4,7 +4,11 @@
 #
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (default: $OUT, else ./out)
 # Env:   TEST_ARGS (e.g. "--filter layout"), BENCH_ARGS (extra epx_bench flags), SKIP_BENCH=1,
-#        SKIP_TESTS=1, RANKS (default "2,4").
+#        SKIP_TESTS=1, SKIP_CLEAN=1 (keep earlier build outputs), RANKS (default "2,4"),
+#        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
+#        its benchmark is built beside this one and both run COMPARE_ROUNDS times (default 2)
+#        alternately with COMPARE_ARGS (default: the README's benchmark), then
+#        scripts/bench-compare.py prints the rows side by side with the run-to-run spread.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-out}}"
@@ -22,12 +26,21 @@ export EPX_COMMIT="$commit"
 } | tee "$out/machine.txt"
 
 t0=$(date +%s)
-make clean >/dev/null
-targets="lib build/bin/epx_test"
-[ -z "${SKIP_BENCH:-}" ] && targets="$targets build/bin/epx_bench"
+[ -z "${SKIP_CLEAN:-}" ] && make clean >/dev/null
+targets="lib build/bin/epx_test build/bin/epx_bench"
+baseline_pid=
+if [ -n "${BASELINE:-}" ]; then
+  (make -C "$BASELINE" -j"$(nproc)" build/bin/epx_bench >"$out/baseline-build.log" 2>&1) &
+  baseline_pid=$!
+fi
 if ! make -j"$(nproc)" $targets >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
   echo "BUILD FAILED"
+  exit 1
+fi
+if [ -n "$baseline_pid" ] && ! wait "$baseline_pid"; then
+  tail -20 "$out/baseline-build.log"
+  echo "BASELINE BUILD FAILED"
   exit 1
 fi
 build_s=$(($(date +%s) - t0))
@@ -48,10 +61,28 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   bench_rc=$?
 fi
 
+compare_line=
+if [ -n "${BASELINE:-}" ]; then
+  a_json= b_json=
+  for round in $(seq 1 "${COMPARE_ROUNDS:-2}"); do
+    for side in base new; do
+      bin=build/bin/epx_bench
+      [ $side = base ] && bin="$BASELINE/build/bin/epx_bench"
+      json="$out/compare-$side-$round.json"
+      timeout 300 "$bin" --json "$json" ${COMPARE_ARGS:-} >"$out/compare-$side-$round.log" 2>&1 ||
+        echo "compare run $side $round: exit $?"
+      [ $side = base ] && a_json="${a_json:+$a_json,}$json" || b_json="${b_json:+$b_json,}$json"
+    done
+  done
+  python3 scripts/bench-compare.py "$a_json" "$b_json" --names=base,$commit >"$out/compare.txt" 2>&1
+  compare_line=$(tail -1 "$out/compare.txt")
+fi
+
 echo
 echo "==================== summary ($commit) ===================="
 echo "build: ${build_s}s"
 echo "tests: $test_line"
+[ -n "$compare_line" ] && cat "$out/compare.txt"
 if [ -f "$out/bench.log" ]; then
   echo "bench: exit $bench_rc"
   tail -45 "$out/bench.log"
