@@ -38,7 +38,7 @@ NVCCFLAGS := -std=c++17 $(OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexp
 LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
           -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
 
-LIB_C  := $(wildcard src/*.c src/transport/*.c)
+LIB_C  := $(wildcard src/*.c src/*/*.c)
 LIB_CU := $(wildcard src/kernels/*.cu src/transport/*.cu)
 LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(LIB_CU))
 

@@ -1,18 +1,22 @@
 /*
- * group.c - group create/destroy, the live-group registry, queries, async errors and the
- * barrier entry point.
+ * group.c - the group object's life: epx_group_create (collective), epx_group_destroy, the
+ * queries, the barrier entry point, and the kernel context every launch gets from its group.
+ * Async errors are read in async_error.c; tracing hangs off the group through trace_hooks.h.
  *
  * Creation is collective and never leaves a rank waiting on another that has already given
  * up: every rank first runs its local checks (NCCL version, config, NVLink reachability),
- * then all ranks all-gather a fingerprint of those results and of their configs, and every rank
- * takes the same decision from the same data. Only then is memory allocated and registered.
+ * then all ranks all-gather a fingerprint of those results and of their configs (agree.h), and
+ * every rank takes the same decision from the same data. Only then is memory allocated and
+ * registered.
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "agree.h"
 #include "arg_check.h"
 #include "checks.h"
 #include "config.h"
@@ -20,7 +24,7 @@
 #include "group.h"
 #include "kernels/api.h"
 #include "registry.h"
-#include "trace.h"
+#include "trace_hooks.h"
 #include "transport.h"
 
 epx__control_t *epx__group_control(epx_group_t g) {
@@ -67,32 +71,20 @@ static const char *const fp_names[FP_COUNT] = {
     "config.dtypes",     "config.modes",           "config.num_sms",
     "config.timeout_ms", "config.ll_num_sms",      "config.ll_route"};
 
-/* All-gather `mine` over comm into all[num_ranks][FP_COUNT] through a small device buffer. */
+/* All-gather `mine` over comm into all[num_ranks][FP_COUNT], on a stream of its own (the group
+ * and its setup stream do not exist yet). */
 static epx_status_t allgather_fingerprint(ncclComm_t comm, int num_ranks, const long long *mine,
                                           long long *all) {
-  epx_status_t res = EPX_OK;
-  long long *dev = NULL;
   cudaStream_t stream = NULL;
-  size_t one = FP_COUNT * sizeof(long long);
-  CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), res, exit);
-  CUDA_CHECK_GOTO(cudaMalloc((void **)&dev, one * (num_ranks + 1)), res, exit);
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(dev + (size_t)num_ranks * FP_COUNT, mine, one,
-                                  cudaMemcpyHostToDevice, stream),
-                  res, exit);
-  NCCL_CHECK_GOTO(
-      ncclAllGather(dev + (size_t)num_ranks * FP_COUNT, dev, FP_COUNT, ncclInt64, comm, stream),
-      res, exit);
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(all, dev, one * num_ranks, cudaMemcpyDeviceToHost, stream), res,
-                  exit);
-  CUDA_CHECK_GOTO(cudaStreamSynchronize(stream), res, exit);
-exit:
-  if (dev) cudaFree(dev);
-  if (stream) cudaStreamDestroy(stream);
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const epx__agree_t agree = {comm, num_ranks, stream, NULL};
+  const epx_status_t res = epx__agree_allgather(&agree, mine, FP_COUNT, all);
+  cudaStreamDestroy(stream);
   return res;
 }
 
 /* The same decision on every rank, from the same gathered data. */
-static epx_status_t agree(int rank, int num_ranks, epx_status_t local, const long long *all) {
+static epx_status_t decide(int rank, int num_ranks, epx_status_t local, const long long *all) {
   for (int q = 0; q < num_ranks; q++) {
     if (all[q * FP_COUNT + FP_STATUS] == EPX_OK) continue;
     if (q == rank) return local; /* our own message is already in epx_last_error */
@@ -177,10 +169,10 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   long long *all = (long long *)calloc((size_t)num_ranks * FP_COUNT, sizeof(long long));
   if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
   epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all);
-  int trace_ranks = 0; /* ranks with EPX_TRACE set */
+  int trace_ranks = 0; /* ranks whose EPX_TRACE asks for tracing */
   if (res == EPX_OK) {
     if (local != EPX_OK) epx__set_error(local, "%s", local_msg); /* restore the local reason */
-    res = agree(rank, num_ranks, local, all);
+    res = decide(rank, num_ranks, local, all);
     for (int q = 0; q < num_ranks; q++) trace_ranks += all[q * FP_COUNT + FP_TRACE] != 0;
   }
   free(all);
@@ -207,11 +199,8 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   EPX_CHECK_GOTO(epx__registry_add(g), res, fail);
   g->transport = &epx__transport_nvlink;
   EPX_CHECK_GOTO(g->transport->open(g), res, fail);
-  if (trace_ranks == num_ranks)
-    epx__trace_env_begin(g); /* collective; a failure is logged, the group works untraced */
-  else if (trace_ranks > 0)
-    EPX_WARN("EPX_TRACE is set on %d of %d ranks only; the group is not traced", trace_ranks,
-             num_ranks);
+  /* Collective; a failure is logged and the group works untraced. */
+  epx__trace_on_group_create(g, trace_ranks);
   EPX_INFO(EPX_SUBSYS_GROUP, "group created: rank %d of %d, workspace %zu bytes, transport %s",
            rank, num_ranks, g->layout.total_bytes, g->transport->name);
   *group = g;
@@ -230,7 +219,7 @@ EPX_EXPORT epx_status_t epx_group_destroy(epx_group_t g) {
   EPX_CHECK(epx__group_check(g));
   epx__registry_remove(g);
   epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
-  epx__trace_group_end(g); /* collective: writes EPX_TRACE's file, frees the trace buffers */
+  epx__trace_on_group_destroy(g); /* collective: EPX_TRACE's file, then the trace buffers */
   epx_status_t r2 = g->transport->close(g);
   if (res == EPX_OK) res = r2;
   if (g->error_host) cudaFreeHost((void *)g->error_host);
@@ -239,32 +228,32 @@ EPX_EXPORT epx_status_t epx_group_destroy(epx_group_t g) {
   return res;
 }
 
-EPX_EXPORT epx_status_t epx_group_rank(epx_group_t g, int *rank) {
+/* A query: g is a live group and `out` is not NULL (named `arg` in the message), then the
+ * group's field at `offset` (of the type *out points to) into *out. */
+static epx_status_t query(epx_group_t g, const char *fn, const char *arg, void *out, size_t offset,
+                          size_t bytes) {
   EPX_CHECK(epx__group_check(g));
-  EPX_CHECK(epx__check_not_null("epx_group_rank", "rank", rank));
-  *rank = g->rank;
+  EPX_CHECK(epx__check_not_null(fn, arg, out));
+  memcpy(out, (const char *)g + offset, bytes);
   return EPX_OK;
+}
+#define QUERY(g, fn, out, field) \
+  query((g), (fn), #out, (out), offsetof(struct epx_group, field), sizeof *(out))
+
+EPX_EXPORT epx_status_t epx_group_rank(epx_group_t g, int *rank) {
+  return QUERY(g, "epx_group_rank", rank, rank);
 }
 
 EPX_EXPORT epx_status_t epx_group_size(epx_group_t g, int *num_ranks) {
-  EPX_CHECK(epx__group_check(g));
-  EPX_CHECK(epx__check_not_null("epx_group_size", "num_ranks", num_ranks));
-  *num_ranks = g->num_ranks;
-  return EPX_OK;
+  return QUERY(g, "epx_group_size", num_ranks, num_ranks);
 }
 
 EPX_EXPORT epx_status_t epx_group_get_config(epx_group_t g, epx_group_config_t *config) {
-  EPX_CHECK(epx__group_check(g));
-  EPX_CHECK(epx__check_not_null("epx_group_get_config", "config", config));
-  *config = g->config;
-  return EPX_OK;
+  return QUERY(g, "epx_group_get_config", config, config);
 }
 
 EPX_EXPORT epx_status_t epx_group_workspace_bytes(epx_group_t g, size_t *bytes) {
-  EPX_CHECK(epx__group_check(g));
-  EPX_CHECK(epx__check_not_null("epx_group_workspace_bytes", "bytes", bytes));
-  *bytes = g->layout.total_bytes;
-  return EPX_OK;
+  return QUERY(g, "epx_group_workspace_bytes", bytes, layout.total_bytes);
 }
 
 EPX_EXPORT epx_status_t epx_group_barrier(epx_group_t g, cudaStream_t stream) {
@@ -272,64 +261,4 @@ EPX_EXPORT epx_status_t epx_group_barrier(epx_group_t g, cudaStream_t stream) {
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   return epx__barrier_launch(&ctx, stream);
-}
-
-/* ------------------------------------------------------------------------------------------
- * Async errors
- * ---------------------------------------------------------------------------------------- */
-static const char *stage_name(int stage) {
-  static const char *const names[] = {"none",
-                                      "layout",
-                                      "barrier",
-                                      "notify",
-                                      "dispatch",
-                                      "combine",
-                                      "low-latency dispatch",
-                                      "low-latency combine"};
-  return stage >= 0 && stage < (int)(sizeof names / sizeof names[0]) ? names[stage] : "unknown";
-}
-
-EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error_t *err) {
-  EPX_CHECK(epx__group_check(g));
-  EPX_CHECK(epx__check_not_null("epx_group_get_async_error", "error", err));
-  memset(err, 0, sizeof *err);
-  err->peer = -1;
-  err->position = -1;
-  /* NOTE: status is written last by the kernel, after a system fence; read it first. */
-  int status = g->error_host->status;
-  if (status == 0) return EPX_OK;
-  __sync_synchronize();
-  err->status = (epx_status_t)status;
-  err->stage = (epx_stage_t)g->error_host->stage;
-  err->peer = g->error_host->peer;
-  err->position = g->error_host->position;
-  err->value = g->error_host->value;
-  if (err->stage == EPX_STAGE_LAYOUT && status == EPX_ERR_INVALID_ARGUMENT) {
-    int k = g->config.top_k;
-    snprintf(err->message, sizeof err->message,
-             "rank %d: topk_idx[%lld][%lld] = %lld is outside [-1, %d) (flat position %lld); that "
-             "slot was treated as empty",
-             g->rank, err->position / k, err->position % k, err->value, g->config.num_experts,
-             err->position);
-  } else if (status == EPX_ERR_TIMEOUT) {
-    snprintf(err->message, sizeof err->message,
-             "rank %d: %s timed out after %d ms waiting for peer %d (waited for value %lld)",
-             g->rank, stage_name(err->stage), g->config.timeout_ms, err->peer, err->value);
-  } else {
-    snprintf(err->message, sizeof err->message,
-             "rank %d: %s in %s (peer %d, position %lld, value %lld)", g->rank,
-             epx_status_string(err->status), stage_name(err->stage), err->peer, err->position,
-             err->value);
-  }
-  return EPX_OK;
-}
-
-EPX_EXPORT epx_status_t epx_group_clear_async_error(epx_group_t g) {
-  EPX_CHECK(epx__group_check(g));
-  CUDA_CHECK(cudaDeviceSynchronize());
-  epx__control_t *ctrl = epx__group_control(g);
-  CUDA_CHECK(cudaMemsetAsync(&ctrl->error_claim, 0, sizeof ctrl->error_claim, g->setup_stream));
-  CUDA_CHECK(cudaStreamSynchronize(g->setup_stream));
-  memset((void *)g->error_host, 0, sizeof *g->error_host);
-  return EPX_OK;
 }

@@ -20,7 +20,7 @@
 
 #include "kernel_ctx.h"
 #include "kernels/ptx.cuh"
-#include "trace.h"
+#include "trace_format.h"
 
 namespace epx {
 

@@ -5,14 +5,15 @@
  * create a device communicator (which fails cleanly if NCCL cannot give load/store access to
  * every peer), then resolve each peer's workspace base once with a tiny kernel that calls
  * ncclGetPeerPointer. Kernels afterwards see only plain pointers (design principle 3).
- * Between steps that allocate, ranks agree through an all-reduce so that a rank that fails
- * (e.g. out of memory) does not leave the others inside a collective registration.
+ * Between steps that allocate, ranks agree (agree.h) so that a rank that fails (e.g. out of
+ * memory) does not leave the others inside a collective registration.
  */
 #include <nccl.h>
 #include <nccl_device.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "agree.h"
 #include "checks.h"
 #include "group.h"
 #include "transport.h"
@@ -30,23 +31,6 @@ struct nvlink_state {
 __global__ void resolve_peers_kernel(ncclWindow_t window, int num_ranks, char **out) {
   const int p = threadIdx.x;
   if (p < num_ranks) out[p] = (char *)ncclGetPeerPointer(window, 0, p);
-}
-
-/* All ranks learn whether every rank succeeded (min over ranks of ok). */
-epx_status_t all_ok(epx_group_t g, int ok, int *all) {
-  epx_status_t res = EPX_OK;
-  int *dev = nullptr;
-  CUDA_CHECK(cudaMalloc(&dev, sizeof(int)));
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(dev, &ok, sizeof ok, cudaMemcpyHostToDevice, g->setup_stream),
-                  res, exit);
-  NCCL_CHECK_GOTO(ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, g->comm, g->setup_stream), res,
-                  exit);
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(all, dev, sizeof *all, cudaMemcpyDeviceToHost, g->setup_stream),
-                  res, exit);
-  CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
-exit:
-  cudaFree(dev);
-  return res;
 }
 
 epx_status_t nvlink_close(epx_group_t g) {
@@ -77,7 +61,8 @@ epx_status_t nvlink_open(epx_group_t g) {
   if (local == EPX_OK) local = CUDA_STATUS(cudaMemsetAsync(s->base, 0, s->bytes, g->setup_stream));
   if (local == EPX_OK) local = CUDA_STATUS(cudaStreamSynchronize(g->setup_stream));
   int all = 0;
-  EPX_CHECK(all_ok(g, local == EPX_OK, &all));
+  const epx__agree_t agree = {g->comm, g->num_ranks, g->setup_stream, nullptr};
+  EPX_CHECK(epx__agree_all(&agree, local == EPX_OK, &all));
   if (local != EPX_OK) return local;
   if (!all)
     return epx__set_error(

@@ -1,0 +1,71 @@
+/*
+ * async_error.c - errors the kernels report asynchronously: epx_group_get_async_error reads the
+ * group's host-mapped error record (kernel_ctx.h) into a message, epx_group_clear_async_error
+ * rearms it. Kernels write the record on a timeout or a bad top-k index (docs/api.md).
+ * Invariant: the record's status is written last, after a system fence, so the host reads the
+ * status first and the other fields only when it is nonzero.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "arg_check.h"
+#include "checks.h"
+#include "group.h"
+#include "registry.h"
+
+static const char *stage_name(int stage) {
+  static const char *const names[] = {"none",
+                                      "layout",
+                                      "barrier",
+                                      "notify",
+                                      "dispatch",
+                                      "combine",
+                                      "low-latency dispatch",
+                                      "low-latency combine"};
+  return stage >= 0 && stage < (int)(sizeof names / sizeof names[0]) ? names[stage] : "unknown";
+}
+
+EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error_t *err) {
+  EPX_CHECK(epx__group_check(g));
+  EPX_CHECK(epx__check_not_null("epx_group_get_async_error", "error", err));
+  memset(err, 0, sizeof *err);
+  err->peer = -1;
+  err->position = -1;
+  /* NOTE: status is written last by the kernel, after a system fence; read it first. */
+  int status = g->error_host->status;
+  if (status == 0) return EPX_OK;
+  __sync_synchronize();
+  err->status = (epx_status_t)status;
+  err->stage = (epx_stage_t)g->error_host->stage;
+  err->peer = g->error_host->peer;
+  err->position = g->error_host->position;
+  err->value = g->error_host->value;
+  if (err->stage == EPX_STAGE_LAYOUT && status == EPX_ERR_INVALID_ARGUMENT) {
+    int k = g->config.top_k;
+    snprintf(err->message, sizeof err->message,
+             "rank %d: topk_idx[%lld][%lld] = %lld is outside [-1, %d) (flat position %lld); that "
+             "slot was treated as empty",
+             g->rank, err->position / k, err->position % k, err->value, g->config.num_experts,
+             err->position);
+  } else if (status == EPX_ERR_TIMEOUT) {
+    snprintf(err->message, sizeof err->message,
+             "rank %d: %s timed out after %d ms waiting for peer %d (waited for value %lld)",
+             g->rank, stage_name(err->stage), g->config.timeout_ms, err->peer, err->value);
+  } else {
+    snprintf(err->message, sizeof err->message,
+             "rank %d: %s in %s (peer %d, position %lld, value %lld)", g->rank,
+             epx_status_string(err->status), stage_name(err->stage), err->peer, err->position,
+             err->value);
+  }
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_clear_async_error(epx_group_t g) {
+  EPX_CHECK(epx__group_check(g));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  epx__control_t *ctrl = epx__group_control(g);
+  CUDA_CHECK(cudaMemsetAsync(&ctrl->error_claim, 0, sizeof ctrl->error_claim, g->setup_stream));
+  CUDA_CHECK(cudaStreamSynchronize(g->setup_stream));
+  memset((void *)g->error_host, 0, sizeof *g->error_host);
+  return EPX_OK;
+}
