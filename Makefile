@@ -5,8 +5,11 @@
 #   make bench      build and run the benchmark on every visible GPU (BENCH_ARGS=... to pass flags)
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
-# Knobs: CUDA_HOME, NCCL_HOME, NVCC_GENCODE, DEBUG=1, ASAN=1 (host code only), TRACE=0 (compile
-# in-kernel tracing out; build it in its own BUILD=dir, docs/profiling.md).
+# Knobs: CUDA_HOME, NCCL_HOME, PYTHON (the one whose nvidia-nccl-cu13 wheel to use), NVCC_GENCODE,
+# DEBUG=1, ASAN=1 (host code only), TRACE=0 (compile in-kernel tracing out; build it in its own
+# BUILD=dir, docs/profiling.md).
+# Every object depends on the headers it includes (-MMD -MP, build/obj/**/*.d) and on
+# mk/toolchain.mk. Only tests/ and bench/ objects see tests/ (-Itests); the library never does.
 
 include mk/toolchain.mk
 
@@ -39,14 +42,15 @@ LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
           -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
 
 LIB_C  := $(wildcard src/*.c src/*/*.c)
-LIB_CU := $(wildcard src/kernels/*.cu src/transport/*.cu)
+LIB_CU := $(wildcard src/*/*.cu)
 LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(LIB_CU))
 
 TEST_C  := $(wildcard tests/common/*.c tests/ref/*.c tests/host/*.c tests/gpu/*.c)
 TEST_CU := $(wildcard tests/gpu/*.cu)
 TEST_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(TEST_CU))
 
-BENCH_C  := $(wildcard bench/*.c)
+# The benchmark shares the rank-process plumbing of the test runner (tests/common/ranks.c).
+BENCH_C  := $(wildcard bench/*.c) tests/common/ranks.c
 BENCH_CU := $(wildcard bench/*.cu)
 BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(BENCH_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(BENCH_CU))
 
@@ -55,19 +59,23 @@ STATIC_LIB := $(BUILD)/lib/libepx.a
 TEST_BIN := $(BUILD)/bin/epx_test
 BENCH_BIN := $(BUILD)/bin/epx_bench
 
-HEADERS := $(wildcard include/*.h src/include/*.h src/kernels/*.h src/kernels/*.cuh tests/*/*.h bench/*.h)
-
 .PHONY: all lib test bench format format-check install clean header-check
 all: lib
 lib: $(SHARED_LIB) $(STATIC_LIB)
 
-$(BUILD)/obj/%.o: %.c $(HEADERS) mk/toolchain.mk
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -c $< -o $@
+# Test and benchmark objects may include tests/ headers (common/, ref/, gpu/); nothing else.
+EXTRA_INCLUDES :=
+$(TEST_OBJ) $(BENCH_OBJ): EXTRA_INCLUDES := -Itests
 
-$(BUILD)/obj/%.o: %.cu $(HEADERS) mk/toolchain.mk
+$(BUILD)/obj/%.o: %.c mk/toolchain.mk
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Itests -c $< -o $@
+	$(CC) $(CFLAGS) $(EXTRA_INCLUDES) -MMD -MP -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cu mk/toolchain.mk
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
+
+-include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d))
 
 # Only epx_* symbols leave the shared library (src/epx.map).
 $(SHARED_LIB): $(LIB_OBJ) src/epx.map
@@ -99,8 +107,8 @@ test: lib header-check $(TEST_BIN)
 bench: $(BENCH_BIN)
 	$(BENCH_BIN) $(BENCH_ARGS)
 
-FORMAT_FILES := $(wildcard include/*.h src/*.c src/include/*.h src/*/*.c src/*/*.cu src/*/*.cuh src/*/*.h \
-                  tests/*/*.c tests/*/*.h tests/*/*.cu bench/*.c bench/*.cu bench/*.h)
+FORMAT_FILES := $(sort $(wildcard include/*.h src/*.c src/*/*.c src/*/*.cu src/*/*.cuh src/*/*.h \
+                  tests/*/*.c tests/*/*.h tests/*/*.cu bench/*.c bench/*.cu bench/*.h))
 format:
 	clang-format -i $(FORMAT_FILES)
 format-check:

@@ -3,9 +3,10 @@
  * result rows and their table, the timing harness, the EP workload, and the extern "C"
  * launchers of bench_kernels.cu.
  *
- * Process model: the parent never touches CUDA; it forks one process per GPU (procs.c), each
- * of which measures, gathers its figures across ranks, and fills the same table. Only rank 0
- * prints. Every reported time is the maximum over ranks of each rank's median.
+ * Process model: the parent never touches CUDA; it forks one process per GPU
+ * (tests/common/ranks.c, shared with the test runner), each of which measures, gathers its
+ * figures across ranks, and fills the same table. Only rank 0 prints. Every reported time is the
+ * maximum over ranks of each rank's median.
  */
 #ifndef EPX_BENCH_H_
 #define EPX_BENCH_H_
@@ -49,18 +50,6 @@ typedef struct bench_options {
 int bench_parse_options(int argc, char **argv, bench_options_t *opt);
 /* The group config of a run: the flags' sizes, normal mode, max tokens = the largest --tokens. */
 epx_group_config_t bench_group_config(const bench_options_t *opt);
-
-/* ---------------------------------------------------------------------------------------------
- * Processes (procs.c). The parent must not initialize CUDA: both functions fork.
- * ------------------------------------------------------------------------------------------- */
-/* GPUs visible to a child process (0 if CUDA cannot start). */
-int bench_count_gpus(void);
-/* One rank's whole run; returns its exit code (0 = success). */
-typedef int (*bench_rank_fn)(const bench_options_t *opt, int rank, int num_ranks,
-                             const ncclUniqueId *id);
-/* Fork num_ranks children, relay rank 0's NCCL unique id to the others, wait for all of them
- * within opt->timeout_s and kill the rest on expiry. Returns 0 if every rank exited with 0. */
-int bench_launch(const bench_options_t *opt, int num_ranks, bench_rank_fn fn);
 
 /* ---------------------------------------------------------------------------------------------
  * Error checks of rank code: print the failing call with the rank, then return -1.

@@ -3,8 +3,10 @@
  *
  * The parent sets NCCL_NVLS_ENABLE=0 (NVLink multicast stays off), parses the flags, counts
  * the GPUs in a child, validates the group config for the rank count and forks one process
- * per GPU (procs.c); it never initializes CUDA. Each rank creates its NCCL communicator and an
- * EPX group, then measures, in order:
+ * per GPU (tests/common/ranks.c, shared with the test runner: rank 0's NCCL unique id relayed
+ * through pipes, ranks killed at --timeout, or 30 s after one of them failed); it never
+ * initializes CUDA. Each rank creates its NCCL communicator and an EPX group, then measures, in
+ * order:
  *   1. the machine's ceiling: SM-driven all-to-all push, one row per --sms entry (ceiling.c);
  *   2. for each --tokens entry, on one seeded workload (workload.c):
  *      the NCCL baseline rows (nccl_ep.c), then the EPX rows (epx_rows.c), per --epx-sms;
@@ -18,6 +20,10 @@
 #include <string.h>
 
 #include "bench.h"
+#include "common/ranks.h"
+
+#define COUNT_TIMEOUT_S 60 /* counting the GPUs in a child */
+#define FAILURE_GRACE_S 30 /* the other ranks' time to finish once one has failed */
 
 static void print_header(const bench_rank_t *b, const struct cudaDeviceProp *prop, int nccl_version,
                          int epx_version) {
@@ -124,7 +130,10 @@ static int count_wrong_rows(const bench_table_t *t) {
   return bad;
 }
 
-static int rank_main(const bench_options_t *opt, int rank, int num_ranks, const ncclUniqueId *id) {
+/* One rank's process (a ranks_fn; arg is the options). */
+static int rank_main(int rank, int num_ranks, const ncclUniqueId *id, void *arg) {
+  const bench_options_t *opt = (const bench_options_t *)arg;
+  bench_log_rank = rank;
   bench_rank_t b;
   memset(&b, 0, sizeof b);
   b.opt = opt;
@@ -152,7 +161,7 @@ int main(int argc, char **argv) {
   const int parsed = bench_parse_options(argc, argv, &opt);
   if (parsed) return parsed == 1 ? 0 : 2;
 
-  const int visible = bench_count_gpus();
+  const int visible = ranks_count_gpus("epx_bench", COUNT_TIMEOUT_S);
   if (visible < 2) {
     printf("epx_bench: %d GPU(s) visible\nskipped: needs 2 GPUs\n", visible);
     return 0;
@@ -171,5 +180,6 @@ int main(int argc, char **argv) {
     fprintf(stderr, "epx_bench: at %d ranks: %s\n", num_ranks, epx_last_error());
     return 2;
   }
-  return bench_launch(&opt, num_ranks, rank_main) ? 1 : 0;
+  const ranks_config_t rc = {"epx_bench", opt.timeout_s, FAILURE_GRACE_S, 0, "--timeout"};
+  return ranks_run(&rc, num_ranks, rank_main, &opt, NULL) ? 1 : 0;
 }

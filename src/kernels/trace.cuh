@@ -1,5 +1,5 @@
 /*
- * trace.cuh - recording in-kernel spans (docs/profiling.md; format in src/include/trace.h).
+ * trace.cuh - recording in-kernel spans (docs/profiling.md; format in src/include/trace_format.h).
  *
  *   const uint64_t t0 = epx::trace_begin(ctx);            // every thread may call it
  *   ... the stage ...

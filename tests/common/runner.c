@@ -4,19 +4,19 @@
  * Usage: epx_test [--filter SUBSTR] [--ranks 2,4] [--seed N] [--list]
  * Process tree of a GPU test: runner -> leader (own process group) -> R rank processes. The
  * runner kills the whole group when the test's timeout expires, so a hung kernel or a stuck
- * NCCL call ends as a failure, never as a hang of the suite.
+ * NCCL call ends as a failure, never as a hang of the suite. Forking the ranks and relaying
+ * rank 0's NCCL unique id is tests/common/ranks.c, shared with the benchmark.
  */
 #include "common/runner.h"
 
-#include <errno.h>
-#include <poll.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "common/ranks.h"
 
 #define MAX_TESTS 256
 
@@ -48,84 +48,24 @@ uint64_t epx_test_seed(void) {
   return current_seed;
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-/* Wait for pid up to timeout_s; kill its process group on expiry. Returns the exit code, or -1
- * for a timeout, or 128+signal. */
+/* Wait for the test's process up to timeout_s; kill its process group on expiry. Returns the
+ * exit code, or -1 for a timeout, or 128+signal. */
 static int wait_with_timeout(pid_t pid, int timeout_s) {
-  double deadline = now_s() + timeout_s;
-  for (;;) {
-    int status;
-    pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid) {
-      if (WIFEXITED(status)) return WEXITSTATUS(status);
-      if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-      return TEST_FAIL;
-    }
-    if (r < 0 && errno != EINTR) return TEST_FAIL;
-    if (now_s() > deadline) {
-      kill(-pid, SIGKILL);
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      return -1;
-    }
-    usleep(2000);
-  }
+  int status = 0;
+  const int r = ranks_wait(pid, timeout_s, &status);
+  if (r == -1) return -1;
+  if (r != 0) return TEST_FAIL;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return TEST_FAIL;
 }
 
-/* Visible GPUs, counted in a child so that this process never initializes CUDA. */
-static int count_gpus(void) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    _exit(n > 200 ? 200 : n);
-  }
-  if (pid < 0) return 0;
-  int code = wait_with_timeout(pid, 60);
-  return code < 0 || code > 200 ? 0 : code;
-}
-
-static int write_all(int fd, const void *buf, size_t n) {
-  const char *p = (const char *)buf;
-  while (n > 0) {
-    ssize_t w = write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return -1;
-    p += w;
-    n -= (size_t)w;
-  }
-  return 0;
-}
-static int read_all(int fd, void *buf, size_t n) {
-  char *p = (char *)buf;
-  while (n > 0) {
-    ssize_t r = read(fd, p, n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return -1;
-    p += r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
-
-/* One rank process: NCCL bootstrap, the test, teardown. */
-static int run_rank(const test_entry_t *t, int rank, int num_ranks, int id_to_leader,
-                    int id_from_leader) {
-  ncclUniqueId id;
-  if (rank == 0) {
-    if (ncclGetUniqueId(&id) != ncclSuccess) return TEST_FAIL;
-    if (write_all(id_to_leader, &id, sizeof id)) return TEST_FAIL;
-  } else {
-    if (read_all(id_from_leader, &id, sizeof id)) return TEST_FAIL;
-  }
+/* One rank process (a ranks_fn; arg is the test): NCCL communicator, the test, teardown. */
+static int run_rank(int rank, int num_ranks, const ncclUniqueId *id, void *arg) {
+  const test_entry_t *t = (const test_entry_t *)arg;
   epx_test_rank_t ctx = {rank, num_ranks, NULL, NULL, current_seed};
   if (cudaSetDevice(rank) != cudaSuccess) return TEST_FAIL;
-  ncclResult_t nr = ncclCommInitRank(&ctx.comm, num_ranks, id, rank);
+  ncclResult_t nr = ncclCommInitRank(&ctx.comm, num_ranks, *id, rank);
   if (nr != ncclSuccess) {
     fprintf(stderr, "  rank %d: ncclCommInitRank: %s\n", rank, ncclGetErrorString(nr));
     return TEST_FAIL;
@@ -141,43 +81,15 @@ static int run_rank(const test_entry_t *t, int rank, int num_ranks, int id_to_le
   return code;
 }
 
-/* The leader: forks the ranks, relays the unique id, folds their exit codes. */
+/* The leader: forks the ranks, relays the unique id (tests/common/ranks.c), folds their exit
+ * codes. No deadline of its own: the runner kills the whole process group at the timeout. */
 static int run_leader(const test_entry_t *t, int num_ranks) {
-  int up[2], down[EPX_MAX_RANKS][2];
-  if (pipe(up)) return TEST_FAIL;
+  const ranks_config_t config = {"epx_test", 0, 0, TEST_SKIP, NULL};
+  int codes[EPX_MAX_RANKS];
+  if (ranks_run(&config, num_ranks, run_rank, (void *)t, codes) != 0) return TEST_FAIL;
   for (int r = 0; r < num_ranks; r++)
-    if (pipe(down[r])) return TEST_FAIL;
-  pid_t pids[EPX_MAX_RANKS];
-  for (int r = 0; r < num_ranks; r++) {
-    pids[r] = fork();
-    if (pids[r] < 0) return TEST_FAIL;
-    if (pids[r] == 0) {
-      int code = run_rank(t, r, num_ranks, up[1], down[r][0]);
-      fflush(stdout); /* _exit does not flush stdio */
-      fflush(stderr);
-      _exit(code);
-    }
-  }
-  ncclUniqueId id;
-  if (read_all(up[0], &id, sizeof id) == 0) {
-    for (int r = 1; r < num_ranks; r++) write_all(down[r][1], &id, sizeof id);
-  }
-  int any_fail = 0, any_skip = 0;
-  for (int r = 0; r < num_ranks; r++) {
-    int status;
-    if (waitpid(pids[r], &status, 0) < 0 || !WIFEXITED(status)) {
-      any_fail = 1;
-      if (WIFSIGNALED(status))
-        fprintf(stderr, "  rank %d: killed by signal %d\n", r, WTERMSIG(status));
-      continue;
-    }
-    int code = WEXITSTATUS(status);
-    if (code == TEST_SKIP)
-      any_skip = 1;
-    else if (code != TEST_PASS)
-      any_fail = 1;
-  }
-  return any_fail ? TEST_FAIL : any_skip ? TEST_SKIP : TEST_PASS;
+    if (codes[r] == TEST_SKIP) return TEST_SKIP;
+  return TEST_PASS;
 }
 
 static int run_isolated(const test_entry_t *t, int num_ranks) {
@@ -253,7 +165,7 @@ int main(int argc, char **argv) {
       uint64_t s = seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(i * 16 + v + 1));
       current_seed = s;
       if (!t->host_fn) {
-        if (num_gpus < 0) num_gpus = count_gpus();
+        if (num_gpus < 0) num_gpus = ranks_count_gpus("epx_test", 60);
         if (ranks < 2 || ranks > EPX_MAX_RANKS || ranks > num_gpus) {
           printf("[ SKIP ] %s: needs %d GPUs, %d visible\n", label, ranks, num_gpus);
           skipped++;
@@ -262,9 +174,9 @@ int main(int argc, char **argv) {
       }
       printf("[ RUN  ] %s (seed %llu)\n", label, (unsigned long long)s);
       fflush(stdout);
-      double t0 = now_s();
+      double t0 = epx_test_now_s();
       int code = run_isolated(t, ranks);
-      double dt = now_s() - t0;
+      double dt = epx_test_now_s() - t0;
       if (code == TEST_PASS) {
         printf("[ PASS ] %s (%.2f s)\n", label, dt);
         passed++;

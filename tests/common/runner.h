@@ -15,6 +15,7 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <time.h>
 
 #include "epx.h"
 
@@ -110,6 +111,13 @@ uint64_t epx_test_seed(void);
       return TEST_FAIL;                                                      \
     }                                                                        \
   } while (0)
+
+/* Seconds on the monotonic clock, for measuring how long something took. */
+static inline double epx_test_now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 /* Deterministic random numbers for tests (splitmix64). */
 static inline uint64_t epx_test_rand(uint64_t *state) {

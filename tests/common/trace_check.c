@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/runner.h"
+
 static int why_fmt(char *why, size_t len, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -220,4 +222,12 @@ int trace_find_span(const json_value_t *root, int pid, const char *name, long lo
     return 0;
   }
   return -1;
+}
+
+int trace_load(const char *path, json_value_t **root, trace_facts_t *facts) {
+  char why[512];
+  *root = json_parse_file(path, why, sizeof why);
+  EXPECTF(*root != NULL, "%s: %s", path, why);
+  EXPECTF(trace_check(*root, facts, why, sizeof why) == 0, "%s: %s", path, why);
+  return TEST_PASS;
 }

@@ -26,6 +26,11 @@ typedef struct trace_facts {
 /* 0 if root is a valid EPX trace (facts filled), else -1 with the reason in why. */
 int trace_check(const json_value_t *root, trace_facts_t *facts, char *why, size_t why_len);
 
+/* trace_load - parse the file at path and trace_check it, as two test expectations (a failure
+ * prints the path and the reason). *root stays for the caller (json_free).
+ * Returns TEST_PASS or TEST_FAIL (common/runner.h). */
+int trace_load(const char *path, json_value_t **root, trace_facts_t *facts);
+
 /* Spans of rank `pid` named `name` (every rank if pid < 0). */
 long long trace_count_spans(const json_value_t *root, int pid, const char *name);
 

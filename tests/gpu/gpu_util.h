@@ -1,5 +1,5 @@
 /*
- * gpu_util.h - helpers shared by the multi-GPU tests: configs, device buffers, test kernels.
+ * gpu_util.h - helpers shared by the multi-GPU tests: configs, a host barrier, test kernels.
  */
 #ifndef EPX_TESTS_GPU_UTIL_H_
 #define EPX_TESTS_GPU_UTIL_H_
@@ -19,6 +19,26 @@ static inline epx_group_config_t gpu_test_config(int max_tokens, int hidden, int
   c.top_k = top_k;
   c.timeout_ms = 2000;
   return c;
+}
+
+/* The group has no async error on record; label names the place in the failure message. */
+#define EXPECT_NO_ASYNC_ERROR(g, label)                                       \
+  do {                                                                        \
+    epx_async_error_t e_;                                                     \
+    EXPECT_OK(epx_group_get_async_error((g), &e_));                           \
+    EXPECTF(e_.status == EPX_OK, "%s: async error: %s", (label), e_.message); \
+  } while (0)
+
+/* Every rank meets on the host (an NCCL all-reduce of one int), nothing of EPX in flight
+ * afterwards. */
+static inline int gpu_host_barrier(epx_test_rank_t *t) {
+  int *one = NULL;
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  EXPECT_CUDA(cudaMalloc((void **)&one, sizeof(int)));
+  EXPECT_NCCL(ncclAllReduce(one, one, 1, ncclInt32, ncclSum, t->comm, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  EXPECT_CUDA(cudaFree(one));
+  return TEST_PASS;
 }
 
 #ifdef __cplusplus

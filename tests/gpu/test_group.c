@@ -13,16 +13,9 @@
  */
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "gpu/gpu_util.h"
-
-static double wall_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 EPX_GPU_TEST(group_create_destroy_100_cycles, 300) {
   epx_group_config_t c = gpu_test_config(128, 1024, 4 * t->num_ranks, 4);
@@ -117,9 +110,7 @@ EPX_GPU_TEST(barrier_orders_peer_writes, 120) {
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   for (int round = 0; round < 500; round++)
     EXPECTF(wrong[round] == 0, "round %d: %d stale slots", round, wrong[round]);
-  epx_async_error_t err;
-  EXPECT_OK(epx_group_get_async_error(g, &err));
-  EXPECTF(err.status == EPX_OK, "unexpected async error: %s", err.message);
+  EXPECT_NO_ASYNC_ERROR(g, __func__);
   EXPECT_CUDA(cudaFree(wrong_dev));
   EXPECT_OK(epx_group_destroy(g));
   return TEST_PASS;
@@ -134,10 +125,10 @@ EPX_GPU_TEST(barrier_times_out_on_missing_peer, 120) {
   EXPECT_OK(epx_group_create(t->comm, &c, &g));
   const int missing = t->num_ranks - 1;
   if (t->rank != missing) {
-    double t0 = wall_s();
+    double t0 = epx_test_now_s();
     EXPECT_OK(epx_group_barrier(g, t->stream));
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-    double waited = wall_s() - t0;
+    double waited = epx_test_now_s() - t0;
     epx_async_error_t err;
     EXPECT_OK(epx_group_get_async_error(g, &err));
     printf("  rank %d: returned after %.3f s: %s\n", t->rank, waited, err.message);
@@ -151,11 +142,7 @@ EPX_GPU_TEST(barrier_times_out_on_missing_peer, 120) {
     EXPECT_EQ_INT(err.status, EPX_OK);
   }
   /* Everyone meets again on the host (NCCL) before destroying; the work queue stays usable. */
-  int *one = NULL;
-  EXPECT_CUDA(cudaMalloc((void **)&one, sizeof(int)));
-  EXPECT_NCCL(ncclAllReduce(one, one, 1, ncclInt32, ncclSum, t->comm, t->stream));
-  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-  EXPECT_CUDA(cudaFree(one));
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_group_destroy(g));
   return TEST_PASS;
 }

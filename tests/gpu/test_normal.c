@@ -1,8 +1,9 @@
 /*
  * test_normal.c - normal-mode dispatch/combine on 2 and 4 GPUs against the CPU reference.
  *
- * Every rank builds the whole world (all ranks' tokens, routing, payload) from the test seed,
- * so it can compute with tests/ref what it must receive and what combine must return.
+ * Every rank builds the whole world (all ranks' tokens, routing, payload) from the test seed
+ * (world.h, WORLD_NORMAL), so it can compute with tests/ref what it must receive and what
+ * combine must return (normal_checks.h).
  *
  *   test                              what
  *   normal_dispatch_combine_cases     BF16 + FP8 bit-exact, counts, ids, weights, sources;
@@ -15,26 +16,24 @@
  *                                     three combines after it (error on record) still right
  *   normal_combine_times_out          one rank skips a combine: TIMEOUT naming it, < budget+1s
  */
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include "gpu/normal_world.h"
+#include "gpu/normal_checks.h"
 
 static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
   const int R = t->num_ranks, me = t->rank;
   world_t w;
-  world_make(&w, R, c, rng);
-  epx_group_config_t cfg = gpu_test_config(c->max_tokens, w.H, w.E, w.K);
+  world_make(&w, R, &c->world, WORLD_NORMAL, rng);
+  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
   cfg.modes = EPX_MODE_NORMAL;
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
   EXPECT_OK(epx_handle_create(g, &h));
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * c->max_tokens) != TEST_PASS) return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
   const int align_choices[] = {0, 1, 4, 128};
   const int align = align_choices[epx_test_rand_int(rng, 4)];
 
@@ -65,12 +64,12 @@ static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
   EXPECT_CUDA(cudaMemcpy(dev_pe, res.num_recv_per_expert_device, sizeof(int) * (w.E / R),
                          cudaMemcpyDeviceToHost));
   for (int j = 0; j < w.E / R; j++) EXPECT_EQ_INT(dev_pe[j], per_expert[j]);
-  if (check_recv(&w, me, &res, c->fp8, 1, &ref, c->name) != TEST_PASS) return TEST_FAIL;
+  if (normal_check_recv(&w, me, &res, c->fp8, 1, &ref, c->name) != TEST_PASS) return TEST_FAIL;
   epx_ref_recv_free(&ref);
 
   /* Combine: expert outputs y_me, weighted then unweighted. */
   int nrecv = 0;
-  uint16_t *y = expert_output(&w, me, &nrecv);
+  uint16_t *y = normal_expert_output(&w, me, &nrecv);
   EXPECT_CUDA(cudaMemcpyAsync(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   free(y);
@@ -85,7 +84,7 @@ static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
     char label[96];
     snprintf(label, sizeof label, "%s (%s combine)", c->name, weighted ? "weighted" : "unweighted");
-    if (check_combine(&w, me, d.out, weighted ? w.w[me] : NULL, label) != TEST_PASS)
+    if (normal_check_combine(&w, me, d.out, weighted ? w.w[me] : NULL, label) != TEST_PASS)
       return TEST_FAIL;
   }
 
@@ -101,31 +100,29 @@ static int run_case(epx_test_rank_t *t, const normal_case_t *c, uint64_t *rng) {
   EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
   char label[96];
   snprintf(label, sizeof label, "%s (cached)", c->name);
-  if (check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
+  if (normal_check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
   epx_ref_recv_free(&ref);
 
-  epx_async_error_t err;
-  EXPECT_OK(epx_group_get_async_error(g, &err));
-  EXPECTF(err.status == EPX_OK, "%s: async error: %s", c->name, err.message);
-  dev_free(&d);
+  EXPECT_NO_ASYNC_ERROR(g, c->name);
+  world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
   return TEST_PASS;
 }
 
-/*   name          T_max  H     E     K   routing       T        empty  fp8 */
+/*   name  {T_max  H  E  K  routing  T  empty_rank} (the world_spec_t)  fp8 */
 static const normal_case_t cases[] = {
-    {"random_bf16", 512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1, 0},
-    {"random_fp8", 512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1, 1},
-    {"one_expert", 256, 512, 32, 4, ROUTE_ONE_EXPERT, 256, -1, 0},
-    {"all_empty", 256, 512, 32, 4, ROUTE_EMPTY, 256, -1, 0},
-    {"one_rank_gets_all", 256, 512, 32, 4, ROUTE_ONE_RANK, 256, -1, 1},
-    {"empty_rank", 256, 512, 32, 4, ROUTE_HOLES, -1, 1, 0},
-    {"e_equals_r_top1", 256, 264, 0, 1, ROUTE_UNIFORM, -1, -1, 0},
-    {"top16_e1024", 128, 512, 1024, 16, ROUTE_HOLES, -1, -1, 1},
-    {"deepep_shape", 4096, 7168, 256, 8, ROUTE_UNIFORM, 4096, -1, 0},
-    {"deepep_shape_fp8", 4096, 7168, 256, 8, ROUTE_UNIFORM, 4096, -1, 1},
+    {"random_bf16", {512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1}, 0},
+    {"random_fp8", {512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1}, 1},
+    {"one_expert", {256, 512, 32, 4, ROUTE_ONE_EXPERT, 256, -1}, 0},
+    {"all_empty", {256, 512, 32, 4, ROUTE_EMPTY, 256, -1}, 0},
+    {"one_rank_gets_all", {256, 512, 32, 4, ROUTE_ONE_RANK, 256, -1}, 1},
+    {"empty_rank", {256, 512, 32, 4, ROUTE_HOLES, -1, 1}, 0},
+    {"e_equals_r_top1", {256, 264, 0, 1, ROUTE_UNIFORM, -1, -1}, 0},
+    {"top16_e1024", {128, 512, 1024, 16, ROUTE_HOLES, -1, -1}, 1},
+    {"deepep_shape", {4096, 7168, 256, 8, ROUTE_UNIFORM, 4096, -1}, 0},
+    {"deepep_shape_fp8", {4096, 7168, 256, 8, ROUTE_UNIFORM, 4096, -1}, 1},
 };
 
 EPX_GPU_TEST(normal_dispatch_combine_cases, 600) {
@@ -144,16 +141,16 @@ EPX_GPU_TEST(normal_dispatch_combine_cases, 600) {
 EPX_GPU_TEST(normal_graph_replay, 300) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
-  const normal_case_t c = {"graph", 256, 1024, 32, 4, ROUTE_UNIFORM, -1, -1, 0};
+  const normal_case_t c = {"graph", {256, 1024, 32, 4, ROUTE_UNIFORM, -1, -1}, 0};
   world_t w;
-  world_make(&w, R, &c, &rng);
-  epx_group_config_t cfg = gpu_test_config(c.max_tokens, w.H, w.E, w.K);
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
+  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
   EXPECT_OK(epx_handle_create(g, &h));
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * c.max_tokens) != TEST_PASS) return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
@@ -187,15 +184,13 @@ EPX_GPU_TEST(normal_graph_replay, 300) {
       /* Unweighted combine of the received rows: sum over ranks d of x (bit-exact inputs). */
       char label[32];
       snprintf(label, sizeof label, "replay %d", replay);
-      if (check_combine_unchanged(&w, me, d.out, label) != TEST_PASS) return TEST_FAIL;
+      if (normal_check_combine_unchanged(&w, me, d.out, label) != TEST_PASS) return TEST_FAIL;
     }
   }
-  epx_async_error_t err;
-  EXPECT_OK(epx_group_get_async_error(g, &err));
-  EXPECTF(err.status == EPX_OK, "async error: %s", err.message);
+  EXPECT_NO_ASYNC_ERROR(g, __func__);
   EXPECT_CUDA(cudaGraphExecDestroy(exec));
   EXPECT_CUDA(cudaGraphDestroy(graph));
-  dev_free(&d);
+  world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
@@ -214,12 +209,12 @@ EPX_GPU_TEST(normal_loop_1000, 600) {
   EXPECT_OK(epx_handle_create(g, &h));
   for (int it = 0; it < 1000; it++) {
     const route_t routes[] = {ROUTE_UNIFORM, ROUTE_HOLES, ROUTE_ONE_RANK, ROUTE_UNIFORM};
-    const normal_case_t c = {"loop", T_max, H, E, K, routes[it % 4], -1, it % 7 == 3 ? it % R : -1,
-                             0};
+    const normal_case_t c = {
+        "loop", {T_max, H, E, K, routes[it % 4], -1, it % 7 == 3 ? it % R : -1}, 0};
     world_t w;
-    world_make(&w, R, &c, &rng);
-    dev_inputs_t d;
-    if (upload(&w, me, &d, (size_t)R * T_max) != TEST_PASS) return TEST_FAIL;
+    world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
+    world_dev_t d;
+    if (world_dev_make(&w, me, (size_t)R * T_max, &d) != TEST_PASS) return TEST_FAIL;
     epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
     a.x = d.x;
     a.topk_idx = d.idx;
@@ -236,10 +231,10 @@ EPX_GPU_TEST(normal_loop_1000, 600) {
             ref.num_recv);
     char label[64];
     snprintf(label, sizeof label, "iteration %d", it);
-    if (check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
+    if (normal_check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
     epx_ref_recv_free(&ref);
     int nrecv = 0;
-    uint16_t *y = expert_output(&w, me, &nrecv);
+    uint16_t *y = normal_expert_output(&w, me, &nrecv);
     EXPECT_CUDA(cudaMemcpyAsync(d.y, y, (size_t)nrecv * H * 2, cudaMemcpyHostToDevice, t->stream));
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
     free(y);
@@ -250,13 +245,11 @@ EPX_GPU_TEST(normal_loop_1000, 600) {
     ca.topk_weights = (const float *)d.w;
     EXPECT_OK(epx_combine(g, h, &ca, t->stream));
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-    if (check_combine(&w, me, d.out, w.w[me], label) != TEST_PASS) return TEST_FAIL;
-    dev_free(&d);
+    if (normal_check_combine(&w, me, d.out, w.w[me], label) != TEST_PASS) return TEST_FAIL;
+    world_dev_free(&d);
     world_free(&w);
   }
-  epx_async_error_t err;
-  EXPECT_OK(epx_group_get_async_error(g, &err));
-  EXPECTF(err.status == EPX_OK, "async error: %s", err.message);
+  EXPECT_NO_ASYNC_ERROR(g, __func__);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
   return TEST_PASS;
@@ -278,9 +271,9 @@ static bad_args_t bad_case(const char *name, epx_dispatch_args_t args, const cha
 EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
-  const normal_case_t c = {"args", 64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1, 0};
+  const normal_case_t c = {"args", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
   world_t w;
-  world_make(&w, R, &c, &rng);
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
   epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
   cfg.dtypes = EPX_DTYPE_BF16;
   epx_group_t g = NULL, g2 = NULL;
@@ -289,8 +282,8 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g2));
   EXPECT_OK(epx_handle_create(g, &h));
   EXPECT_OK(epx_handle_create(g2, &h2));
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * 64) != TEST_PASS) return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
@@ -331,12 +324,13 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   epx_ref_recv_t ref;
   memset(&ref, 0, sizeof ref);
   EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
-  if (check_recv(&w, me, &res, 0, 1, &ref, "after bad arguments") != TEST_PASS) return TEST_FAIL;
+  if (normal_check_recv(&w, me, &res, 0, 1, &ref, "after bad arguments") != TEST_PASS)
+    return TEST_FAIL;
   epx_ref_recv_free(&ref);
   EXPECT_OK(epx_handle_destroy(h2));
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_STATUS(epx_combine(g, h, &ca, t->stream), EPX_ERR_INVALID_USAGE); /* destroyed handle */
-  dev_free(&d);
+  world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_group_destroy(g2));
   EXPECT_OK(epx_group_destroy(g));
@@ -349,17 +343,17 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
 EPX_GPU_TEST(normal_bad_id_then_combine, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
-  const normal_case_t c = {"bad_id", 256, 1024, 8 * R, 4, ROUTE_UNIFORM, 256, -1, 0};
+  const normal_case_t c = {"bad_id", {256, 1024, 8 * R, 4, ROUTE_UNIFORM, 256, -1}, 0};
   world_t w;
-  world_make(&w, R, &c, &rng);
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
   for (int s = 0; s < R; s++) w.idx[s][1] = w.E + 3; /* token 0, slot 1, on every rank */
-  epx_group_config_t cfg = gpu_test_config(c.max_tokens, w.H, w.E, w.K);
+  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
   EXPECT_OK(epx_handle_create(g, &h));
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * c.max_tokens) != TEST_PASS) return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
@@ -371,10 +365,10 @@ EPX_GPU_TEST(normal_bad_id_then_combine, 120) {
   epx_ref_recv_t ref;
   memset(&ref, 0, sizeof ref);
   EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
-  if (check_recv(&w, me, &res, 0, 1, &ref, "bad id dispatch") != TEST_PASS) return TEST_FAIL;
+  if (normal_check_recv(&w, me, &res, 0, 1, &ref, "bad id dispatch") != TEST_PASS) return TEST_FAIL;
   epx_ref_recv_free(&ref);
   int nrecv = 0;
-  uint16_t *y = expert_output(&w, me, &nrecv);
+  uint16_t *y = normal_expert_output(&w, me, &nrecv);
   EXPECT_CUDA(cudaMemcpy(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice));
   EXPECT_CUDA(cudaDeviceSynchronize()); /* legacy-stream copy before the test stream's work */
   free(y);
@@ -389,14 +383,14 @@ EPX_GPU_TEST(normal_bad_id_then_combine, 120) {
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
     char label[48];
     snprintf(label, sizeof label, "combine %d after a bad id", rep);
-    if (check_combine(&w, me, d.out, w.w[me], label) != TEST_PASS) return TEST_FAIL;
+    if (normal_check_combine(&w, me, d.out, w.w[me], label) != TEST_PASS) return TEST_FAIL;
   }
   epx_async_error_t err;
   EXPECT_OK(epx_group_get_async_error(g, &err));
   EXPECT_EQ_INT(err.status, EPX_ERR_INVALID_ARGUMENT);
   EXPECT_EQ_INT(err.stage, EPX_STAGE_LAYOUT);
   EXPECT_OK(epx_group_clear_async_error(g));
-  dev_free(&d);
+  world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
@@ -408,17 +402,17 @@ EPX_GPU_TEST(normal_bad_id_then_combine, 120) {
 EPX_GPU_TEST(normal_combine_times_out, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
-  const normal_case_t c = {"timeout", 64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1, 0};
+  const normal_case_t c = {"timeout", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
   world_t w;
-  world_make(&w, R, &c, &rng);
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
   epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
   cfg.timeout_ms = 500;
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
   EXPECT_OK(epx_handle_create(g, &h));
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * 64) != TEST_PASS) return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
@@ -428,15 +422,13 @@ EPX_GPU_TEST(normal_combine_times_out, 120) {
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   const int missing = R - 1;
   if (me != missing) {
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    const double t0 = epx_test_now_s();
     epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
     ca.x = res.recv_x;
     ca.out = d.out;
     EXPECT_OK(epx_combine(g, h, &ca, t->stream));
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    const double waited = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    const double waited = epx_test_now_s() - t0;
     epx_async_error_t err;
     EXPECT_OK(epx_group_get_async_error(g, &err));
     printf("  rank %d: combine returned after %.3f s: %s\n", me, waited, err.message);
@@ -445,12 +437,8 @@ EPX_GPU_TEST(normal_combine_times_out, 120) {
     EXPECT_EQ_INT(err.peer, missing);
     EXPECTF(waited < 1.5, "took %.3f s with a 0.5 s budget", waited);
   }
-  int *one = NULL;
-  EXPECT_CUDA(cudaMalloc((void **)&one, sizeof(int)));
-  EXPECT_NCCL(ncclAllReduce(one, one, 1, ncclInt32, ncclSum, t->comm, t->stream));
-  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-  cudaFree(one);
-  dev_free(&d);
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));

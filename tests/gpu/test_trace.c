@@ -24,7 +24,7 @@
 
 #include "common/json.h"
 #include "common/trace_check.h"
-#include "gpu/normal_world.h"
+#include "gpu/normal_checks.h"
 #include "trace.h"
 
 /* A TRACE=0 build has no tracing to test. */
@@ -39,15 +39,6 @@
 static void trace_path(char *buf, size_t len, const char *what) {
   /* The leader process is every rank's parent: one name per run, the same on every rank. */
   snprintf(buf, len, "/tmp/epx_test_trace_%d_%s.json", (int)getppid(), what);
-}
-
-/* Parse and check the file on rank 0; *root stays for the caller (json_free). */
-static int load_trace(const char *path, json_value_t **root, trace_facts_t *facts) {
-  char why[512];
-  *root = json_parse_file(path, why, sizeof why);
-  EXPECTF(*root != NULL, "%s: %s", path, why);
-  EXPECTF(trace_check(*root, facts, why, sizeof why) == 0, "%s: %s", path, why);
-  return TEST_PASS;
 }
 
 /* The tags and arguments a rank's traced barrier + dispatch + combine + cached dispatch left. */
@@ -79,20 +70,20 @@ EPX_GPU_TEST(trace_dispatch_combine_matches_reference, 300) {
   SKIP_IF_COMPILED_OUT();
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
-  const normal_case_t c = {"traced", 512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1, 0};
+  const normal_case_t c = {"traced", {512, 1024, 64, 8, ROUTE_UNIFORM, -1, -1}, 0};
   world_t w;
-  world_make(&w, R, &c, &rng);
-  epx_group_config_t cfg = gpu_test_config(c.max_tokens, w.H, w.E, w.K);
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
+  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
   EXPECT_OK(epx_handle_create(g, &h));
   epx_group_config_t resolved;
   EXPECT_OK(epx_group_get_config(g, &resolved));
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * c.max_tokens) != TEST_PASS) return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
   int nrecv = 0;
-  uint16_t *y = expert_output(&w, me, &nrecv);
+  uint16_t *y = normal_expert_output(&w, me, &nrecv);
   EXPECT_CUDA(cudaMemcpy(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice));
   EXPECT_CUDA(cudaDeviceSynchronize()); /* legacy-stream copy before the test stream's work */
   free(y);
@@ -125,12 +116,10 @@ EPX_GPU_TEST(trace_dispatch_combine_matches_reference, 300) {
   memset(&ref, 0, sizeof ref);
   EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
   EXPECT_EQ_INT(res.num_recv, -1); /* cached: no host counts */
-  if (check_recv(&w, me, &res, 0, 1, &ref, "traced dispatch") != TEST_PASS) return TEST_FAIL;
+  if (normal_check_recv(&w, me, &res, 0, 1, &ref, "traced dispatch") != TEST_PASS) return TEST_FAIL;
   epx_ref_recv_free(&ref);
-  if (check_combine(&w, me, d.out, w.w[me], "traced combine") != TEST_PASS) return TEST_FAIL;
-  epx_async_error_t err;
-  EXPECT_OK(epx_group_get_async_error(g, &err));
-  EXPECTF(err.status == EPX_OK, "async error: %s", err.message);
+  if (normal_check_combine(&w, me, d.out, w.w[me], "traced combine") != TEST_PASS) return TEST_FAIL;
+  EXPECT_NO_ASYNC_ERROR(g, __func__);
 
   printf(
       "  rank %d: %lld events, %lld dropped, clock spread %lld ns, drift %lld ns, timer "
@@ -141,7 +130,7 @@ EPX_GPU_TEST(trace_dispatch_combine_matches_reference, 300) {
   if (me == 0) {
     json_value_t *root = NULL;
     trace_facts_t f;
-    if (load_trace(path, &root, &f) != TEST_PASS) return TEST_FAIL;
+    if (trace_load(path, &root, &f) != TEST_PASS) return TEST_FAIL;
     EXPECT_EQ_INT(f.num_ranks, R);
     EXPECT_EQ_INT(f.events, sum.num_events);
     for (int q = 0; q < R; q++) {
@@ -165,7 +154,7 @@ EPX_GPU_TEST(trace_dispatch_combine_matches_reference, 300) {
     json_free(root);
     unlink(path);
   }
-  dev_free(&d);
+  world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
@@ -176,16 +165,16 @@ EPX_GPU_TEST(trace_full_buffer_drops_and_stays_right, 120) {
   SKIP_IF_COMPILED_OUT();
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
-  const normal_case_t c = {"full", 256, 512, 32, 4, ROUTE_UNIFORM, 256, -1, 0};
+  const normal_case_t c = {"full", {256, 512, 32, 4, ROUTE_UNIFORM, 256, -1}, 0};
   world_t w;
-  world_make(&w, R, &c, &rng);
-  epx_group_config_t cfg = gpu_test_config(c.max_tokens, w.H, w.E, w.K);
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
+  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
   EXPECT_OK(epx_handle_create(g, &h));
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * c.max_tokens) != TEST_PASS) return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_trace_start(g, 32, t->stream));
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
@@ -208,16 +197,18 @@ EPX_GPU_TEST(trace_full_buffer_drops_and_stays_right, 120) {
   epx_ref_recv_t ref;
   memset(&ref, 0, sizeof ref);
   EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
-  if (check_recv(&w, me, &res, 0, 1, &ref, "dispatch, trace full") != TEST_PASS) return TEST_FAIL;
+  if (normal_check_recv(&w, me, &res, 0, 1, &ref, "dispatch, trace full") != TEST_PASS)
+    return TEST_FAIL;
   /* Unweighted combine of unchanged rows: token t comes back times the ranks it went to. */
-  if (check_combine_unchanged(&w, me, d.out, "combine with a full trace buffer") != TEST_PASS)
+  if (normal_check_combine_unchanged(&w, me, d.out, "combine with a full trace buffer") !=
+      TEST_PASS)
     return TEST_FAIL;
   epx_ref_recv_free(&ref);
 
   if (me == 0) {
     json_value_t *root = NULL;
     trace_facts_t f;
-    if (load_trace(path, &root, &f) != TEST_PASS) return TEST_FAIL;
+    if (trace_load(path, &root, &f) != TEST_PASS) return TEST_FAIL;
     EXPECT_EQ_INT(f.dropped, sum.num_dropped);
     for (int q = 0; q < R; q++) {
       EXPECT_EQ_INT(f.spans[q], 32);
@@ -226,7 +217,7 @@ EPX_GPU_TEST(trace_full_buffer_drops_and_stays_right, 120) {
     json_free(root);
     unlink(path);
   }
-  dev_free(&d);
+  world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
@@ -237,16 +228,16 @@ EPX_GPU_TEST(trace_empty_ranks_and_usage_errors, 120) {
   SKIP_IF_COMPILED_OUT();
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
-  const normal_case_t c = {"usage", 64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1, 0};
+  const normal_case_t c = {"usage", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
   world_t w;
-  world_make(&w, R, &c, &rng);
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
   epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
   EXPECT_OK(epx_handle_create(g, &h));
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * 64) != TEST_PASS) return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
@@ -273,7 +264,7 @@ EPX_GPU_TEST(trace_empty_ranks_and_usage_errors, 120) {
   if (me == 0) {
     json_value_t *root = NULL;
     trace_facts_t f;
-    if (load_trace(path, &root, &f) != TEST_PASS) return TEST_FAIL;
+    if (trace_load(path, &root, &f) != TEST_PASS) return TEST_FAIL;
     EXPECT_EQ_INT(f.events, 0);
     for (int q = 0; q < R; q++) EXPECT_EQ_INT(f.clock_syncs[q], 2);
     json_free(root);
@@ -293,7 +284,7 @@ EPX_GPU_TEST(trace_empty_ranks_and_usage_errors, 120) {
   if (me == 0) {
     json_value_t *root = NULL;
     trace_facts_t f;
-    if (load_trace(path, &root, &f) != TEST_PASS) return TEST_FAIL;
+    if (trace_load(path, &root, &f) != TEST_PASS) return TEST_FAIL;
     EXPECT_EQ_INT(f.spans[0], 1);
     for (int q = 1; q < R; q++) EXPECT_EQ_INT(f.spans[q], 0);
     EXPECT_EQ_INT(trace_count_spans(root, 0, "layout"), 1);
@@ -308,12 +299,11 @@ EPX_GPU_TEST(trace_empty_ranks_and_usage_errors, 120) {
   epx_ref_recv_t ref;
   memset(&ref, 0, sizeof ref);
   EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
-  if (check_recv(&w, me, &res, 0, 1, &ref, "after trace usage") != TEST_PASS) return TEST_FAIL;
+  if (normal_check_recv(&w, me, &res, 0, 1, &ref, "after trace usage") != TEST_PASS)
+    return TEST_FAIL;
   epx_ref_recv_free(&ref);
-  epx_async_error_t err;
-  EXPECT_OK(epx_group_get_async_error(g, &err));
-  EXPECTF(err.status == EPX_OK, "async error: %s", err.message);
-  dev_free(&d);
+  EXPECT_NO_ASYNC_ERROR(g, __func__);
+  world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
@@ -321,7 +311,7 @@ EPX_GPU_TEST(trace_empty_ranks_and_usage_errors, 120) {
 }
 
 /* One dispatch on a fresh group created under the current environment, then destroy. */
-static int dispatch_once(epx_test_rank_t *t, const world_t *w, const dev_inputs_t *d) {
+static int dispatch_once(epx_test_rank_t *t, const world_t *w, const world_dev_t *d) {
   epx_group_config_t cfg = gpu_test_config(64, 512, 4 * t->num_ranks, 2);
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
@@ -343,11 +333,11 @@ EPX_GPU_TEST(trace_env_traces_group_lifetime, 120) {
   SKIP_IF_COMPILED_OUT();
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
-  const normal_case_t c = {"env", 64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1, 0};
+  const normal_case_t c = {"env", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
   world_t w;
-  world_make(&w, R, &c, &rng);
-  dev_inputs_t d;
-  if (upload(&w, me, &d, (size_t)R * 64) != TEST_PASS) return TEST_FAIL;
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
   char path[128], second[128], third[128];
   trace_path(path, sizeof path, "env");
   snprintf(second, sizeof second, "%.*s.g1.json", (int)(strlen(path) - 5), path);
@@ -365,7 +355,7 @@ EPX_GPU_TEST(trace_env_traces_group_lifetime, 120) {
     for (int i = 0; i < 2; i++) {
       json_value_t *root = NULL;
       trace_facts_t f;
-      if (load_trace(files[i], &root, &f) != TEST_PASS) return TEST_FAIL;
+      if (trace_load(files[i], &root, &f) != TEST_PASS) return TEST_FAIL;
       for (int q = 0; q < R; q++)
         EXPECT_EQ_INT(trace_count_spans(root, q, "dispatch token"), w.ranks[q].num_tokens);
       json_free(root);
@@ -373,7 +363,7 @@ EPX_GPU_TEST(trace_env_traces_group_lifetime, 120) {
     }
     EXPECTF(access(third, F_OK) != 0, "%s written though EPX_TRACE was set on rank 0 only", third);
   }
-  dev_free(&d);
+  world_dev_free(&d);
   world_free(&w);
   return TEST_PASS;
 }

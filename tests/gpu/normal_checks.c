@@ -1,97 +1,17 @@
 /*
- * normal_world.c - the shared helpers of the normal-mode GPU tests (see normal_world.h).
+ * normal_checks.c - expert outputs and result checks of the normal-mode GPU tests (see
+ * normal_checks.h).
  */
-#include "gpu/normal_world.h"
+#include "gpu/normal_checks.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static void route_token(int64_t *ids, int K, int E, int R, route_t route, uint64_t *rng) {
-  for (int k = 0; k < K; k++) {
-    int64_t e = -1;
-    if (route == ROUTE_ONE_EXPERT)
-      e = E / 2;
-    else if (route == ROUTE_EMPTY)
-      e = -1;
-    else {
-      const int range = route == ROUTE_ONE_RANK ? E / R : E; /* ONE_RANK: only rank 0's experts */
-      e = epx_test_rand_new_expert(rng, ids, k, range);
-      if (e < 0 || (route == ROUTE_HOLES && epx_test_rand_int(rng, 4) == 0)) e = -1;
-    }
-    ids[k] = e;
-  }
-}
-
-void world_free(world_t *w) {
-  for (int s = 0; s < w->R; s++)
-    free(w->idx[s]), free(w->w[s]), free(w->x[s]), free(w->x8[s]), free(w->sc[s]);
-  memset(w, 0, sizeof *w);
-}
-
-void world_make(world_t *w, int R, const normal_case_t *c, uint64_t *rng) {
-  memset(w, 0, sizeof *w);
-  w->R = R;
-  w->E = c->experts ? c->experts : R;
-  w->K = c->top_k > w->E ? w->E : c->top_k;
-  w->H = c->hidden;
-  for (int s = 0; s < R; s++) {
-    int T = c->tokens >= 0 ? c->tokens : epx_test_rand_int(rng, c->max_tokens + 1);
-    if (s == c->empty_rank) T = 0;
-    const size_t TK = (size_t)T * w->K, TH = (size_t)T * w->H;
-    w->idx[s] = malloc(sizeof(int64_t) * (TK + 1));
-    w->w[s] = malloc(sizeof(float) * (TK + 1));
-    w->x[s] = malloc(sizeof(uint16_t) * (TH + 1));
-    w->x8[s] = malloc(TH + 1);
-    w->sc[s] = malloc(sizeof(float) * ((size_t)T * (w->H / 128) + 1));
-    for (int t = 0; t < T; t++)
-      route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, R, c->route, rng);
-    for (size_t i = 0; i < TK; i++) w->w[s][i] = epx_test_rand_unit(rng);
-    for (size_t i = 0; i < TH; i++) {
-      w->x[s][i] = epx_ref_bf16_from_float(4.f * epx_test_rand_unit(rng) - 2.f);
-      uint8_t b = (uint8_t)epx_test_rand(rng);
-      if ((b & 0x7f) == 0x7f) b ^= 1; /* no NaN codes */
-      w->x8[s][i] = b;
-    }
-    for (size_t i = 0; i < (size_t)T * (w->H / 128); i++)
-      w->sc[s][i] = 0.01f + epx_test_rand_unit(rng);
-    w->ranks[s] = (epx_ref_rank_t){
-        T, w->idx[s], w->w[s], w->x[s], c->fp8 ? w->x8[s] : NULL, c->fp8 ? w->sc[s] : NULL};
-  }
-  w->ref = (epx_ref_world_t){R, w->E, w->K, w->H, w->ranks};
-}
-
-int upload(const world_t *w, int me, dev_inputs_t *d, size_t cap_rows) {
-  const int T = w->ranks[me].num_tokens;
-  const size_t TK = (size_t)T * w->K, TH = (size_t)T * w->H;
-  memset(d, 0, sizeof *d);
-  EXPECT_CUDA(cudaMalloc(&d->x, TH * 2 + 16));
-  EXPECT_CUDA(cudaMalloc(&d->x8, TH + 16));
-  EXPECT_CUDA(cudaMalloc(&d->idx, TK * 8 + 16));
-  EXPECT_CUDA(cudaMalloc(&d->w, TK * 4 + 16));
-  EXPECT_CUDA(cudaMalloc(&d->sc, (size_t)T * (w->H / 128) * 4 + 16));
-  EXPECT_CUDA(cudaMalloc(&d->y, cap_rows * w->H * 2 + 16));
-  EXPECT_CUDA(cudaMalloc(&d->out, TH * 2 + 16));
-  EXPECT_CUDA(cudaMemcpy(d->x, w->x[me], TH * 2, cudaMemcpyHostToDevice));
-  EXPECT_CUDA(cudaMemcpy(d->x8, w->x8[me], TH, cudaMemcpyHostToDevice));
-  EXPECT_CUDA(cudaMemcpy(d->idx, w->idx[me], TK * 8, cudaMemcpyHostToDevice));
-  EXPECT_CUDA(cudaMemcpy(d->w, w->w[me], TK * 4, cudaMemcpyHostToDevice));
-  EXPECT_CUDA(cudaMemcpy(d->sc, w->sc[me], (size_t)T * (w->H / 128) * 4, cudaMemcpyHostToDevice));
-  /* NOTE: cudaMemcpy runs on the legacy stream, which does not order with the tests'
-   * non-blocking streams: finish it before any kernel reads the inputs. */
-  EXPECT_CUDA(cudaDeviceSynchronize());
-  return TEST_PASS;
-}
-
-void dev_free(dev_inputs_t *d) {
-  cudaFree(d->x), cudaFree(d->x8), cudaFree(d->idx), cudaFree(d->w), cudaFree(d->sc),
-      cudaFree(d->y), cudaFree(d->out);
-}
-
 /* Compare what the GPU received with the reference, field by field, first mismatch printed. */
-int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res, int fp8, int check_meta,
-               const epx_ref_recv_t *ref, const char *label) {
+int normal_check_recv(const world_t *w, int me, const epx_dispatch_result_t *res, int fp8,
+                      int check_meta, const epx_ref_recv_t *ref, const char *label) {
   const int n = ref->num_recv, H = w->H, K = w->K, R = w->R;
   int prefix[EPX_MAX_RANKS + 1];
   EXPECT_CUDA(
@@ -146,7 +66,7 @@ int check_recv(const world_t *w, int me, const epx_dispatch_result_t *res, int f
 
 /* y_d = expert output of rank d: its received BF16 rows scaled by (1 + d/4), so that rows of
  * one token differ from rank to rank. */
-uint16_t *expert_output(const world_t *w, int d, int *num_recv) {
+uint16_t *normal_expert_output(const world_t *w, int d, int *num_recv) {
   epx_ref_recv_t r;
   memset(&r, 0, sizeof r);
   epx_ref_dispatch(&w->ref, d, EPX_REF_PAYLOAD_BF16, 1, &r);
@@ -159,12 +79,12 @@ uint16_t *expert_output(const world_t *w, int d, int *num_recv) {
 }
 
 /* out (BF16, on the GPU) within BF16 rounding of the float64 reference. */
-int check_combine(const world_t *w, int me, const void *out_dev, const float *weights,
-                  const char *label) {
+int normal_check_combine(const world_t *w, int me, const void *out_dev, const float *weights,
+                         const char *label) {
   const int T = w->ranks[me].num_tokens, H = w->H;
   uint16_t *y[EPX_MAX_RANKS];
   int nrecv;
-  for (int d = 0; d < w->R; d++) y[d] = expert_output(w, d, &nrecv);
+  for (int d = 0; d < w->R; d++) y[d] = normal_expert_output(w, d, &nrecv);
   double *ref = malloc(sizeof(double) * ((size_t)T * H + 1));
   EXPECT(epx_ref_combine_f64(&w->ref, me, (const uint16_t *const *)y, weights, ref) == 0);
   uint16_t *got = malloc((size_t)T * H * 2 + 2);
@@ -186,7 +106,8 @@ int check_combine(const world_t *w, int me, const void *out_dev, const float *we
   return ok ? TEST_PASS : TEST_FAIL;
 }
 
-int check_combine_unchanged(const world_t *w, int me, const void *out_dev, const char *label) {
+int normal_check_combine_unchanged(const world_t *w, int me, const void *out_dev,
+                                   const char *label) {
   const int R = w->R;
   uint16_t *y[EPX_MAX_RANKS] = {NULL};
   for (int d = 0; d < R; d++) {
