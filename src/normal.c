@@ -1,13 +1,13 @@
 /*
  * normal.c - the host side of normal (high-throughput) mode: handles, epx_dispatch,
  * epx_dispatch_cached, epx_combine. Checks every argument, then queues the kernels of
- * src/kernels/normal.cu (and layout.cu) on the caller's stream.
+ * src/kernels/notify.cu, normal_dispatch.cu and normal_combine.cu (and layout.cu) on the
+ * caller's stream.
  *
  * A dispatch is: layout (into the handle) -> notify (count exchange into the handle's meta)
  * -> dispatch kernel. With sync_counts the host waits for notify only; the dispatch kernel is
  * already queued behind it.
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,7 +19,6 @@
 #include "handle.h"
 #include "kernels/api.h"
 #include "layout.h"
-#include "param.h"
 #include "registry.h"
 
 static epx__routing_t routing_of(epx_handle_t h) {
@@ -172,67 +171,6 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
   return EPX_OK;
 }
 
-/* The combine's work split, from the environment (docs/env.md), checked once per process;
- * out-of-range values fall back to the defaults with a warning. Ranks may differ: no peer
- * depends on these. */
-static int combine_send_warps, combine_unit_rows, combine_reduce_tokens, combine_send_bulk;
-static int combine_bulk_stages, combine_bulk_lag, combine_bulk_store_depth, combine_send_dynamic;
-static pthread_once_t combine_tuning_once = PTHREAD_ONCE_INIT;
-
-static void combine_tuning_load(void) {
-  combine_send_bulk = epx__param_CombineSendBulk() != 0;
-  combine_send_dynamic = epx__param_CombineSendDynamic() != 0;
-  /* Bulk sends: each send warp stages 32 KiB of shared memory, so at most 7 of them. */
-  const int max_send_warps = combine_send_bulk ? 7 : 15,
-            def_send_warps = combine_send_bulk ? 6 : 10;
-  combine_send_warps = (int)epx__param_CombineSendWarps();
-  if (combine_send_warps == 0) combine_send_warps = def_send_warps;
-  if (combine_send_warps < 1 || combine_send_warps > max_send_warps) {
-    EPX_WARN("EPX_COMBINE_SEND_WARPS=%d: must be 1..%d; using %d", combine_send_warps,
-             max_send_warps, def_send_warps);
-    combine_send_warps = def_send_warps;
-  }
-  combine_unit_rows = (int)epx__param_CombineUnitRows();
-  if (combine_unit_rows < 1 || combine_unit_rows > EPX_COMBINE_CHUNK_ROWS ||
-      (combine_unit_rows & (combine_unit_rows - 1))) {
-    EPX_WARN("EPX_COMBINE_UNIT_ROWS=%d: must be a power of two <= %d; using 4", combine_unit_rows,
-             EPX_COMBINE_CHUNK_ROWS);
-    combine_unit_rows = 4;
-  }
-  combine_reduce_tokens = (int)epx__param_CombineReduceTokens();
-  if (combine_reduce_tokens < 1 || combine_reduce_tokens > 1024) {
-    EPX_WARN("EPX_COMBINE_REDUCE_TOKENS=%d: must be 1..1024; using 1", combine_reduce_tokens);
-    combine_reduce_tokens = 1;
-  }
-  combine_bulk_stages = (int)epx__param_CombineBulkStages();
-  if (combine_bulk_stages < 2 || combine_bulk_stages > 8) {
-    EPX_WARN("EPX_COMBINE_BULK_STAGES=%d: must be 2..8; using 4", combine_bulk_stages);
-    combine_bulk_stages = 4;
-  }
-  combine_bulk_lag = (int)epx__param_CombineBulkLag();
-  if (combine_bulk_lag < 1 || combine_bulk_lag > 6) {
-    EPX_WARN("EPX_COMBINE_BULK_LAG=%d: must be 1..6; using 2", combine_bulk_lag);
-    combine_bulk_lag = 2;
-  }
-  combine_bulk_store_depth = (int)epx__param_CombineBulkStoreDepth();
-  if (combine_bulk_store_depth < 1 || combine_bulk_store_depth > 7) {
-    EPX_WARN("EPX_COMBINE_BULK_STORE_DEPTH=%d: must be 1..7; using 1", combine_bulk_store_depth);
-    combine_bulk_store_depth = 1;
-  }
-}
-
-static void combine_tuning(epx__combine_launch_args_t *c) {
-  pthread_once(&combine_tuning_once, combine_tuning_load);
-  c->send_warps = combine_send_warps;
-  c->unit_rows = combine_unit_rows;
-  c->reduce_tokens = combine_reduce_tokens;
-  c->send_bulk = combine_send_bulk;
-  c->send_dynamic = combine_send_dynamic;
-  c->bulk_stages = combine_bulk_stages;
-  c->bulk_lag = combine_bulk_lag;
-  c->bulk_store_depth = combine_bulk_store_depth;
-}
-
 EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a,
                                     cudaStream_t stream) {
   static const char fn[] = "epx_combine";
@@ -271,6 +209,5 @@ EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_com
   c.num_experts = g->config.num_experts;
   c.max_tokens = g->config.max_tokens_per_rank;
   c.num_blocks = g->config.num_sms;
-  combine_tuning(&c);
   return epx__combine_launch(&ctx, &c, stream);
 }

@@ -31,17 +31,6 @@ int64_t epx__param_env_int(const char *name, int64_t def);
 /* Every knob of the library (docs/env.md). */
 EPX_PARAM(TimeoutMs, "TIMEOUT_MS", 5000)
 EPX_PARAM(NumSms, "NUM_SMS", 24)
-/* Normal-mode combine tuning: send with bulk copies (1) or loads/stores (0); warps of each
- * 16-warp block that send, the rest reduce (0 = the default of the send kind); rows per send
- * unit (a power of two <= EPX_COMBINE_CHUNK_ROWS); tokens per reduce unit. */
-EPX_PARAM(CombineSendWarps, "COMBINE_SEND_WARPS", 0)
-EPX_PARAM(CombineUnitRows, "COMBINE_UNIT_ROWS", 4)
-EPX_PARAM(CombineReduceTokens, "COMBINE_REDUCE_TOKENS", 1)
-EPX_PARAM(CombineSendBulk, "COMBINE_SEND_BULK", 1)
-EPX_PARAM(CombineSendDynamic, "COMBINE_SEND_DYNAMIC", 1)
-EPX_PARAM(CombineBulkStages, "COMBINE_BULK_STAGES", 4)
-EPX_PARAM(CombineBulkLag, "COMBINE_BULK_LAG", 2)
-EPX_PARAM(CombineBulkStoreDepth, "COMBINE_BULK_STORE_DEPTH", 1)
 EPX_PARAM(TraceEvents, "TRACE_EVENTS", 1 << 16) /* = EPX_TRACE_DEFAULT_EVENTS */
 EPX_PARAM(LlNumSms, "LL_NUM_SMS", 0)            /* 0: every SM of the GPU */
 EPX_PARAM(LlRoute, "LL_ROUTE",

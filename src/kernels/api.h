@@ -37,7 +37,8 @@ epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stre
 epx_status_t epx__clock_sync_launch(const epx__kernel_ctx_t *ctx, unsigned long long *out,
                                     int rounds, cudaStream_t stream);
 
-/* Normal mode. The routing of one dispatch, kept in its handle (device memory). */
+/* Normal mode (src/kernels/notify.cu, normal_dispatch.cu, normal_combine.cu). The routing of
+ * one dispatch, kept in its handle (device memory). */
 typedef struct epx__routing {
   uint8_t *is_token_in_rank;  /* [max_tokens, R] */
   int *token_pos_in_rank;     /* [max_tokens, R] */
@@ -72,14 +73,6 @@ typedef struct epx__combine_launch_args {
   const float *topk_weights; /* NULL = unweighted */
   void *out;                 /* [T, H] BF16 */
   int hidden, top_k, num_experts, max_tokens, num_blocks;
-  int send_warps;       /* of each block's 16 warps, 1..15; the others reduce */
-  int unit_rows;        /* rows per send unit: a power of two dividing EPX_COMBINE_CHUNK_ROWS */
-  int reduce_tokens;    /* tokens per reduce unit, >= 1 */
-  int send_bulk;        /* 1: send with bulk copies through shared memory (TMA), 0: loads/stores */
-  int send_dynamic;     /* 1: send warps take units from a shared counter, 0: a fixed stride */
-  int bulk_stages;      /* bulk sends: 2..8 stages sharing 32 KiB per warp */
-  int bulk_lag;         /* bulk sends: 1..6 pieces between a unit's last store and its signal */
-  int bulk_store_depth; /* bulk sends: 1..7 stores in flight (at most stages - 1) */
 } epx__combine_launch_args_t;
 
 epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx, const epx__notify_launch_args_t *args,

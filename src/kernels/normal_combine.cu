@@ -1,0 +1,529 @@
+/*
+ * normal_combine.cu - normal (high-throughput) mode's combine over NVLink, the mirror image of
+ * the dispatch: rank d pushes its p-th row from source s into s's combine slab at (d, p); s then
+ * sums, for each token t, the rows (d, token_pos_in_rank[t][d]) in float32 and writes BF16 once.
+ * This rank's own rows are read straight from the combine input, never copied.
+ *
+ * Roles: num_blocks blocks of kThreads; in each, kSendWarps send warps push this rank's received
+ * rows back (lane 0 drives a pipeline of bulk copies through shared memory) while the other
+ * kReduceWarps reduce warps sum this rank's own tokens as their rows arrive; the last block to
+ * finish clears the counters and tells every peer (combine_finish).
+ *
+ * Send: the rows of each remote source are cut into units of kUnitRows rows; unit u is round
+ * u / (R - 1) of source (me + 1 + u % (R - 1)) % R, so every source's segment fills front to back
+ * at the same pace; send warps take unit ids from a counter shared by the grid. Invariant: after
+ * a unit's stores are complete, its warp adds the unit's row count, with release, to s's counter
+ * of that chunk (EPX_COMBINE_CHUNK_ROWS rows; units never straddle one).
+ * Reduce: token t needs row pos[t][d] of each rank d holding it; d's chunk of that row is full
+ * when its counter reaches min(CHUNK_ROWS, rows from d - chunk start), and only then is it read.
+ *
+ * The work split and the send pipeline are compile-time constants: the winners of a sweep on
+ * 4x H200 (docs/performance.md; dev/README.md says how to sweep again).
+ */
+#include <cuda_bf16.h>
+
+#include "checks.h"
+#include "kernels/api.h"
+#include "kernels/launch.cuh"
+#include "kernels/trace.cuh"
+#include "kernels/wait.cuh"
+#include "kernels/workspace.cuh"
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kSendWarps = 6; /* of each block's kWarps; the others reduce */
+constexpr int kReduceWarps = kWarps - kSendWarps;
+constexpr int kUnitRows = 4;     /* rows per send unit */
+constexpr int kReduceTokens = 1; /* consecutive tokens per reduce unit */
+/* A send warp's pipeline: kStages stages share kWarpStageBytes of shared memory; loads run up to
+ * kStages pieces ahead of the stores; a stage is refilled once at most kStoreDepth stores still
+ * read shared memory; a unit is signalled kSignalLag pieces after its last store, so the wait
+ * for remote completion never drains the pipeline. */
+constexpr int kStages = 4;
+constexpr int kWarpStageBytes = 32768;
+constexpr int kPieceBytes = kWarpStageBytes / kStages; /* one stage, one bulk copy at most */
+constexpr int kStoreDepth = 1;
+constexpr int kSignalLag = 2;
+/* Units ended by a store and not yet signalled: the last kSignalLag stores' and this store's. */
+constexpr int kPendingUnits = kSignalLag + 1;
+/* Unit ids the load cursor has taken and the store cursor has not reached: at most one per
+ * piece in flight (kStages) plus the load cursor's next one. A power of two. */
+constexpr int kUnitQueue = 8;
+/* Chunk waits of the reduce warps sleep between polls, leaving issue slots to the send warps. */
+constexpr int kChunkPollSleepNs = 128;
+/* Shared memory one block may opt into on sm_90. */
+constexpr size_t kMaxBlockSharedBytes = 227 * 1024;
+
+/* Dynamic shared memory: each send warp's stages, then its stages' barriers. */
+struct SendSmem {
+  char stage[kSendWarps][kWarpStageBytes];
+  uint64_t bar[kSendWarps][kStages];
+};
+
+static_assert(kThreads % 32 == 0 && kThreads > EPX_MAX_RANKS, "thread r <= R reads prefix[r]");
+static_assert(EPX_MAX_RANKS <= 32, "lane d of a warp stands for rank d");
+static_assert(kSendWarps >= 1 && kSendWarps < kWarps, "every block needs send and reduce warps");
+static_assert(kUnitRows >= 1 && (kUnitRows & (kUnitRows - 1)) == 0 &&
+                  EPX_COMBINE_CHUNK_ROWS % kUnitRows == 0,
+              "unit rows: a power of two dividing the chunk, so a unit never straddles a chunk");
+static_assert(kReduceTokens >= 1, "a reduce unit holds at least one token");
+static_assert(kStages >= 2 && kWarpStageBytes % kStages == 0 && kPieceBytes % 16 == 0,
+              "bulk copies move multiples of 16 bytes between 16-byte aligned stages");
+static_assert(kStoreDepth >= 1 && kStoreDepth < kStages,
+              "a refill waits for stores up to kStoreDepth back: that stage must be another one");
+static_assert(kSignalLag >= 0 && kSignalLag + 1 <= kPendingUnits,
+              "pending holds the units of the last kSignalLag stores and of this one");
+static_assert(kUnitQueue > kStages + 1 && (kUnitQueue & (kUnitQueue - 1)) == 0,
+              "the unit queue holds every unit between the store and the load cursor");
+/* 128: the kernel's static shared memory (prefix, last), well under it. */
+static_assert(sizeof(SendSmem) == (size_t)kSendWarps * (kWarpStageBytes + kStages * 8) &&
+                  sizeof(SendSmem) + 128 <= kMaxBlockSharedBytes,
+              "the send warps' stages and barriers, with the static bytes, fit one block");
+
+/* What every warp of the block needs to know about this combine call, computed once by each
+ * thread before the roles split. Call n uses parity n mod 2 of the slab and of the counters. */
+struct CombineView {
+  unsigned call;        /* combines this rank completed before this one */
+  size_t slab;          /* workspace offset of this parity's slab [R, max_tokens, H] BF16 */
+  size_t signal;        /* workspace offset of this parity's counters [R, chunks] u64 */
+  size_t row_bytes;     /* H * 2 */
+  int n16;              /* 16-byte words per row */
+  int experts_per_rank; /* E / R */
+};
+
+/* Wait until *flag >= target; gives up at once when another wait of this combine call has
+ * already timed out (so a dead peer costs one budget, not one per chunk). On a timeout raises
+ * EPX_ERR_TIMEOUT naming the peer and the target, and marks the call aborted. */
+__device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, const CombineView &cv,
+                                           const uint64_t *flag, uint64_t target, int peer) {
+  epx__control_t *ctrl = epx::control_of(ctx);
+  const unsigned aborted = cv.call + 1;
+  const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(
+      ctx.timeout_ns, [&] { return epx::ld_acquire_sys(flag) >= target; },
+      [&] { return *(volatile const unsigned *)&ctrl->combine_abort == aborted; });
+  if (r == epx::WaitResult::kTimedOut) {
+    epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, peer, -1, (long long)target);
+    atomicExch(&ctrl->combine_abort, aborted);
+  }
+  return r == epx::WaitResult::kReady;
+}
+
+/* ---- Send ------------------------------------------------------------------------------- */
+
+/* The send list of one combine: unit u is rows [p0, p1) of remote source s (see the top). Its
+ * rows are consecutive in the combine input and in s's slab, so a unit is one contiguous span. */
+struct SendPlan {
+  const char *x; /* combine input */
+  char *slab[EPX_MAX_RANKS];
+  unsigned long long *signal[EPX_MAX_RANKS]; /* s's counters of my segment */
+  const int *prefix;
+  unsigned *next_unit; /* the grid's unit counter */
+  int me, R;
+  size_t row_bytes;
+  long long units;
+};
+
+struct SendUnit {
+  int s, p0, p1;
+};
+
+/* Unit u, or false if it is empty (s has fewer rows). */
+__device__ __forceinline__ bool send_unit(const SendPlan &plan, long long u, SendUnit *su) {
+  const int remote = plan.R - 1;
+  su->s = (plan.me + 1 + (int)(u % remote)) % plan.R;
+  su->p0 = (int)(u / remote) * kUnitRows;
+  const int rows = plan.prefix[su->s + 1] - plan.prefix[su->s];
+  su->p1 = min(su->p0 + kUnitRows, rows);
+  return su->p0 < rows;
+}
+
+__device__ __forceinline__ const char *unit_src(const SendPlan &plan, const SendUnit &su) {
+  return plan.x + (size_t)(plan.prefix[su.s] + su.p0) * plan.row_bytes;
+}
+__device__ __forceinline__ char *unit_dst(const SendPlan &plan, const SendUnit &su) {
+  return plan.slab[su.s] + (size_t)su.p0 * plan.row_bytes;
+}
+
+/* The unit's rows are written: add them to s's counter of their chunk. The caller has ordered
+ * the unit's writes before this thread (a bulk-group wait). Traced as a span from *mark (the
+ * previous unit's signal, or the send's start) to now. */
+__device__ __forceinline__ void signal_unit(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
+                                            const SendUnit &su, uint64_t *mark) {
+  __threadfence_system();
+  epx::red_release_sys_add(plan.signal[su.s] + su.p0 / EPX_COMBINE_CHUNK_ROWS,
+                           (unsigned long long)(su.p1 - su.p0));
+  epx::trace_end(ctx, *mark, EPX_TRACE_COMBINE_UNIT, su.s);
+  *mark = epx::trace_begin(ctx);
+}
+
+struct PieceCursor {
+  long long u;
+  SendUnit su;
+  size_t off, span; /* bytes into the unit's span, and the span */
+  bool valid;
+};
+
+/* The load cursor takes units from the grid's counter and queues the non-empty ones (then -1
+ * when the list is exhausted); the store cursor, which trails it by at most kStages pieces,
+ * follows the queue, so both walk the same units. Unit ids grow, keeping the list's order. */
+struct UnitQueue {
+  long long id[kUnitQueue];
+  int head, tail;
+};
+
+__device__ __forceinline__ void cursor_start(const SendPlan &plan, long long u, PieceCursor *c) {
+  c->u = u;
+  c->valid = u >= 0;
+  if (!c->valid) return;
+  send_unit(plan, u, &c->su);
+  c->off = 0;
+  c->span = (size_t)(c->su.p1 - c->su.p0) * plan.row_bytes;
+}
+
+/* Advance the cursor to its next unit: from the grid's counter (the load cursor, which queues
+ * it) or from the queue (the store cursor). */
+__device__ __forceinline__ void cursor_seek(const SendPlan &plan, UnitQueue *q, bool is_load,
+                                            PieceCursor *c) {
+  long long u = -1;
+  if (is_load) {
+    SendUnit su;
+    for (;;) {
+      const long long v = (long long)atomicAdd(plan.next_unit, 1u);
+      if (v >= plan.units) break;
+      if (send_unit(plan, v, &su)) {
+        u = v;
+        break;
+      }
+    }
+    q->id[q->head++ % kUnitQueue] = u;
+  } else {
+    u = q->id[q->tail++ % kUnitQueue];
+  }
+  cursor_start(plan, u, c);
+}
+
+/* Bytes of the cursor's piece; advances it. *unit_end: the piece was its unit's last. */
+__device__ __forceinline__ uint32_t cursor_next(const SendPlan &plan, UnitQueue *q, bool is_load,
+                                                PieceCursor *c, size_t *off, bool *unit_end) {
+  const uint32_t bytes = (uint32_t)min((size_t)kPieceBytes, c->span - c->off);
+  *off = c->off;
+  c->off += bytes;
+  *unit_end = c->off == c->span;
+  if (*unit_end) cursor_seek(plan, q, is_load, c);
+  return bytes;
+}
+
+/* Lane 0 of a send warp: every unit it takes, through `stages` (kStages x kPieceBytes) and
+ * their barriers. Returns the number of units sent. */
+__device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan, char *stages,
+                          uint64_t *bars) {
+  PieceCursor load, store;
+  UnitQueue queue;
+  queue.head = queue.tail = 0;
+  cursor_seek(plan, &queue, true, &load);
+  cursor_seek(plan, &queue, false, &store);
+  long long loads = 0, stores = 0;
+  /* Units whose last piece is store group `group`, not yet signalled. */
+  SendUnit pending[kPendingUnits];
+  long long pending_group[kPendingUnits];
+  int num_pending = 0, sent = 0;
+  uint64_t mark = epx::trace_begin(ctx);
+  auto issue_load = [&]() {
+    size_t off;
+    bool end;
+    const SendUnit su = load.su;
+    const int st = (int)(loads % kStages);
+    const uint32_t bytes = cursor_next(plan, &queue, true, &load, &off, &end);
+    epx::bulk_load(stages + (size_t)st * kPieceBytes, unit_src(plan, su) + off, bytes, &bars[st]);
+    loads++;
+  };
+  while (load.valid && loads < kStages) issue_load();
+  while (store.valid) {
+    const int st = (int)(stores % kStages);
+    /* The stage's load has landed: its barrier completed phase `parity` of its use. */
+    const uint32_t parity = (uint32_t)((stores / kStages) & 1);
+    const epx::WaitResult loaded = epx::wait_until(
+        ctx.timeout_ns, [&] { return epx::mbarrier_try_wait(&bars[st], parity); },
+        epx::NeverAbandon());
+    if (loaded != epx::WaitResult::kReady) {
+      epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, plan.me, -1, stores);
+      break;
+    }
+    size_t off;
+    bool end;
+    const SendUnit su = store.su;
+    const uint32_t bytes = cursor_next(plan, &queue, false, &store, &off, &end); /* = its load's */
+    epx::bulk_store(unit_dst(plan, su) + off, stages + (size_t)st * kPieceBytes, bytes);
+    if (end) {
+      pending[num_pending] = su;
+      pending_group[num_pending++] = stores;
+    }
+    /* Refill the stage of store (stores - depth) once it has been read: up to kStoreDepth stores
+     * stay in flight while the loads run kStages - kStoreDepth pieces ahead. */
+    if (stores >= kStoreDepth && load.valid) {
+      epx::bulk_wait_read<kStoreDepth>();
+      issue_load();
+    }
+    if (num_pending && pending_group[0] <= stores - kSignalLag) {
+      epx::bulk_wait_done<kSignalLag>();
+      int kept = 0;
+      for (int i = 0; i < num_pending; i++) {
+        if (pending_group[i] <= stores - kSignalLag)
+          signal_unit(ctx, plan, pending[i], &mark), sent++;
+        else
+          pending[kept] = pending[i], pending_group[kept++] = pending_group[i];
+      }
+      num_pending = kept;
+    }
+    stores++;
+  }
+  epx::bulk_wait_done<0>();
+  for (int i = 0; i < num_pending; i++) signal_unit(ctx, plan, pending[i], &mark), sent++;
+  return sent;
+}
+
+/* A send warp: once every peer has finished the call that last used this parity (call - 2),
+ * lane 0 sends the units it takes into the peers' slabs. */
+__device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
+                                             const epx__combine_launch_args_t &a,
+                                             const CombineView &cv, const int *prefix, int warp,
+                                             int lane) {
+  const int R = ctx.num_ranks, me = ctx.rank;
+  const uint64_t t_send = epx::trace_begin(ctx);
+  int sent = 0;
+  bool ok = true;
+  if (cv.call >= 2) {
+    const bool waits = lane < R && lane != me;
+    const uint64_t t_wait = epx::trace_begin(ctx);
+    if (waits)
+      ok = wait_chunk(ctx, cv, (const uint64_t *)&epx::control_of(ctx)->combine_finished[lane],
+                      cv.call - 1, lane);
+    epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
+  }
+  if (__all_sync(0xffffffffu, ok) && lane == 0) {
+    SendPlan plan;
+    plan.x = (const char *)a.x;
+    plan.prefix = prefix;
+    plan.next_unit = &epx::control_of(ctx)->combine_next_unit;
+    plan.me = me, plan.R = R;
+    plan.row_bytes = cv.row_bytes;
+    const size_t chunks = ctx.layout.combine_chunks;
+    int most_rows = 0;
+    for (int s = 0; s < R; s++) {
+      most_rows = max(most_rows, prefix[s + 1] - prefix[s]);
+      plan.slab[s] = ctx.peer_base[s] + cv.slab + (size_t)me * a.max_tokens * plan.row_bytes;
+      plan.signal[s] = (unsigned long long *)(ctx.peer_base[s] + cv.signal) + (size_t)me * chunks;
+    }
+    plan.units = (long long)(most_rows + kUnitRows - 1) / kUnitRows * (R - 1);
+    extern __shared__ __align__(128) char dyn_smem[];
+    SendSmem *smem = (SendSmem *)dyn_smem;
+    for (int i = 0; i < kStages; i++) epx::mbarrier_init(&smem->bar[warp][i], 1);
+    epx::fence_mbarrier_init();
+    sent = send_units(ctx, plan, smem->stage[warp], smem->bar[warp]);
+  }
+  if (lane == 0) epx::trace_end(ctx, t_send, EPX_TRACE_COMBINE_SEND, sent);
+}
+
+/* ---- Reduce ----------------------------------------------------------------------------- */
+
+/* out[t] = sum over ranks d in mask of factor(t, d) * row(d, pos_d), in float32; lane d holds
+ * pos_d in my_pos. kRanks: the rank count as a compile-time constant, so that the row pointers
+ * and factors stay in registers and kRanks x kReduceUnroll rows of loads are in flight (more
+ * chunks in flight with fewer ranks). */
+template <typename IdxT, int kRanks>
+__device__ __forceinline__ void reduce_token(const epx__kernel_ctx_t &ctx,
+                                             const epx__combine_launch_args_t &a,
+                                             const CombineView &cv, const int *prefix,
+                                             const char *slab_base, int t, unsigned mask,
+                                             int my_pos, int lane) {
+  constexpr int kReduceUnroll = kRanks <= 4 ? 4 : 2;
+  const int me = ctx.rank, K = a.top_k, n16 = cv.n16;
+  const int epr = cv.experts_per_rank;
+  const IdxT *topk = (const IdxT *)a.topk_idx;
+  /* Lane k < K: the rank holding the token's k-th expert (-1: none, or an invalid id), and the
+   * expert's weight; none without weights, where every rank's factor is 1. */
+  int e_rank = -1;
+  float w = 0.f;
+  if (a.topk_weights && lane < K) {
+    const long long e = (long long)topk[(size_t)t * K + lane];
+    if (e >= 0 && e < a.num_experts) e_rank = (int)e / epr;
+    w = a.topk_weights[(size_t)t * K + lane];
+  }
+  const float unweighted = a.topk_weights ? 0.f : 1.f;
+  /* Row pointers and factors stay in registers: every index below is a compile-time one. */
+  const int4 *src[kRanks];
+  float factor[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; r++) {
+    const int pos = __shfl_sync(0xffffffffu, my_pos, r);
+    src[r] = r == me ? (const int4 *)a.x + (size_t)(prefix[me] + pos) * n16
+                     : (const int4 *)(slab_base + ((size_t)r * a.max_tokens + pos) * cv.row_bytes);
+    float f = e_rank == r ? w : 0.f;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) f += __shfl_xor_sync(0xffffffffu, f, o);
+    factor[r] = f + unweighted;
+  }
+  int4 *out = (int4 *)((char *)a.out + (size_t)t * cv.row_bytes);
+  /* kReduceUnroll chunks x up to R rows of loads in flight per lane before any arithmetic.
+   * NOTE: plain loads, not .nc: peers wrote these rows during this kernel. */
+  for (int i0 = lane; i0 < n16; i0 += 32 * kReduceUnroll) {
+    int4 v[kReduceUnroll][kRanks];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; u++)
+#pragma unroll
+      for (int r = 0; r < kRanks; r++)
+        if (((mask >> r) & 1u) && i0 + u * 32 < n16) v[u][r] = src[r][i0 + u * 32];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; u++) {
+      if (i0 + u * 32 >= n16) break;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int r = 0; r < kRanks; r++) {
+        if (!((mask >> r) & 1u)) continue;
+        const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[u][r];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const float2 f2 = __bfloat1622float2(h2[j]);
+          acc[2 * j] += factor[r] * f2.x;
+          acc[2 * j + 1] += factor[r] * f2.y;
+        }
+      }
+      int4 o;
+      __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
+#pragma unroll
+      for (int j = 0; j < 4; j++) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+      out[i0 + u * 32] = o;
+    }
+  }
+}
+
+/* Tokens t < T in the units [first + i * stride, + kReduceTokens) of one reduce warp: every
+ * unit but the last is whole (stride >= kReduceTokens). Computed at the end rather than
+ * counted, which keeps a register free in the reduce loop. */
+__device__ __forceinline__ int tokens_in_units(int first, int stride, int T) {
+  if (first >= T) return 0;
+  const int units = (T - first + stride - 1) / stride, last = first + (units - 1) * stride;
+  return (units - 1) * kReduceTokens + min(kReduceTokens, T - last);
+}
+
+/* A reduce warp (reduce_warp of the block's kReduceWarps): this rank's tokens in units of
+ * kReduceTokens, round-robin over the grid; before a token's rows are read, lane d waits until
+ * rank d's chunk holding its row is full. */
+template <typename IdxT, int kRanks>
+__device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
+                                               const epx__combine_launch_args_t &a,
+                                               const CombineView &cv, const int *prefix,
+                                               int reduce_warp, int lane) {
+  const int R = ctx.num_ranks, me = ctx.rank, T = a.routing.num_tokens;
+  const size_t chunks = ctx.layout.combine_chunks;
+  const char *slab_base = ctx.peer_base[me] + cv.slab;
+  const uint64_t *my_signal = (const uint64_t *)(ctx.peer_base[me] + cv.signal);
+  /* Lane d < R: rows d sends back, and the last chunk of d this warp saw full. */
+  const int rows_from_lane = lane < R ? a.routing.meta->count[me][lane] : 0;
+  int checked_chunk = -1;
+  const int rw = blockIdx.x * kReduceWarps + reduce_warp;
+  const uint64_t t_reduce = epx::trace_begin(ctx);
+  const int stride = gridDim.x * kReduceWarps * kReduceTokens;
+  for (int t0 = rw * kReduceTokens; t0 < T; t0 += stride) {
+    for (int t = t0; t < min(t0 + kReduceTokens, T); t++) {
+      const uint64_t t_token = epx::trace_begin(ctx);
+      const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
+      const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
+      const int my_pos = in_rank ? a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
+      const int chunk = my_pos / EPX_COMBINE_CHUNK_ROWS;
+      const bool waits = in_rank && lane != me && chunk > checked_chunk;
+      if (__any_sync(0xffffffffu, waits)) {
+        const uint64_t t_wait = epx::trace_begin(ctx);
+        if (waits) {
+          const int full =
+              min(EPX_COMBINE_CHUNK_ROWS, rows_from_lane - chunk * EPX_COMBINE_CHUNK_ROWS);
+          wait_chunk(ctx, cv, my_signal + (size_t)lane * chunks + chunk, (uint64_t)full, lane);
+          checked_chunk = chunk; /* on failure the error is recorded; go on without waiting */
+        }
+        epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
+      }
+      __syncwarp(); /* orders every lane's acquire before the warp's loads of the rows */
+      reduce_token<IdxT, kRanks>(ctx, a, cv, prefix, slab_base, t, mask, my_pos, lane);
+      if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_COMBINE_TOKEN, t);
+    }
+  }
+  if (lane == 0)
+    epx::trace_end(ctx, t_reduce, EPX_TRACE_COMBINE_REDUCE,
+                   tokens_in_units(rw * kReduceTokens, stride, T));
+}
+
+/* ---- Finish ----------------------------------------------------------------------------- */
+
+/* The last block to finish clears this parity's counters (every chunk is full, and no peer
+ * writes this parity again before it sees combine_finished move), then advances the call count
+ * and tells every peer. Every block has read the call count by now (they finished). */
+__device__ __forceinline__ void combine_finish(const epx__kernel_ctx_t &ctx,
+                                               const CombineView &cv) {
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
+  epx__control_t *ctrl = epx::control_of(ctx);
+  __shared__ int last;
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    last = atomicAdd(&ctrl->combine_blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  uint64_t *counters = (uint64_t *)(ctx.peer_base[me] + cv.signal);
+  for (size_t i = tid; i < (size_t)R * ctx.layout.combine_chunks; i += kThreads) counters[i] = 0;
+  __syncthreads();
+  if (tid == 0) {
+    ctrl->combine_blocks_done = 0;
+    ctrl->combine_next_unit = 0;
+    ctrl->combine_calls = cv.call + 1;
+  }
+  if (tid < R && tid != me) {
+    __threadfence_system();
+    epx::st_release_sys((uint64_t *)&epx::control_of(ctx, tid)->combine_finished[me],
+                        (uint64_t)cv.call + 1);
+  }
+}
+
+template <typename IdxT, int kRanks>
+__global__ void __launch_bounds__(kThreads, 1)
+    combine_kernel(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a) {
+  const int R = ctx.num_ranks, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  __shared__ int prefix[EPX_MAX_RANKS + 1];
+  __shared__ unsigned call;
+  CombineView cv;
+  if (tid <= R) prefix[tid] = a.routing.meta->rank_prefix[tid];
+  if (tid == 0) call = epx::control_of(ctx)->combine_calls;
+  __syncthreads();
+  const epx__ws_layout_t &L = ctx.layout;
+  const unsigned parity = call & 1u;
+  cv.call = call;
+  cv.slab = L.normal_offset + L.combine_slab_offset + parity * L.combine_slab_bytes;
+  cv.signal = L.normal_offset + L.combine_signal_offset + parity * R * L.combine_chunks * 8;
+  cv.row_bytes = (size_t)a.hidden * 2;
+  cv.n16 = a.hidden * 2 / 16;
+  cv.experts_per_rank = a.num_experts / R;
+  if (warp < kSendWarps)
+    combine_send(ctx, a, cv, prefix, warp, lane);
+  else
+    combine_reduce<IdxT, kRanks>(ctx, a, cv, prefix, warp - kSendWarps, lane);
+  combine_finish(ctx, cv);
+}
+
+}  // namespace
+
+/* The rank count is a specialisation axis: 2, 4 and 8 get their own kernels; 3, 5, 6 and 7 run
+ * the next larger one (ranks beyond num_ranks never have their mask bit set). The dynamic shared
+ * memory is the send warps' stages (launch() opts the kernel into more than 48 KiB). */
+extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
+                                            const epx__combine_launch_args_t *args,
+                                            cudaStream_t stream) {
+  return EPX_RANKS_SWITCH(ctx->num_ranks, kRanks, [&] {
+    return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
+      return epx::launch<combine_kernel<IdxT, kRanks>>(args->num_blocks, kThreads, sizeof(SendSmem),
+                                                       stream, *ctx, *args);
+    });
+  });
+}

@@ -1,0 +1,169 @@
+/*
+ * normal_dispatch.cu - normal (high-throughput) mode's dispatch over NVLink.
+ *
+ * Each token is written straight into its final row of every destination's compact receive
+ * slab, so there are no queues and no second copy on the receiver:
+ *   row of (source s, token t) on rank r = sum_{s' < s} count[s'][r] + token_pos_in_rank[t][r]
+ * with the count matrix from notify (notify.cu).
+ *
+ * Roles: num_blocks blocks of kThreads; block b sends a contiguous share of the tokens, one warp
+ * per token (w-strided over its warps); block 0's first warp then waits for every source.
+ * Invariant (completion): after its last store to rank r, every block adds 1 to r's
+ * dispatch_done[me] with release semantics at system scope; r waits (acquire, bounded) until the
+ * counter has grown by the grid size. Counters are monotonic, so nothing is ever reset and a
+ * captured graph replays correctly. All ranks launch the same grid (config.num_sms, agreed at
+ * group creation).
+ */
+#include "checks.h"
+#include "kernels/api.h"
+#include "kernels/launch.cuh"
+#include "kernels/trace.cuh"
+#include "kernels/wait.cuh"
+#include "kernels/workspace.cuh"
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4; /* 16-byte loads in flight per lane */
+static_assert(kThreads % 32 == 0 && kThreads >= EPX_MAX_RANKS, "thread r < R signals rank r");
+static_assert(EPX_MAX_RANKS <= 32, "lane r of a token's warp stands for rank r");
+
+/* Tell every rank that this block's dispatch stores to it are done. NOTE: __syncthreads orders
+ * the block's stores before thread r's fence; the system-scope release makes them visible to r
+ * before the counter moves. */
+__device__ __forceinline__ void signal_dispatch_done(const epx__kernel_ctx_t &ctx) {
+  __syncthreads();
+  if (threadIdx.x < ctx.num_ranks) {
+    __threadfence_system();
+    epx::red_release_sys_add(&epx::control_of(ctx, threadIdx.x)->dispatch_done[ctx.rank], 1);
+  }
+}
+
+/* [begin, end) of this block's share of n items. */
+__device__ __forceinline__ void block_share(int n, int *begin, int *end) {
+  const long long b = blockIdx.x, g = gridDim.x;
+  *begin = (int)(n * b / g);
+  *end = (int)(n * (b + 1) / g);
+}
+
+/* Copy one row of n16 16-byte words from src to every destination in mask (one warp). */
+__device__ __forceinline__ void copy_row_multicast(const int4 *src, int4 *const *dst, unsigned mask,
+                                                   int n16, int lane) {
+  for (int i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++)
+      if (i0 + u * 32 < n16) v[u] = epx::ld_nc_na_v4(src + i0 + u * 32);
+    for (unsigned m = mask; m; m &= m - 1) {
+      int4 *d = dst[__ffs(m) - 1];
+#pragma unroll
+      for (int u = 0; u < kUnroll; u++)
+        if (i0 + u * 32 < n16) d[i0 + u * 32] = v[u];
+    }
+  }
+}
+
+template <typename IdxT, bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1)
+    dispatch_kernel(epx__kernel_ctx_t ctx, epx__dispatch_launch_args_t a) {
+  const uint64_t t_send = epx::trace_begin(ctx);
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int H = a.hidden, K = a.top_k, E = a.num_experts, epr = E / R;
+  const epx__recv_meta_t *meta = a.routing.meta;
+  __shared__ int dest_base[EPX_MAX_RANKS];
+  if (tid < R) {
+    int base = 0; /* rows of sources before me at rank tid */
+    for (int s = 0; s < me; s++) base += meta->count[s][tid];
+    dest_base[tid] = base;
+  }
+  __syncthreads();
+
+  /* Buffer regions (every rank has the same layout):
+   *   recv_x        [cap, H] elem       recv_scales [cap, H/128] f32
+   *   recv_topk_idx [cap, K] i32        recv_topk_weights [cap, K] f32   recv_src_token [cap] i32
+   */
+  const epx__ws_layout_t &L = ctx.layout;
+  const int elem = kFp8 ? 1 : 2, n16 = H * elem / 16, num_scales = H / 128;
+  const IdxT *topk = (const IdxT *)a.topk_idx;
+  int begin, end;
+  block_share(a.routing.num_tokens, &begin, &end);
+  for (int t = begin + warp; t < end; t += kWarps) {
+    const uint64_t t_token = epx::trace_begin(ctx);
+    const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
+    const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
+    const int my_row =
+        in_rank ? dest_base[lane] + a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
+    int rows[EPX_MAX_RANKS];
+    int4 *dst[EPX_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < EPX_MAX_RANKS; r++) {
+      rows[r] = __shfl_sync(0xffffffffu, my_row, r);
+      dst[r] = (r < R) ? (int4 *)(ctx.peer_base[r] + L.normal_offset + L.recv_x_offset +
+                                  (size_t)rows[r] * H * elem)
+                       : nullptr;
+    }
+    copy_row_multicast((const int4 *)((const char *)a.x + (size_t)t * H * elem), dst, mask, n16,
+                       lane);
+    if (kFp8) {
+      for (int i = lane; i < num_scales; i += 32) {
+        const float sc = a.x_scales[(size_t)t * num_scales + i];
+        for (unsigned m = mask; m; m &= m - 1) {
+          const int r = __ffs(m) - 1;
+          float *d = (float *)(ctx.peer_base[r] + L.normal_offset + L.recv_scales_offset);
+          d[(size_t)rows[r] * num_scales + i] = sc;
+        }
+      }
+    }
+    if (topk) { /* routing metadata; a cached dispatch keeps the earlier values */
+      long long e = -1;
+      float w = 0.f;
+      if (lane < K) {
+        e = (long long)topk[(size_t)t * K + lane];
+        if (e < 0 || e >= E) e = -1; /* invalid ids were reported by the layout kernel */
+        if (a.topk_weights) w = a.topk_weights[(size_t)t * K + lane];
+      }
+      for (unsigned m = mask; m; m &= m - 1) {
+        const int r = __ffs(m) - 1;
+        char *base = ctx.peer_base[r] + L.normal_offset;
+        if (lane < K) {
+          const bool here = e >= 0 && e / epr == r;
+          ((int *)(base + L.recv_topk_idx_offset))[(size_t)rows[r] * K + lane] =
+              here ? (int)(e - (long long)r * epr) : -1;
+          ((float *)(base + L.recv_topk_weights_offset))[(size_t)rows[r] * K + lane] =
+              here ? w : 0.f;
+        }
+        if (lane == 0) ((int *)(base + L.recv_src_token_offset))[rows[r]] = t;
+      }
+    }
+    if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_DISPATCH_TOKEN, t);
+  }
+
+  signal_dispatch_done(ctx);
+  if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_DISPATCH_SEND, end - begin);
+  if (blockIdx.x == 0 && warp == 0) {
+    const uint64_t t_wait = epx::trace_begin(ctx);
+    if (tid < R) {
+      epx__control_t *ctrl = epx::control_of(ctx, me);
+      const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
+      epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected, EPX_STAGE_DISPATCH,
+                    tid);
+      ctrl->dispatch_expected[tid] = expected;
+    }
+    epx::trace_end_last(ctx, t_wait, EPX_TRACE_DISPATCH_WAIT, tid < R ? tid : -1);
+  }
+}
+
+}  // namespace
+
+/* One kernel per payload dtype (BF16 or FP8 with scales) and routing index dtype. */
+extern "C" epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
+                                             const epx__dispatch_launch_args_t *args,
+                                             cudaStream_t stream) {
+  const dim3 grid(args->num_blocks), block(kThreads);
+  return EPX_BOOL_SWITCH(args->x_is_fp8, kFp8, [&] {
+    return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
+      return epx::launch<dispatch_kernel<IdxT, kFp8>>(grid, block, 0, stream, *ctx, *args);
+    });
+  });
+}

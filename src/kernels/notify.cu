@@ -1,0 +1,107 @@
+/*
+ * notify.cu - normal mode's count exchange: one round trip after which every rank knows the full
+ * count matrix count[s][r], its receive prefix per source and its per-expert receive counts.
+ *
+ * One block of kThreads. Word w of source s in rank r's notify region:
+ *   w < R:  count[s][w] (tokens s sends to rank w)      w >= R: tokens of s for r's expert w-R
+ * Each thread writes a strided share of the words to the peers, then waits for a strided share
+ * of its own inbox; thread 0 writes the prefix. Invariant: every word is (epoch << 32) | value,
+ * so a word is valid exactly when it carries this call's epoch: nothing is ever zeroed, there is
+ * no separate flag and no ordering between words to get right.
+ */
+#include "checks.h"
+#include "kernels/api.h"
+#include "kernels/launch.cuh"
+#include "kernels/trace.cuh"
+#include "kernels/wait.cuh"
+#include "kernels/workspace.cuh"
+
+namespace {
+
+constexpr int kThreads = 512;
+/* Thread i < R x R copies count[i / R][i % R] into the handle's meta. */
+static_assert(kThreads >= EPX_MAX_RANKS * EPX_MAX_RANKS, "one thread per count matrix entry");
+
+__global__ void __launch_bounds__(kThreads, 1)
+    notify_kernel(epx__kernel_ctx_t ctx, epx__notify_launch_args_t a) {
+  const uint64_t t_start = epx::trace_begin(ctx);
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
+  const int epr = a.num_experts / R, words = R + epr;
+  __shared__ unsigned epoch;
+  __shared__ int count[EPX_MAX_RANKS][EPX_MAX_RANKS];
+  __shared__ int expert_sum[EPX_MAX_EXPERTS / 2]; /* E / R experts, R >= 2 */
+  __shared__ int timed_out;
+  epx__control_t *ctrl = epx::control_of(ctx, me);
+  if (tid == 0) {
+    epoch = ctrl->notify_epoch + 1;
+    ctrl->notify_epoch = epoch;
+    timed_out = 0;
+  }
+  for (int j = tid; j < epr; j += kThreads) expert_sum[j] = 0;
+  __syncthreads();
+
+  for (int i = tid; i < R * words; i += kThreads) {
+    const int r = i / words, w = i % words;
+    const int v = w < R ? a.routing.num_tokens_per_rank[w]
+                        : a.routing.num_tokens_per_expert[r * epr + (w - R)];
+    unsigned long long *dst =
+        (unsigned long long *)(ctx.peer_base[r] + ctx.layout.notify_offset) + me * words + w;
+    epx::st_release_sys((uint64_t *)dst, ((uint64_t)epoch << 32) | (uint32_t)v);
+  }
+
+  const uint64_t *inbox = (const uint64_t *)(ctx.peer_base[me] + ctx.layout.notify_offset);
+  const uint64_t t_wait = epx::trace_begin(ctx);
+  for (int i = tid; i < R * words; i += kThreads) {
+    const int s = i / words, w = i % words;
+    uint64_t v;
+    const epx::WaitResult waited = epx::wait_until(
+        ctx.timeout_ns,
+        [&] {
+          v = epx::ld_acquire_sys(inbox + i);
+          return (uint32_t)(v >> 32) >= epoch;
+        },
+        epx::NeverAbandon());
+    if (waited != epx::WaitResult::kReady) {
+      epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_NOTIFY, s, -1, epoch);
+      timed_out = 1;
+      v = 0;
+    }
+    /* Clamp: a count beyond max_tokens can only come from a broken peer; never index past. */
+    int value = (int)(uint32_t)v;
+    value = value < 0 ? 0 : value > a.max_tokens ? a.max_tokens : value;
+    if (w < R)
+      count[s][w] = value;
+    else
+      atomicAdd(&expert_sum[w - R], value);
+  }
+  __syncthreads();
+  if (tid == 0) epx::trace_end(ctx, t_wait, EPX_TRACE_NOTIFY_WAIT, (int)epoch);
+
+  epx__recv_meta_t *meta = a.routing.meta;
+  if (tid == 0) {
+    int prefix = 0;
+    for (int s = 0; s < R; s++) {
+      meta->rank_prefix[s] = prefix;
+      prefix += timed_out ? 0 : count[s][me];
+    }
+    meta->rank_prefix[R] = prefix;
+    meta->num_recv = prefix;
+    if (a.host_counts) a.host_counts[0] = prefix;
+    epx::trace_end(ctx, t_start, EPX_TRACE_NOTIFY, prefix);
+  }
+  if (tid < R * R) meta->count[tid / R][tid % R] = timed_out ? 0 : count[tid / R][tid % R];
+  const int align = a.expert_alignment > 1 ? a.expert_alignment : 1;
+  for (int j = tid; j < epr; j += kThreads) {
+    const int c = (expert_sum[j] + align - 1) / align * align;
+    meta->per_expert[j] = c;
+    if (a.host_counts) a.host_counts[1 + j] = c;
+  }
+}
+
+}  // namespace
+
+extern "C" epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx,
+                                           const epx__notify_launch_args_t *args,
+                                           cudaStream_t stream) {
+  return epx::launch<notify_kernel>(1, kThreads, 0, stream, *ctx, *args);
+}
