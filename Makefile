@@ -18,8 +18,10 @@ BUILD ?= build
 NVCC_GENCODE ?= -gencode arch=compute_90,code=sm_90
 
 OPT := -O2
+NVCC_OPT := -O2
 ifeq ($(DEBUG),1)
   OPT := -O0 -g3 -DEPX_DEBUG_BUILD=1
+  NVCC_OPT := -O0 -g -DEPX_DEBUG_BUILD=1 # nvcc takes no -g3
 endif
 SAN :=
 ifeq ($(ASAN),1)
@@ -36,7 +38,7 @@ CC ?= gcc
 CXX ?= g++
 CFLAGS := -std=c11 -D_GNU_SOURCE $(OPT) -g -Wall -Wextra -Werror=implicit-function-declaration \
           -fPIC -fvisibility=hidden $(SAN) $(TRACE_FLAGS) $(INCLUDES)
-NVCCFLAGS := -std=c++17 $(OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexpr \
+NVCCFLAGS := -std=c++17 $(NVCC_OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexpr \
              -Xcompiler -fPIC,-fvisibility=hidden,-Wall $(TRACE_FLAGS) $(INCLUDES)
 LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
           -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
