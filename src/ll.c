@@ -2,7 +2,7 @@
  * ll.c - the host side of low-latency mode: epx_ll_dispatch, epx_ll_combine, epx_ll_recv and
  * the peer-mask calls. Checks every argument (nothing is queued when one is refused), keeps
  * the bookkeeping of buffers and split calls (epx__ll_host_t in group.h), then queues the
- * kernels of src/kernels/ll.cu on the caller's stream.
+ * kernels of src/kernels/ll_dispatch.cu and ll_combine.cu on the caller's stream.
  *
  * Buffers: dispatches alternate between the two buffers of the workspace's ll region; a
  * combine uses its dispatch's buffer. A split call leaves its buffer "pending" until its hook

@@ -17,8 +17,9 @@
  *              src_info    [L, RM] int4: source rank, token, slot, 0
  *              cnt         [L, R] int: rows of (local expert, source), written by the source
  *              recv_count  [L], recv_begin [L, R], recv_num [L, R] int: this rank's outputs
- *              stage       [R, M] rows of (144-byte header, payload, scales): BY_RANK dispatch
- *                          (routes BY_RANK and DISPATCH_BY_RANK); combine reads the headers
+ *              stage       [R, M] rows of (EPX_LL_HEADER_BYTES header, payload, scales):
+ *                          BY_RANK dispatch (routes BY_RANK and DISPATCH_BY_RANK); combine
+ *                          reads the headers
  *              combine_in  [L, RM, H] BF16: the zero-copy combine input
  *              combine_recv max(2K, 4R) x M x H bytes: rows returned to this rank, DIRECT
  *                          combine [M, K, H] BF16, BY_RANK combine [R, M, H] float32
@@ -132,10 +133,12 @@ EPX_HD size_t epx__payload_elem_bytes(unsigned dtypes) {
 }
 
 /* Low-latency limits: blocks of one low-latency kernel (signals are sized for this many), the
- * bytes of a staged row's header, and the shared memory of the per-expert token bitmaps that a
- * low-latency dispatch builds (E x ceil(max_tokens / 32) words). */
+ * bytes of a staged row's header (epoch, token, entries, 0, then a packed word and a weight per
+ * top-k slot: StagedHeader in src/kernels/ll_common.cuh, 144 at top-16), and the shared memory of
+ * the per-expert token bitmaps that a low-latency dispatch builds (E x ceil(max_tokens / 32)
+ * words). */
 #define EPX_LL_MAX_BLOCKS 1024
-#define EPX_LL_HEADER_BYTES 144
+#define EPX_LL_HEADER_BYTES (16 + 8 * EPX_MAX_TOP_K)
 #define EPX_LL_MAX_BITMAP_BYTES (160 * 1024)
 
 EPX_HD size_t epx__ll_bitmap_bytes(int num_experts, int num_tokens) {
