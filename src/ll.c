@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "agree.h"
 #include "arg_check.h"
 #include "checks.h"
 #include "group.h"
@@ -280,15 +281,10 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
     for (size_t i = 0; i < num_epochs; i++)
       if (host[i] > largest) largest = host[i];
   }
-  CUDA_CHECK_GOTO(
-      cudaMemcpyAsync(dev, &largest, sizeof largest, cudaMemcpyHostToDevice, g->setup_stream), res,
-      exit);
-  NCCL_CHECK_GOTO(ncclAllReduce(dev, dev, 1, ncclUint32, ncclMax, g->comm, g->setup_stream), res,
-                  exit);
-  CUDA_CHECK_GOTO(
-      cudaMemcpyAsync(&largest, dev, sizeof largest, cudaMemcpyDeviceToHost, g->setup_stream), res,
-      exit);
-  CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
+  {
+    const epx__agree_t agree = {g->comm, g->num_ranks, g->setup_stream, dev};
+    EPX_CHECK_GOTO(epx__agree_max_u32(&agree, largest, &largest), res, exit);
+  }
   /* 3. Every epoch of this rank to that value, the mask to 0, the bookkeeping to its start. */
   if (ll) {
     for (size_t i = 0; i < num_epochs; i++) host[i] = largest;

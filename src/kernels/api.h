@@ -82,7 +82,8 @@ epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
 epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                  const epx__combine_launch_args_t *args, cudaStream_t stream);
 
-/* Low-latency mode (src/kernels/ll.cu). phases: EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV. */
+/* Low-latency mode (src/kernels/ll_dispatch.cu, ll_combine.cu). phases: EPX_LL_PHASE_SEND |
+ * EPX_LL_PHASE_RECV. */
 #define EPX_LL_PHASE_SEND 1
 #define EPX_LL_PHASE_RECV 2
 
