@@ -28,6 +28,9 @@ namespace {
 constexpr int kThreads = 512; /* = tokens per tile */
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
+static_assert(kThreads % 32 == 0 && kThreads >= EPX_MAX_RANKS,
+              "whole warps; thread r < R sums rank r's column of warp_count");
+static_assert(EPX_MAX_RANKS <= 32, "a token's ranks are one 32-bit mask");
 
 /* Token t's K ids (invalid ones as -1), all loads issued before any check, and the lowest flat
  * position of an invalid one folded into *first_bad. */

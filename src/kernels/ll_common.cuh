@@ -28,6 +28,7 @@
 #include "kernel_ctx.h"
 #include "workspace.h"
 #include "kernels/api.h"
+#include "kernels/bf16.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/wait.cuh"
 #include "kernels/workspace.cuh"
@@ -42,6 +43,13 @@ constexpr int kBatch = 8;
 constexpr int kKindDispatch = 0, kKindCombine = 1;
 constexpr uint32_t kNoSignal = 0xffffffffu; /* wait_signal: the peer is masked */
 constexpr unsigned kFull = 0xffffffffu;
+static_assert(kChunk == 32 * 16,
+              "a warp unit is 16 channels per lane (one FP8 int4, two BF16 int4)");
+static_assert(kChunk % 128 == 0, "a chunk holds whole FP8 scale groups (8 lanes each)");
+static_assert(kBatch <= kWarps, "warp w < kBatch plans item w of a round");
+static_assert(kThreads >= EPX_MAX_RANKS && EPX_MAX_RANKS <= 32,
+              "thread r signals and waits for rank r; peer masks are 32-bit");
+static_assert(EPX_MAX_TOP_K <= 32, "lane k holds slot k of a token");
 
 /* ------------------------------------------------------------------------------------------
  * Addresses and signals
@@ -250,35 +258,11 @@ struct SourceRows {
 };
 
 /* ------------------------------------------------------------------------------------------
- * Number formats
+ * Number formats (BF16 packs in kernels/bf16.cuh)
  * ---------------------------------------------------------------------------------------- */
-__device__ __forceinline__ void bf16x8_to_float(const int4 &v, float *f) {
-  const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
-#pragma unroll
-  for (int j = 0; j < 4; j++) {
-    const float2 t = __bfloat1622float2(h[j]);
-    f[2 * j] = t.x;
-    f[2 * j + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ void acc_bf16x8(const int4 &v, float w, float *acc) {
-  const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
-#pragma unroll
-  for (int j = 0; j < 4; j++) {
-    const float2 t = __bfloat1622float2(h[j]);
-    acc[2 * j] += w * t.x;
-    acc[2 * j + 1] += w * t.y;
-  }
-}
-
-__device__ __forceinline__ int4 float8_to_bf16x8(const float *f) {
-  int4 o;
-  __nv_bfloat162 *h = (__nv_bfloat162 *)&o;
-#pragma unroll
-  for (int j = 0; j < 4; j++) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
-  return o;
-}
+using epx::acc_bf16x8;
+using epx::bf16x8_to_float;
+using epx::float8_to_bf16x8;
 
 /* FP8 E4M3 of this lane's 16 channels by the per-128 rule of tests/ref/epx_ref.h, bit for bit:
  * a 128-channel group is 8 consecutive lanes. Every lane of the warp must call it (the group

@@ -20,10 +20,9 @@
  * The work split and the send pipeline are compile-time constants: the winners of a sweep on
  * 4x H200 (docs/performance.md; dev/README.md says how to sweep again).
  */
-#include <cuda_bf16.h>
-
 #include "checks.h"
 #include "kernels/api.h"
+#include "kernels/bf16.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/trace.cuh"
 #include "kernels/wait.cuh"
@@ -380,21 +379,9 @@ __device__ __forceinline__ void reduce_token(const epx__kernel_ctx_t &ctx,
       if (i0 + u * 32 >= n16) break;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-      for (int r = 0; r < kRanks; r++) {
-        if (!((mask >> r) & 1u)) continue;
-        const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[u][r];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-          const float2 f2 = __bfloat1622float2(h2[j]);
-          acc[2 * j] += factor[r] * f2.x;
-          acc[2 * j + 1] += factor[r] * f2.y;
-        }
-      }
-      int4 o;
-      __nv_bfloat162 *oh = (__nv_bfloat162 *)&o;
-#pragma unroll
-      for (int j = 0; j < 4; j++) oh[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-      out[i0 + u * 32] = o;
+      for (int r = 0; r < kRanks; r++)
+        if ((mask >> r) & 1u) epx::acc_bf16x8(v[u][r], factor[r], acc);
+      out[i0 + u * 32] = epx::float8_to_bf16x8(acc);
     }
   }
 }
