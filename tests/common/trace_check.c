@@ -41,6 +41,7 @@ static int ns_of(const json_value_t *o, const char *key, long long *out) {
 
 typedef struct {
   long long pid, tid, ts, end;
+  const char *name; /* the span's label (for messages), or NULL */
 } span_t;
 
 static int compare_spans(const void *a, const void *b) {
@@ -55,16 +56,19 @@ static int compare_spans(const void *a, const void *b) {
 static int check_nesting(span_t *s, size_t n, char *why, size_t len) {
   qsort(s, n, sizeof *s, compare_spans);
   long long stack[64];
+  const char *names[64];
   int depth = 0;
   for (size_t i = 0; i < n; i++) {
     if (i == 0 || s[i].pid != s[i - 1].pid || s[i].tid != s[i - 1].tid) depth = 0;
     while (depth > 0 && s[i].ts >= stack[depth - 1]) depth--;
     if (depth > 0 && s[i].end > stack[depth - 1])
       return why_fmt(why, len,
-                     "pid %lld tid %lld: span [%lld, %lld) ns overlaps its enclosing span ending "
-                     "at %lld without nesting",
-                     s[i].pid, s[i].tid, s[i].ts, s[i].end, stack[depth - 1]);
+                     "pid %lld tid %lld: span '%s' [%lld, %lld) ns overlaps its enclosing span "
+                     "'%s' ending at %lld without nesting",
+                     s[i].pid, s[i].tid, s[i].name ? s[i].name : "?", s[i].ts, s[i].end,
+                     names[depth - 1] ? names[depth - 1] : "?", stack[depth - 1]);
     if (depth == 64) return why_fmt(why, len, "spans nested more than 64 deep");
+    names[depth] = s[i].name;
     stack[depth++] = s[i].end;
   }
   return 0;
@@ -79,14 +83,14 @@ static size_t thread_names(const json_value_t *events, span_t *out) {
     const char *name = str_of(e, "name"), *ph = str_of(e, "ph");
     if (ph && !strcmp(ph, "M") && name && !strcmp(name, "thread_name") && !int_of(e, "pid", &p) &&
         !int_of(e, "tid", &t))
-      out[n++] = (span_t){p, t, 0, 0};
+      out[n++] = (span_t){p, t, 0, 0, NULL};
   }
   qsort(out, n, sizeof *out, compare_spans);
   return n;
 }
 
 static int has_thread_name(const span_t *names, size_t n, long long pid, long long tid) {
-  const span_t key = {pid, tid, 0, 0};
+  const span_t key = {pid, tid, 0, 0, NULL};
   return bsearch(&key, names, n, sizeof *names, compare_spans) != NULL;
 }
 
@@ -172,7 +176,7 @@ int trace_check(const json_value_t *root, trace_facts_t *f, char *why, size_t le
       else {
         last_ts[pid] = ts;
         f->spans[pid]++;
-        spans[n++] = (span_t){pid, tid, ts, ts + dur};
+        spans[n++] = (span_t){pid, tid, ts, ts + dur, name};
       }
     } else {
       rc = why_fmt(why, len, "traceEvents[%zu]: unexpected ph %s", i, ph);
