@@ -390,10 +390,23 @@ typedef struct epx_ll_dispatch_args {
   int ue8m0;                  /* FP8: 1 = round every scale up to a power of two */
   int split;                  /* 1: return after issuing the sends; epx_ll_recv(result->hook)
                                  completes the receive later. 0: one kernel does both */
+  int packed;                 /* 1: DeepEP's packed layout: the rows of local expert j are
+                                 [0, recv_count[j]), source s's rows contiguous from
+                                 recv_begin[j][s] (sources in rank order); no row past
+                                 recv_count[j] is written. Routes BY_RANK and DISPATCH_BY_RANK
+                                 only (DIRECT: EPX_ERR_UNSUPPORTED). 0: fixed slots */
+  int ue8m0_packed;           /* with ue8m0 = 1: the scales come out as int32 words of four UE8M0
+                                 exponents, result->recv_x_scales_packed (DeepGEMM's format) */
+  long long *layout_range;    /* [OUT] optional, packed = 1 only: device [L, R] int64,
+                                 (begin << 32) | count per (local expert, source), as DeepEP's
+                                 packed_recv_layout_range; valid with the other outputs */
 } epx_ll_dispatch_args_t;
 
-#define EPX_LL_DISPATCH_ARGS_INIT \
-  { sizeof(epx_ll_dispatch_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, EPX_DTYPE_BF16, 0, 0 }
+#define EPX_LL_DISPATCH_ARGS_INIT                                                                  \
+  {                                                                                                \
+    sizeof(epx_ll_dispatch_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, EPX_DTYPE_BF16, 0, 0, 0, \
+        0, NULL                                                                                    \
+  }
 
 typedef struct epx_ll_dispatch_result {
   int num_tokens;        /* T this rank dispatched (the rows its combine returns) */
@@ -407,13 +420,19 @@ typedef struct epx_ll_dispatch_result {
   int *recv_src_info;         /* [L, R*M, 4] int32 per row: source rank, source token, the source's
                                  first top-k slot naming the expert, 0 */
   int *recv_count;            /* [L] rows of local expert j (summed over sources) */
-  int *recv_begin;            /* [L, R] first row of source s in expert j: always s*M */
+  int *recv_begin;            /* [L, R] first row of source s in expert j: s*M (fixed slots),
+                                 the rows of sources < s (packed) */
   int *recv_num;              /* [L, R] rows of source s in expert j */
   void *combine_input;        /* [L, R*M, H] BF16 in the workspace: an expert GEMM may write its
                                  output here and pass NULL (or this pointer) as epx_ll_combine x */
   int buffer;                 /* which of the two buffers (0 or 1) this dispatch used */
   unsigned long long call_id; /* identifies this dispatch to epx_ll_combine */
   epx_ll_hook_t hook;         /* split: pass to epx_ll_recv before using the outputs; else id 0 */
+  int packed;                 /* the layout: 1 packed (args->packed), 0 fixed slots */
+  int *recv_x_scales_packed;  /* ue8m0_packed: [L, R*M, ceil(H/512)] int32, word w of a row holds
+                                 the exponent byte (bits 23..30 of the float32 power of two) of
+                                 channel group 4w + i in bits 8i..8i+7 (unused bytes 0); the
+                                 float recv_x_scales is NULL then. Else NULL */
 } epx_ll_dispatch_result_t;
 
 /* epx_ll_dispatch - send this rank's tokens to the experts they chose, low-latency mode.

@@ -50,7 +50,13 @@ static void fill_result(epx_group_t g, int parity, int num_tokens, epx_dtype_t d
   out->max_tokens_per_rank = g->config.max_tokens_per_rank;
   out->recv_dtype = dtype;
   out->recv_x = base + l->ll_x_offset;
-  out->recv_x_scales = dtype == EPX_DTYPE_FP8_E4M3 ? (float *)(base + l->ll_scales_offset) : NULL;
+  out->recv_x_scales = dtype == EPX_DTYPE_FP8_E4M3 && !g->ll.dispatch_pack_scales[parity]
+                           ? (float *)(base + l->ll_scales_offset)
+                           : NULL;
+  /* UE8M0 words live where the float32 scales would: ceil(H/512) <= H/128 words per row. */
+  out->recv_x_scales_packed =
+      g->ll.dispatch_pack_scales[parity] ? (int *)(base + l->ll_scales_offset) : NULL;
+  out->packed = g->ll.dispatch_packed[parity];
   out->recv_src_info = (int *)(base + l->ll_src_info_offset);
   out->recv_count = (int *)(base + l->ll_recv_count_offset);
   out->recv_begin = (int *)(base + l->ll_recv_begin_offset);
@@ -75,6 +81,9 @@ static epx__ll_dispatch_launch_args_t dispatch_launch_args(epx_group_t g, int pa
   d.parity = parity;
   d.phases = phases;
   d.num_blocks = g->config.ll_num_sms;
+  d.packed = g->ll.dispatch_packed[parity];
+  d.pack_scales = g->ll.dispatch_pack_scales[parity];
+  d.layout_range = g->ll.layout_range[parity];
   return d;
 }
 
@@ -93,7 +102,29 @@ static epx__ll_combine_launch_args_t combine_launch_args(epx_group_t g, int pari
   c.parity = parity;
   c.phases = phases;
   c.num_blocks = g->config.ll_num_sms;
+  c.packed = g->ll.dispatch_packed[parity];
   return c;
+}
+
+/* The packed-layout options of a dispatch (docs/low-latency.md, "Packed layout"). */
+static epx_status_t check_packed_args(epx_group_t g, const char *fn,
+                                      const epx_ll_dispatch_args_t *a) {
+  EPX_CHECK(epx__check_flag(fn, "args->packed", a->packed));
+  EPX_CHECK(epx__check_flag(fn, "args->ue8m0_packed", a->ue8m0_packed));
+  EPX_ARG_CHECK(!a->ue8m0_packed || a->ue8m0,
+                "%s: args->ue8m0_packed = 1: needs args->ue8m0 = 1 (power-of-two FP8 scales)", fn);
+  if (a->packed && g->config.ll_route == EPX_LL_ROUTE_DIRECT)
+    return epx__set_error(
+        EPX_ERR_UNSUPPORTED,
+        "%s: args->packed = 1: the group's ll_route is EPX_LL_ROUTE_DIRECT, whose "
+        "senders write final rows without knowing the other sources' counts; "
+        "use EPX_LL_ROUTE_BY_RANK or EPX_LL_ROUTE_DISPATCH_BY_RANK (the default)",
+        fn);
+  EPX_ARG_CHECK(!a->layout_range || a->packed,
+                "%s: args->layout_range is set: needs args->packed = 1", fn);
+  if (a->layout_range)
+    EPX_CHECK(epx__check_device_ptr(fn, "args->layout_range", a->layout_range, 8));
+  return EPX_OK;
 }
 
 EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_args_t *a,
@@ -119,6 +150,7 @@ EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_arg
   EPX_ARG_CHECK(!a->ue8m0 || a->recv_dtype == EPX_DTYPE_FP8_E4M3,
                 "%s: args->ue8m0 = 1: needs args->recv_dtype = EPX_DTYPE_FP8_E4M3", fn);
   EPX_CHECK(epx__check_flag(fn, "args->split", a->split));
+  EPX_CHECK(check_packed_args(g, fn, a));
   if (a->num_tokens > 0) {
     EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
     EPX_CHECK(epx__check_device_ptr(fn, "args->topk_idx", a->topk_idx,
@@ -143,11 +175,17 @@ EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_arg
   d.idx_is_int64 = a->topk_idx_dtype == EPX_DTYPE_INT64;
   d.topk_weights = a->topk_weights;
   d.ue8m0 = a->ue8m0;
+  d.packed = a->packed;
+  d.pack_scales = a->ue8m0_packed;
+  d.layout_range = a->layout_range;
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   EPX_CHECK(epx__ll_dispatch_launch(&ctx, &d, stream));
   /* Only a queued dispatch owns the buffer: a failed launch leaves the previous call's state. */
   g->ll.dispatch_tokens[parity] = a->num_tokens;
+  g->ll.dispatch_packed[parity] = a->packed; /* for its receive, combine and result */
+  g->ll.dispatch_pack_scales[parity] = a->ue8m0_packed;
+  g->ll.layout_range[parity] = a->layout_range;
 
   const unsigned long long seq = ++g->ll.seq;
   g->ll.dispatch_id[parity] = seq;

@@ -16,6 +16,9 @@ typedef struct epx__ll_host {
   void *combine_out[2];              /* out of a split combine, for its epx_ll_recv */
   unsigned long long pending[2][2];  /* [0 dispatch, 1 combine][buffer]: hook id of a split call
                                         awaiting epx_ll_recv, or 0 */
+  int dispatch_packed[2];            /* its layout is packed (args->packed) */
+  int dispatch_pack_scales[2];       /* its scales come out as UE8M0 words (args->ue8m0_packed) */
+  long long *layout_range[2];        /* its args->layout_range, for a split receive */
 } epx__ll_host_t;
 
 #endif /* EPX_LL_STATE_H_ */

@@ -82,8 +82,8 @@ epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
 epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                  const epx__combine_launch_args_t *args, cudaStream_t stream);
 
-/* Low-latency mode (src/kernels/ll_dispatch.cu, ll_combine.cu). phases: EPX_LL_PHASE_SEND |
- * EPX_LL_PHASE_RECV. */
+/* Low-latency mode (src/kernels/ll_dispatch.cu, ll_pack.cuh, ll_combine.cu). phases:
+ * EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV. */
 #define EPX_LL_PHASE_SEND 1
 #define EPX_LL_PHASE_RECV 2
 
@@ -94,6 +94,9 @@ typedef struct epx__ll_dispatch_launch_args {
   const float *topk_weights; /* [T, K] or NULL (weights 1) */
   int num_tokens, hidden, top_k, num_experts, max_tokens;
   int fp8, ue8m0, by_rank, parity, phases, num_blocks;
+  int packed;              /* packed layout (by_rank only) */
+  int pack_scales;         /* FP8 scales as UE8M0 words, four per int32 */
+  long long *layout_range; /* [L, R] (begin << 32) | count, packed only; or NULL */
 } epx__ll_dispatch_launch_args_t;
 
 typedef struct epx__ll_combine_launch_args {
@@ -102,6 +105,7 @@ typedef struct epx__ll_combine_launch_args {
   int num_tokens; /* T of the dispatch */
   int hidden, top_k, num_experts, max_tokens;
   int by_rank, parity, phases, num_blocks;
+  int packed; /* the dispatch's rows are packed: (j, s) starts at recv_begin[j][s] */
 } epx__ll_combine_launch_args_t;
 
 epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,

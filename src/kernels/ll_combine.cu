@@ -18,6 +18,9 @@
  * Route DISPATCH_BY_RANK (the default) runs the BY_RANK dispatch and this DIRECT combine. Every
  * block signals every rank when its sends are issued: cflag[me][b] = (epoch, 0). Sums are
  * float32, written once as BF16; a token with no valid slot gets +0.
+ *
+ * Packed dispatch layout (ll_pack.cuh): the sends read the rows of (j, s) from recv_begin[j][s]
+ * instead of s*M (one template flag); nothing else changes.
  */
 #include "kernels/api.h"
 #include "kernels/launch.cuh"
@@ -163,7 +166,9 @@ __device__ __forceinline__ int segment_of(const int *prefix, int n, int g) {
 /* Route DIRECT: every row this rank received goes back to its token's slot on the source. Rows
  * are numbered over the (local expert, source) segments; block b takes rows b, b + G, ..., each
  * warp two (row, chunk) units per step with all their loads in flight. s_prefix first holds the
- * segments' row counts, then (in place) their prefix. */
+ * segments' row counts, then (in place) their prefix. kPacked: segment (j, s) starts at
+ * recv_begin[j][s] of the dispatch instead of s*M. */
+template <bool kPacked>
 __device__ __forceinline__ void combine_send_direct(const epx__kernel_ctx_t &ctx,
                                                     const epx__ll_combine_launch_args_t &a,
                                                     const Call &c, unsigned mask, int *s_prefix,
@@ -172,6 +177,7 @@ __device__ __forceinline__ void combine_send_direct(const epx__kernel_ctx_t &ctx
   const int nch = c.nch;
   const epx__ws_layout_t &lay = ctx.layout;
   const int *num = (const int *)(c.own + lay.ll_recv_num_offset);
+  const int *begin = (const int *)(c.own + lay.ll_recv_begin_offset);
   for (int i = c.tid; i < L * R; i += kThreads) s_prefix[i] = ((mask >> (i % R)) & 1u) ? 0 : num[i];
   __syncthreads();
   block_prefix(s_prefix, L * R, s_prefix, s_warp_sums);
@@ -191,7 +197,8 @@ __device__ __forceinline__ void combine_send_direct(const epx__kernel_ctx_t &ctx
       const int seg = segment_of(s_prefix, L * R, g);
       const int j = seg / R;
       seg_s[q] = seg % R;
-      row[q] = (size_t)j * c.RM + (size_t)seg_s[q] * M + (g - s_prefix[seg]);
+      const size_t seg_row = kPacked ? (size_t)begin[seg] : (size_t)seg_s[q] * M;
+      row[q] = (size_t)j * c.RM + seg_row + (g - s_prefix[seg]);
       src_info[q] = __ldcg(info + row[q]);
       /* Lane l: channels 8 l and 256 + 8 l of the chunk, 512 contiguous bytes per store
        * instruction (two int4 per lane, 32 bytes apart, made this send 1.3x slower). */
@@ -225,7 +232,9 @@ struct CombineRows {
  * source-major, in rounds of up to kBatch: warp w reads the header of row w of the round (the
  * expert rows of its entries on this rank), then all warps sum and send the round's (row,
  * chunk) units. A source that did not reach this rank in the dispatch (its signal does not
- * carry the dispatch's epoch), or is masked now, has no rows. */
+ * carry the dispatch's epoch), or is masked now, has no rows. kPacked: the rows of (j, s) start
+ * at recv_begin[j][s]. */
+template <bool kPacked>
 __device__ __forceinline__ void combine_send_by_rank(const epx__kernel_ctx_t &ctx,
                                                      const epx__ll_combine_launch_args_t &a,
                                                      const Call &c, uint32_t dispatch_epoch,
@@ -264,8 +273,10 @@ __device__ __forceinline__ void combine_send_by_rank(const epx__kernel_ctx_t &ct
         CombineRows *cr = &s_rows[w];
         if (ok) {
           const int idx = __popc(ob & ((1u << lane) - 1u));
-          cr->src[idx] =
-              (const char *)a.x + ((size_t)en.expert * c.RM + (size_t)s * M + en.pos) * H * 2;
+          const size_t seg_row =
+              kPacked ? (size_t)((const int *)(own + lay.ll_recv_begin_offset))[en.expert * R + s]
+                      : (size_t)s * M;
+          cr->src[idx] = (const char *)a.x + ((size_t)en.expert * c.RM + seg_row + en.pos) * H * 2;
           cr->w[idx] = wt;
         }
         if (lane == 0) {
@@ -401,7 +412,7 @@ __device__ __forceinline__ void combine_reduce_direct(const epx__kernel_ctx_t &c
 }
 
 /* Traced per block by thread 0: send, wait, reduce (docs/profiling.md). */
-template <bool kByRank>
+template <bool kByRank, bool kPacked>
 __global__ void __launch_bounds__(kThreads, 1)
     ll_combine_kernel(epx__kernel_ctx_t ctx, epx__ll_combine_launch_args_t a) {
   __shared__ uint32_t s_epoch, s_dispatch_epoch;
@@ -426,9 +437,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint64_t t_send = trace_begin(ctx);
     const unsigned mask = s_mask;
     if (kByRank)
-      combine_send_by_rank(ctx, a, c, dispatch_epoch, mask, s_count, s_rows, s_partial);
+      combine_send_by_rank<kPacked>(ctx, a, c, dispatch_epoch, mask, s_count, s_rows, s_partial);
     else
-      combine_send_direct(ctx, a, c, mask, s_prefix, s_warp_sums);
+      combine_send_direct<kPacked>(ctx, a, c, mask, s_prefix, s_warp_sums);
     signal_ranks(ctx, mask, ctx.layout.ll_cflag_offset, c.p, epoch, 0u);
     if (c.tid == 0) trace_end(ctx, t_send, EPX_TRACE_LL_COMBINE_SEND, c.b);
   }
@@ -453,7 +464,9 @@ extern "C" epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
                                                const epx__ll_combine_launch_args_t *args,
                                                cudaStream_t stream) {
   return EPX_BOOL_SWITCH(args->by_rank, kByRank, [&] {
-    return epx::launch<epx::ll::ll_combine_kernel<kByRank>>(args->num_blocks, epx::ll::kThreads, 0,
-                                                            stream, *ctx, *args);
+    return EPX_BOOL_SWITCH(args->packed, kPacked, [&] {
+      return epx::launch<epx::ll::ll_combine_kernel<kByRank, kPacked>>(
+          args->num_blocks, epx::ll::kThreads, 0, stream, *ctx, *args);
+    });
   });
 }

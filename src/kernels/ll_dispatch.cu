@@ -28,6 +28,7 @@
 #include "kernels/api.h"
 #include "kernels/launch.cuh"
 #include "kernels/ll_common.cuh"
+#include "kernels/ll_pack.cuh"
 #include "kernels/trace.cuh"
 
 namespace epx::ll {
@@ -130,17 +131,17 @@ __device__ __forceinline__ int plan_entries(const epx__kernel_ctx_t &ctx,
   return n;
 }
 
-/* Warp, BY_RANK: the staged rows of token t (one per other rank of its n entries) into plan
- * from index num_dst, and their headers, the own rank's included (combine reads it). Returns
- * the new num_dst. */
-template <bool kFp8>
+/* Warp, BY_RANK: the staged rows of token t (one per other rank of its n entries; kPacked: the
+ * own rank's too) into plan from index num_dst, and their headers, the own rank's included
+ * (combine reads it). Returns the new num_dst. */
+template <bool kFp8, bool kPacked>
 __device__ __forceinline__ int plan_staged(const epx__kernel_ctx_t &ctx, int R, int me, int M,
                                            int H, int p, uint32_t epoch, int t, const Entry *ent,
                                            int n, int num_dst, Plan *plan) {
   const int lane = threadIdx.x & 31;
   const epx__ws_layout_t &lay = ctx.layout;
   const unsigned ranks = __reduce_or_sync(kFull, lane < n ? 1u << ent[lane].d : 0u);
-  const bool staged = lane < R && lane != me && ((ranks >> lane) & 1u);
+  const bool staged = lane < R && (kPacked || lane != me) && ((ranks >> lane) & 1u);
   const unsigned st_ballot = __ballot_sync(kFull, staged);
   if (staged) {
     char *row = ll_buf(ctx, lane, p) + lay.ll_stage_offset +
@@ -169,7 +170,7 @@ __device__ __forceinline__ int plan_staged(const epx__kernel_ctx_t &ctx, int R, 
 
 /* Warp: the send plan of token t. Writes the src_info of rows written in place, the staged
  * headers (BY_RANK) and this rank's routing (for combine); fills *plan. */
-template <typename IdxT, bool kFp8, bool kByRank>
+template <typename IdxT, bool kFp8, bool kByRank, bool kPacked, bool kPackScales>
 __device__ __forceinline__ void plan_token(const epx__kernel_ctx_t &ctx,
                                            const epx__ll_dispatch_launch_args_t &a,
                                            const uint32_t *bitmap, int nw, unsigned mask,
@@ -181,8 +182,9 @@ __device__ __forceinline__ void plan_token(const epx__kernel_ctx_t &ctx,
   const size_t RM = lay.ll_rows;
   const int n = plan_entries<IdxT>(ctx, a, K, E, L, bitmap, nw, mask, t, ent);
 
-  /* Rows written in place: every entry (DIRECT) or the own rank's (BY_RANK). */
-  const bool in_place = lane < n && (!kByRank || ent[lane].d == me);
+  /* Rows written in place: every entry (DIRECT) or the own rank's (BY_RANK fixed slots; packed
+   * rows are placed by the receiver, the own rank's included). */
+  const bool in_place = !kPacked && lane < n && (!kByRank || ent[lane].d == me);
   const unsigned ip_ballot = __ballot_sync(kFull, in_place);
   if (in_place) {
     const Entry en = ent[lane];
@@ -190,17 +192,20 @@ __device__ __forceinline__ void plan_token(const epx__kernel_ctx_t &ctx,
     const size_t row = (size_t)en.j * RM + (size_t)me * M + en.pos;
     const int i = __popc(ip_ballot & ((1u << lane) - 1u));
     plan->payload[i] = base + lay.ll_x_offset + row * H * elem;
-    plan->scales[i] = kFp8 ? (float *)(base + lay.ll_scales_offset) + row * nsc : nullptr;
+    plan->scales[i] = kFp8 ? scale_row<kPackScales>(base + lay.ll_scales_offset, row, nsc,
+                                                    (H + kChunk - 1) / kChunk)
+                           : nullptr;
     ((int4 *)(base + lay.ll_src_info_offset))[row] = make_int4(me, t, en.k, 0);
   }
   int num_dst = __popc(ip_ballot);
-  if (kByRank) num_dst = plan_staged<kFp8>(ctx, R, me, M, H, p, epoch, t, ent, n, num_dst, plan);
+  if (kByRank)
+    num_dst = plan_staged<kFp8, kPacked>(ctx, R, me, M, H, p, epoch, t, ent, n, num_dst, plan);
   if (lane == 0) plan->num_dst = num_dst;
 }
 
 /* All warps: the chunks of the round's tokens t_i = b + (i0 + i) G, i < nb, to every
- * destination of their plans. */
-template <bool kFp8>
+ * destination of their plans (kPackScales: a chunk's scales as one UE8M0 word, ll_pack.cuh). */
+template <bool kFp8, bool kPackScales>
 __device__ __forceinline__ void send_tokens(const epx__ll_dispatch_launch_args_t &a, int i0, int nb,
                                             const Plan *plans) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = a.hidden;
@@ -241,6 +246,15 @@ __device__ __forceinline__ void send_tokens(const epx__ll_dispatch_launch_args_t
 #pragma unroll
     for (int g = 0; g < 4; g++) sc[g] = __shfl_sync(kFull, scale, 8 * g);
     const bool whole = ch * kChunk + kChunk <= H;
+    if (kPackScales) {
+      const uint32_t word = ue8m0_word(sc, ch, H);
+      if (act)
+        for (int d = 0; d < num_dst; d++) {
+          *(int4 *)(plan->payload[d] + c0) = q;
+          if (lane == 0) ((uint32_t *)plan->scales[d])[ch] = word;
+        }
+      continue;
+    }
     if (act)
       for (int d = 0; d < num_dst; d++) {
         *(int4 *)(plan->payload[d] + c0) = q;
@@ -256,7 +270,7 @@ __device__ __forceinline__ void send_tokens(const epx__ll_dispatch_launch_args_t
 
 /* The send phase of block b: bitmaps, the counts cnt[j][me] of the experts e % G == b on their
  * rank, this block's tokens in rounds, then the signal (epoch, T) to every live rank. */
-template <typename IdxT, bool kFp8, bool kByRank>
+template <typename IdxT, bool kFp8, bool kByRank, bool kPacked, bool kPackScales>
 __device__ __forceinline__ void dispatch_send(const epx__kernel_ctx_t &ctx,
                                               const epx__ll_dispatch_launch_args_t &a,
                                               const Call &c, uint32_t epoch, const unsigned *s_mask,
@@ -277,10 +291,10 @@ __device__ __forceinline__ void dispatch_send(const epx__kernel_ctx_t &ctx,
   in_rounds(
       c.warp, tokens_of_block(T, b, G),
       [&](int i, int w) {
-        plan_token<IdxT, kFp8, kByRank>(ctx, a, bitmap, nw, mask, epoch, b + i * G, ent[w],
-                                        &plans[w]);
+        plan_token<IdxT, kFp8, kByRank, kPacked, kPackScales>(ctx, a, bitmap, nw, mask, epoch,
+                                                              b + i * G, ent[w], &plans[w]);
       },
-      [&](int i0, int nb) { send_tokens<kFp8>(a, i0, nb, plans); });
+      [&](int i0, int nb) { send_tokens<kFp8, kPackScales>(a, i0, nb, plans); });
   signal_ranks(ctx, mask, ctx.layout.ll_dflag_offset, p, epoch, (uint32_t)T);
   if (tid == 0) trace_end(ctx, t_send, EPX_TRACE_LL_DISPATCH_SEND, T);
 }
@@ -293,12 +307,13 @@ __device__ __forceinline__ void dispatch_send(const epx__kernel_ctx_t &ctx,
  * round (its entries in range become the plan, their src_info is written here), then all warps
  * copy the round's (row, chunk) units. src_tokens[s] is source s's token count (kNoSignal:
  * masked); token t of s is staged for this rank iff the header of stage[s][t] carries this
- * call's epoch. */
-template <bool kFp8>
+ * call's epoch. kPacked: the own rank's rows too, each (j, s) from s_begin[j*R + s], an entry
+ * past s_cnt[j*R + s] dropped (ll_pack.cuh). */
+template <bool kFp8, bool kPacked, bool kPackScales>
 __device__ __forceinline__ void fan_out(const epx__kernel_ctx_t &ctx,
                                         const epx__ll_dispatch_launch_args_t &a, uint32_t epoch,
-                                        const uint32_t *src_tokens, Plan *plans,
-                                        const char **srcs) {
+                                        const uint32_t *src_tokens, Plan *plans, const char **srcs,
+                                        const int *s_cnt, const int *s_begin) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int R = ctx.num_ranks, me = ctx.rank, G = gridDim.x, b = blockIdx.x;
   const int K = a.top_k, L = a.num_experts / R, M = a.max_tokens, H = a.hidden;
@@ -308,7 +323,9 @@ __device__ __forceinline__ void fan_out(const epx__kernel_ctx_t &ctx,
   char *own = ll_buf(ctx, me, p);
   SourceRows rows;
   const int total = rows.count(R, [&](int s) {
-    return (s == me || src_tokens[s] == kNoSignal) ? 0 : tokens_of_block((int)src_tokens[s], b, G);
+    return ((!kPacked && s == me) || src_tokens[s] == kNoSignal)
+               ? 0
+               : tokens_of_block((int)src_tokens[s], b, G);
   });
   in_rounds(
       warp, total,
@@ -319,14 +336,17 @@ __device__ __forceinline__ void fan_out(const epx__kernel_ctx_t &ctx,
                                              ((size_t)s * M + t) * lay.ll_stage_row_bytes);
         const int n = load_entries(row, epoch, t, K);
         const StagedEntry en = unpack_entry(lane < n ? __ldcg(&row->packed[lane]) : 0u);
-        const bool ok = lane < n && en.expert < L && en.pos < M && en.slot < K;
+        bool ok = lane < n && en.expert < L && en.pos < M && en.slot < K;
+        if (kPacked) ok = ok && en.pos < s_cnt[en.expert * R + s];
         const unsigned ob = __ballot_sync(kFull, ok);
         Plan *plan = &plans[w];
         if (ok) {
-          const size_t dr = (size_t)en.expert * RM + (size_t)s * M + en.pos;
+          const size_t seg = kPacked ? (size_t)s_begin[en.expert * R + s] : (size_t)s * M;
+          const size_t dr = (size_t)en.expert * RM + seg + en.pos;
           const int i = __popc(ob & ((1u << lane) - 1u));
           plan->payload[i] = own + lay.ll_x_offset + dr * H * elem;
-          plan->scales[i] = kFp8 ? (float *)(own + lay.ll_scales_offset) + dr * nsc : nullptr;
+          plan->scales[i] =
+              kFp8 ? scale_row<kPackScales>(own + lay.ll_scales_offset, dr, nsc, nch) : nullptr;
           ((int4 *)(own + lay.ll_src_info_offset))[dr] = make_int4(s, t, en.slot, 0);
         }
         if (lane == 0) {
@@ -341,7 +361,14 @@ __device__ __forceinline__ void fan_out(const epx__kernel_ctx_t &ctx,
           const int num_dst = plan->num_dst;
           if (num_dst == 0 || c0 >= H) continue;
           const char *src = srcs[i];
-          if (kFp8) {
+          if (kFp8 && kPackScales) {
+            const int4 v = __ldcg((const int4 *)(src + c0));
+            const uint32_t word = lane == 0 ? __ldcg((const uint32_t *)(src + H) + ch) : 0u;
+            for (int d = 0; d < num_dst; d++) {
+              *(int4 *)(plan->payload[d] + c0) = v;
+              if (lane == 0) ((uint32_t *)plan->scales[d])[ch] = word;
+            }
+          } else if (kFp8) {
             const int4 v = __ldcg((const int4 *)(src + c0));
             const float sc = (lane & 7) == 0 ? __ldcg((const float *)(src + H) + c0 / 128) : 0.f;
             for (int d = 0; d < num_dst; d++) {
@@ -389,16 +416,20 @@ __device__ __forceinline__ void write_recv_counts(const epx__kernel_ctx_t &ctx, 
 }
 
 /* The receive phase of block b: the signals of blocks b of every source (thread s for source
- * s, all at once) give src_tokens; then the fan-out (BY_RANK) and the counts. */
-template <bool kFp8, bool kByRank>
+ * s, all at once; kPacked: of every block, for the counts) give src_tokens; then the fan-out
+ * (BY_RANK) and the counts. s_pack: kPacked's shared cnt and begin arrays and dead-source word. */
+template <bool kFp8, bool kByRank, bool kPacked, bool kPackScales>
 __device__ __forceinline__ void dispatch_recv(const epx__kernel_ctx_t &ctx,
                                               const epx__ll_dispatch_launch_args_t &a,
                                               const Call &c, uint32_t epoch, uint32_t *src_tokens,
-                                              Plan *plans, const char **srcs) {
+                                              Plan *plans, const char **srcs, int *s_cnt,
+                                              int *s_begin, unsigned *s_dead) {
   const int tid = c.tid, b = c.b, R = c.R, M = c.M;
   const uint64_t t_wait = trace_begin(ctx);
   char *own = ll_buf(ctx, c.me, c.p);
-  if (tid < R) {
+  if (kPacked) {
+    wait_all_sources(ctx, c, epoch, src_tokens, s_dead);
+  } else if (tid < R) {
     const int s = tid;
     const uint32_t v =
         wait_signal(ctx, own, ctx.layout.ll_dflag_offset, s, b, epoch, EPX_STAGE_LL_DISPATCH);
@@ -411,13 +442,18 @@ __device__ __forceinline__ void dispatch_recv(const epx__kernel_ctx_t &ctx,
     trace_end(ctx, t_wait, EPX_TRACE_LL_DISPATCH_WAIT, live);
   }
   const uint64_t t_recv = trace_begin(ctx); /* after the wait's end: spans must not overlap */
-  if (kByRank) fan_out<kFp8>(ctx, a, epoch, src_tokens, plans, srcs);
-  write_recv_counts(ctx, c, own, src_tokens);
+  if (kPacked) pack_begins(ctx, c, src_tokens, s_cnt, s_begin);
+  if (kByRank)
+    fan_out<kFp8, kPacked, kPackScales>(ctx, a, epoch, src_tokens, plans, srcs, s_cnt, s_begin);
+  if (kPacked)
+    write_packed_counts(ctx, c, s_cnt, s_begin, a.layout_range);
+  else
+    write_recv_counts(ctx, c, own, src_tokens);
   if (tid == 0) trace_end(ctx, t_recv, EPX_TRACE_LL_DISPATCH_RECV, b);
 }
 
 /* Traced per block by thread 0: send, wait, receive (docs/profiling.md). */
-template <typename IdxT, bool kFp8, bool kByRank>
+template <typename IdxT, bool kFp8, bool kByRank, bool kPacked, bool kPackScales>
 __global__ void __launch_bounds__(kThreads, 1)
     ll_dispatch_kernel(epx__kernel_ctx_t ctx, epx__ll_dispatch_launch_args_t a) {
   extern __shared__ uint32_t bitmap[]; /* [E][nw]: bit t of expert e = token t chose e */
@@ -428,6 +464,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ Plan s_plan[kBatch];
   __shared__ const char *s_src[kBatch];
   __shared__ uint32_t s_src_tokens[EPX_MAX_RANKS]; /* per source: T, or kNoSignal */
+  /* kPacked: rows and first row of every (local expert, source); L x R = E <= EPX_MAX_EXPERTS */
+  __shared__ int s_cnt[kPacked ? EPX_MAX_EXPERTS : 1], s_begin[kPacked ? EPX_MAX_EXPERTS : 1];
+  __shared__ unsigned s_dead;
 
   const Call c = load_call(ctx, a);
   if (c.tid == 0) {
@@ -438,10 +477,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const uint32_t epoch = s_epoch;
   if (a.phases & EPX_LL_PHASE_SEND)
-    dispatch_send<IdxT, kFp8, kByRank>(ctx, a, c, epoch, &s_mask, bitmap, &s_first_bad, s_ent,
-                                       s_plan);
+    dispatch_send<IdxT, kFp8, kByRank, kPacked, kPackScales>(ctx, a, c, epoch, &s_mask, bitmap,
+                                                             &s_first_bad, s_ent, s_plan);
   if (a.phases & EPX_LL_PHASE_RECV)
-    dispatch_recv<kFp8, kByRank>(ctx, a, c, epoch, s_src_tokens, s_plan, s_src);
+    dispatch_recv<kFp8, kByRank, kPacked, kPackScales>(ctx, a, c, epoch, s_src_tokens, s_plan,
+                                                       s_src, s_cnt, s_begin, &s_dead);
 }
 
 }  // namespace
@@ -457,8 +497,16 @@ extern "C" epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,
   return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
     return EPX_BOOL_SWITCH(args->fp8, kFp8, [&] {
       return EPX_BOOL_SWITCH(args->by_rank, kByRank, [&] {
-        return epx::launch<epx::ll::ll_dispatch_kernel<IdxT, kFp8, kByRank>>(
-            args->num_blocks, epx::ll::kThreads, smem, stream, *ctx, *args);
+        /* Packed needs BY_RANK, word scales need FP8 (ll.c checks both): the impossible
+         * combinations fold onto the possible kernels instead of being compiled. */
+        return EPX_BOOL_SWITCH(args->packed && args->by_rank, kPackedArg, [&] {
+          return EPX_BOOL_SWITCH(args->pack_scales && args->fp8, kPackScalesArg, [&] {
+            constexpr bool kPacked = kByRank && kPackedArg, kPackScales = kFp8 && kPackScalesArg;
+            return epx::launch<
+                epx::ll::ll_dispatch_kernel<IdxT, kFp8, kByRank, kPacked, kPackScales>>(
+                args->num_blocks, epx::ll::kThreads, smem, stream, *ctx, *args);
+          });
+        });
       });
     });
   });

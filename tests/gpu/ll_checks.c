@@ -35,7 +35,8 @@ void ll_ref_recv_free(ll_ref_recv_t *r) {
 }
 
 /* NOTE: malloc without touching: the reference writes only the rows of the segments. */
-int ll_ref_recv(const world_t *w, int d, int fp8, int ue8m0, ll_ref_recv_t *r) {
+static int ref_recv_layout(const world_t *w, int d, int fp8, int ue8m0, epx_ref_ll_layout_t layout,
+                           ll_ref_recv_t *r) {
   const size_t rows = (size_t)w->L * w->R * w->M, H = (size_t)w->H;
   memset(r, 0, sizeof *r);
   r->x = malloc(rows * H * 2 + 2);
@@ -48,8 +49,12 @@ int ll_ref_recv(const world_t *w, int d, int fp8, int ue8m0, ll_ref_recv_t *r) {
   r->st = malloc(sizeof(int) * rows);
   r->sk = malloc(sizeof(int) * rows);
   epx_ref_ll_recv_t out = {r->x, r->q, r->sc, r->count, r->begin, r->num, r->sr, r->st, r->sk};
-  EXPECT(epx_ref_ll_dispatch_layout(&w->ref, d, w->M, ue8m0, EPX_REF_LL_FIXED, &out) == 0);
+  EXPECT(epx_ref_ll_dispatch_layout(&w->ref, d, w->M, ue8m0, layout, &out) == 0);
   return TEST_PASS;
+}
+
+int ll_ref_recv(const world_t *w, int d, int fp8, int ue8m0, ll_ref_recv_t *r) {
+  return ref_recv_layout(w, d, fp8, ue8m0, EPX_REF_LL_FIXED, r);
 }
 
 /* Expert output of rank d, local expert j, from a received BF16 value. */
@@ -201,4 +206,227 @@ int ll_check_combine(const world_t *w, int me, const void *out_dev, uint16_t *co
   }
   free(ref), free(got), free(absum);
   return ok ? TEST_PASS : TEST_FAIL;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Packed layout
+ * ------------------------------------------------------------------------------------------- */
+/* Some token lists an expert in two valid slots (the references' packed layouts then differ). */
+static int has_repeated_expert(const world_t *w) {
+  for (int s = 0; s < w->R; s++)
+    for (int t = 0; t < w->ranks[s].num_tokens; t++) {
+      const int64_t *ids = w->idx[s] + (size_t)t * w->K;
+      for (int k = 0; k < w->K; k++)
+        for (int q = 0; q < k; q++)
+          if (ids[k] >= 0 && ids[k] < w->E && ids[q] == ids[k]) return 1;
+    }
+  return 0;
+}
+
+/* The fixed-slot arrays of r packed in place: each source's segment moves forward to the rows
+ * of the sources before it (a row only ever moves to a lower index, so memmove in order). */
+static void pack_in_place(const world_t *w, int fp8, ll_ref_recv_t *r) {
+  const int L = w->L, R = w->R, M = w->M;
+  const size_t RM = (size_t)R * M, H = (size_t)w->H, G = H / 128;
+  for (int j = 0; j < L; j++) {
+    int next = 0;
+    for (int s = 0; s < R; s++) {
+      const size_t n = (size_t)r->num[j * R + s];
+      const size_t from = (size_t)j * RM + (size_t)s * M, to = (size_t)j * RM + next;
+      if (n > 0 && from != to) {
+        memmove(r->x + to * H, r->x + from * H, n * H * 2);
+        if (fp8) memmove(r->q + to * H, r->q + from * H, n * H);
+        if (fp8) memmove(r->sc + to * G, r->sc + from * G, n * G * 4);
+        memmove(r->sr + to, r->sr + from, n * sizeof(int));
+        memmove(r->st + to, r->st + from, n * sizeof(int));
+        memmove(r->sk + to, r->sk + from, n * sizeof(int));
+      }
+      r->begin[j * R + s] = next;
+      next += (int)n;
+    }
+  }
+}
+
+/* got (packed from the fixed reference) against the reference's own EPX_REF_LL_PACKED. */
+static int same_as_ref_packed(const world_t *w, int d, int fp8, int ue8m0,
+                              const ll_ref_recv_t *got) {
+  const int L = w->L, R = w->R;
+  const size_t RM = (size_t)R * w->M, H = (size_t)w->H, G = H / 128;
+  ll_ref_recv_t want;
+  if (ref_recv_layout(w, d, fp8, ue8m0, EPX_REF_LL_PACKED, &want) != TEST_PASS) return TEST_FAIL;
+  int bad = 0;
+  for (int j = 0; j < L && !bad; j++) {
+    bad = got->count[j] != want.count[j] ||
+          memcmp(got->begin + j * R, want.begin + j * R, sizeof(int) * R) ||
+          memcmp(got->num + j * R, want.num + j * R, sizeof(int) * R);
+    for (size_t i = (size_t)j * RM; i < (size_t)j * RM + want.count[j] && !bad; i++)
+      bad = got->sr[i] != want.sr[i] || got->st[i] != want.st[i] || got->sk[i] != want.sk[i] ||
+            memcmp(got->x + i * H, want.x + i * H, H * 2) ||
+            (fp8 && (memcmp(got->q + i * H, want.q + i * H, H) ||
+                     memcmp(got->sc + i * G, want.sc + i * G, G * 4)));
+    if (bad) fprintf(stderr, "  rank %d expert %d: packed reference != EPX_REF_LL_PACKED\n", d, j);
+  }
+  ll_ref_recv_free(&want);
+  return bad ? TEST_FAIL : TEST_PASS;
+}
+
+int ll_ref_recv_packed(const world_t *w, int d, int fp8, int ue8m0, ll_ref_recv_t *r) {
+  if (ll_ref_recv(w, d, fp8, ue8m0, r) != TEST_PASS) return TEST_FAIL;
+  pack_in_place(w, fp8, r);
+  if (!has_repeated_expert(w) && same_as_ref_packed(w, d, fp8, ue8m0, r) != TEST_PASS) {
+    ll_ref_recv_free(r);
+    return TEST_FAIL;
+  }
+  return TEST_PASS;
+}
+
+/* The UE8M0 word w of a row from its float32 power-of-two scales sc[0, G). */
+static uint32_t ue8m0_word(const float *sc, int G, int w) {
+  uint32_t word = 0;
+  for (int i = 0; i < 4 && 4 * w + i < G; i++) {
+    uint32_t bits;
+    memcpy(&bits, &sc[4 * w + i], 4);
+    word |= ((bits >> 23) & 0xffu) << (8 * i);
+  }
+  return word;
+}
+
+/* Rows [row0, row0 + n) of the GPU's scales against the reference's float32 scales. */
+static int check_scales(const world_t *w, const epx_ll_dispatch_result_t *res, int pack_scales,
+                        size_t row0, int n, const float *want, const char *label) {
+  const int G = w->H / 128, nw = (w->H + 511) / 512, per_row = pack_scales ? nw : G;
+  uint32_t *got = malloc(sizeof(uint32_t) * (size_t)n * per_row + 4);
+  const void *src = pack_scales ? (const void *)(res->recv_x_scales_packed + row0 * nw)
+                                : (const void *)(res->recv_x_scales + row0 * G);
+  EXPECT_CUDA(cudaMemcpy(got, src, sizeof(uint32_t) * (size_t)n * per_row, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int i = 0; i < n && !bad; i++)
+    for (int q = 0; q < per_row && !bad; q++) {
+      uint32_t expect;
+      if (pack_scales)
+        expect = ue8m0_word(want + (size_t)i * G, G, q);
+      else
+        memcpy(&expect, &want[(size_t)i * G + q], 4);
+      if (got[(size_t)i * per_row + q] != expect) {
+        fprintf(stderr, "  %s: row %zu scale word %d = 0x%08x, reference 0x%08x\n", label, row0 + i,
+                q, got[(size_t)i * per_row + q], expect);
+        bad = 1;
+      }
+    }
+  free(got);
+  return bad ? TEST_FAIL : TEST_PASS;
+}
+
+/* Packed: up to 32 rows past count of expert j still hold the 0xff poison. */
+static int check_untouched(const world_t *w, const epx_ll_dispatch_result_t *res, int fp8,
+                           int pack_scales, int j, int count, const char *label) {
+  const size_t RM = (size_t)w->R * w->M, row0 = (size_t)j * RM + count;
+  const int n = (int)(RM - count < 32 ? RM - count : 32);
+  if (n <= 0) return TEST_PASS;
+  const size_t row_bytes = (size_t)w->H * (fp8 ? 1 : 2);
+  const size_t sc_bytes =
+      fp8 ? (pack_scales ? (size_t)(w->H + 511) / 512 : (size_t)w->H / 128) * 4 : 0;
+  const size_t total = n * (row_bytes + 16 + sc_bytes);
+  unsigned char *buf = malloc(total + 1);
+  EXPECT_CUDA(cudaMemcpy(buf, (const char *)res->recv_x + row0 * row_bytes, n * row_bytes,
+                         cudaMemcpyDeviceToHost));
+  EXPECT_CUDA(cudaMemcpy(buf + n * row_bytes, res->recv_src_info + row0 * 4, n * 16,
+                         cudaMemcpyDeviceToHost));
+  if (fp8) {
+    const char *sc =
+        pack_scales ? (const char *)res->recv_x_scales_packed : (const char *)res->recv_x_scales;
+    EXPECT_CUDA(cudaMemcpy(buf + n * (row_bytes + 16), sc + row0 * sc_bytes, n * sc_bytes,
+                           cudaMemcpyDeviceToHost));
+  }
+  size_t i = 0;
+  while (i < total && buf[i] == 0xff) i++;
+  free(buf);
+  EXPECTF(i == total, "%s: expert %d: a row past recv_count = %d was written (byte %zu of %zu)",
+          label, j, count, i, total);
+  return TEST_PASS;
+}
+
+int ll_check_dispatch_layout(const world_t *w, int me, const epx_ll_dispatch_result_t *res, int fp8,
+                             int ue8m0, int pack_scales, const long long *layout_range_dev,
+                             const char *label) {
+  const int L = w->L, R = w->R, H = w->H, G = H / 128, packed = res->packed;
+  const size_t RM = (size_t)R * w->M, row_bytes = (size_t)H * (fp8 ? 1 : 2);
+  ll_ref_recv_t ref;
+  if ((packed ? ll_ref_recv_packed(w, me, fp8, ue8m0, &ref)
+              : ll_ref_recv(w, me, fp8, ue8m0, &ref)) != TEST_PASS)
+    return TEST_FAIL;
+  EXPECT_EQ_INT(res->num_local_experts, L);
+  EXPECT_EQ_INT(res->rows_per_expert, (int)RM);
+  EXPECT(fp8 && pack_scales ? !res->recv_x_scales && res->recv_x_scales_packed
+                            : !res->recv_x_scales_packed);
+  int *ints = malloc(sizeof(int) * (size_t)L * (2 * R + 1));
+  int *count = ints, *begin = ints + L, *num = ints + L + (size_t)L * R;
+  long long *range = malloc(sizeof(long long) * (size_t)L * R);
+  EXPECT_CUDA(cudaMemcpy(count, res->recv_count, sizeof(int) * L, cudaMemcpyDeviceToHost));
+  EXPECT_CUDA(cudaMemcpy(begin, res->recv_begin, sizeof(int) * L * R, cudaMemcpyDeviceToHost));
+  EXPECT_CUDA(cudaMemcpy(num, res->recv_num, sizeof(int) * L * R, cudaMemcpyDeviceToHost));
+  if (layout_range_dev)
+    EXPECT_CUDA(
+        cudaMemcpy(range, layout_range_dev, sizeof(long long) * L * R, cudaMemcpyDeviceToHost));
+  char *rows = malloc((size_t)w->M * row_bytes + 16);
+  int *info = malloc(sizeof(int) * 4 * (size_t)w->M + 4);
+  int bad = 0;
+  for (int j = 0; j < L && !bad; j++) {
+    EXPECTF(count[j] == ref.count[j], "%s: recv_count[%d] = %d, reference %d", label, j, count[j],
+            ref.count[j]);
+    for (int s = 0; s < R && !bad; s++) {
+      const int i0 = j * R + s, n = num[i0];
+      EXPECTF(begin[i0] == ref.begin[i0] && n == ref.num[i0],
+              "%s: (expert %d, source %d): begin %d num %d, reference %d %d", label, j, s,
+              begin[i0], n, ref.begin[i0], ref.num[i0]);
+      if (layout_range_dev)
+        EXPECTF(range[i0] == (((long long)begin[i0] << 32) | n),
+                "%s: layout_range[%d][%d] = 0x%llx, begin %d num %d", label, j, s, range[i0],
+                begin[i0], n);
+      if (n == 0) continue;
+      const size_t row0 = (size_t)j * RM + begin[i0];
+      EXPECT_CUDA(cudaMemcpy(rows, (const char *)res->recv_x + row0 * row_bytes, n * row_bytes,
+                             cudaMemcpyDeviceToHost));
+      EXPECT_CUDA(cudaMemcpy(info, res->recv_src_info + row0 * 4, sizeof(int) * 4 * n,
+                             cudaMemcpyDeviceToHost));
+      for (int i = 0; i < n && !bad; i++) {
+        const size_t r = row0 + i;
+        const void *want = fp8 ? (const void *)(ref.q + r * H) : (const void *)(ref.x + r * H);
+        bad = info[4 * i] != ref.sr[r] || info[4 * i + 1] != ref.st[r] ||
+              info[4 * i + 2] != ref.sk[r] || info[4 * i + 3] != 0 ||
+              memcmp(rows + i * row_bytes, want, row_bytes);
+        if (bad)
+          fprintf(stderr, "  %s: expert %d row %zu: source (%d,%d,%d), reference (%d,%d,%d), %s\n",
+                  label, j, r - (size_t)j * RM, info[4 * i], info[4 * i + 1], info[4 * i + 2],
+                  ref.sr[r], ref.st[r], ref.sk[r],
+                  memcmp(rows + i * row_bytes, want, row_bytes) ? "payload differs" : "payload ok");
+      }
+      if (!bad && fp8 && check_scales(w, res, pack_scales, row0, n, ref.sc + row0 * G, label))
+        bad = 1;
+    }
+    if (!bad && packed && check_untouched(w, res, fp8, pack_scales, j, count[j], label)) bad = 1;
+  }
+  free(ints), free(range), free(rows), free(info);
+  ll_ref_recv_free(&ref);
+  return bad ? TEST_FAIL : TEST_PASS;
+}
+
+int ll_upload_outputs_packed(const world_t *w, int me, uint16_t *const *y, void *dst) {
+  const size_t RM = (size_t)w->R * w->M, H = (size_t)w->H;
+  ll_ref_recv_t ref;
+  if (ll_ref_recv(w, me, 0, 0, &ref) != TEST_PASS) return TEST_FAIL;
+  for (int j = 0; j < w->L; j++) {
+    size_t next = (size_t)j * RM;
+    for (int s = 0; s < w->R; s++) {
+      const size_t n = (size_t)ref.num[j * w->R + s];
+      const size_t from = (size_t)j * RM + (size_t)s * w->M;
+      if (n > 0)
+        EXPECT_CUDA(cudaMemcpy((char *)dst + next * H * 2, y[me] + from * H, n * H * 2,
+                               cudaMemcpyHostToDevice));
+      next += n;
+    }
+  }
+  ll_ref_recv_free(&ref);
+  EXPECT_CUDA(cudaDeviceSynchronize());
+  return TEST_PASS;
 }

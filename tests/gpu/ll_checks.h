@@ -53,4 +53,22 @@ int ll_check_dispatch(const world_t *w, int me, const epx_ll_dispatch_result_t *
 int ll_check_combine(const world_t *w, int me, const void *out_dev, uint16_t *const *y,
                      const char *label);
 
+/* Packed layout (test_ll_packed.c). What rank d receives in EPX's packed layout: the rows of
+ * local expert j are [0, count[j]), source s's from begin[j][s] (sources in rank order), one row
+ * per distinct (token, expert). Built by compacting the fixed-slot reference; when no token
+ * lists an expert twice it is checked equal to the reference's EPX_REF_LL_PACKED (which gives
+ * one row per (token, slot), so it differs only with duplicates). */
+int ll_ref_recv_packed(const world_t *w, int d, int fp8, int ue8m0, ll_ref_recv_t *r);
+/* The GPU's receive arrays of rank me against the reference of its layout (res->packed):
+ * counts, begins, sources, rows and scales bit-exact (pack_scales: the UE8M0 words of
+ * recv_x_scales_packed, byte i of word w = the exponent of group 4w + i, unused bytes 0). Packed:
+ * also that up to 32 rows past recv_count[j] still hold the 0xff poison (nothing written past
+ * the count), and, if layout_range_dev is set, (begin << 32) | num per (j, s). */
+int ll_check_dispatch_layout(const world_t *w, int me, const epx_ll_dispatch_result_t *res, int fp8,
+                             int ue8m0, int pack_scales, const long long *layout_range_dev,
+                             const char *label);
+/* Upload rank me's expert outputs y[me] (fixed-slot rows, as ll_expert_outputs makes them) to
+ * dst in the packed rows; synchronizes the device. */
+int ll_upload_outputs_packed(const world_t *w, int me, uint16_t *const *y, void *dst);
+
 #endif /* EPX_TESTS_LL_CHECKS_H_ */
