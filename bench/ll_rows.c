@@ -10,6 +10,10 @@
  *   ll dispatch send fp8    split mode: the send call alone ...
  *   ll dispatch recv fp8    ... and epx_ll_recv, queued after ~50 us of other GPU work, alone
  *   ll combine send / recv  the same for combine
+ *   ... packed              the same with args.packed = 1 (DeepEP's packed layout; BY_RANK
+ *                           dispatch only): "ll dispatch fp8 packed", "ll dispatch send packed"
+ *                           / "recv packed" (FP8), "ll combine packed" (+ send / recv) of a
+ *                           packed BF16 dispatch; by-rank and mixed groups
  * Bytes per rank as DeepEP counts them (every (token, expert) copy, the own rank's included):
  *   dispatch: the rows this rank receives (sum of recv_count) x (FP8: H + H/128 x 4; BF16: 2H)
  *   combine:  this rank's (token, expert) pairs x 2H
@@ -33,6 +37,7 @@ typedef struct {
   epx_dtype_t dtype;
   epx_ll_dispatch_result_t result; /* of the latest dispatch */
   void *out;                       /* device [T, H] BF16 */
+  int packed;                      /* dispatch with args.packed */
 } ll_op_t;
 
 static int dispatch_call(ll_op_t *op, int split, cudaStream_t stream) {
@@ -43,6 +48,7 @@ static int dispatch_call(ll_op_t *op, int split, cudaStream_t stream) {
   a.num_tokens = op->w->num_tokens;
   a.recv_dtype = op->dtype;
   a.split = split;
+  a.packed = op->packed;
   BENCH_EPX(epx_ll_dispatch(op->group, &a, &op->result, stream));
   return 0;
 }
@@ -169,6 +175,58 @@ static int emit(ll_op_t *op, const char *op_name, const char *route, int sms,
   return bench_emit_row(op->b, &row);
 }
 
+/* The combine rows of op's latest BF16 dispatch ("<combine_name>", its split halves
+ * "<combine_name> send/recv" or "<split_name> send/recv"), checked. */
+static int combine_rows(ll_op_t *op, const char *rname, int sms, const char *combine_name,
+                        const char *send_name, const char *recv_name, const int *ones) {
+  bench_rank_t *b = op->b;
+  const bench_options_t *opt = b->opt;
+  const int H = opt->hidden;
+  const double pairs = (double)op->w->num_tokens * opt->top_k; /* distinct, all valid */
+  bench_stats_t st, st2;
+  BENCH_CUDA(cudaMemsetAsync(op->out, 0xff, (size_t)op->w->max_tokens * H * 2, b->stream));
+  BENCH_TRY(bench_time(b, combine_iter, op, &st));
+  BENCH_TRY(trace(op, combine_name, rname, sms, combine_iter, &st)); /* before the check */
+  BENCH_CUDA(cudaMemsetAsync(op->w->wrong_dev, 0, sizeof *op->w->wrong_dev, b->stream));
+  BENCH_CUDA(bench_check_scaled_launch(op->out, ones, op->w->num_tokens, H, opt->seed, b->rank,
+                                       op->w->wrong_dev, b->stream));
+  unsigned long long count = 0;
+  BENCH_CUDA(
+      cudaMemcpyAsync(&count, op->w->wrong_dev, sizeof count, cudaMemcpyDeviceToHost, b->stream));
+  BENCH_CUDA(cudaStreamSynchronize(b->stream));
+  BENCH_TRY(emit(op, combine_name, rname, sms, &st, pairs * 2.0 * H, (long long)count));
+  BENCH_TRY(time_split(op, 1, &st, &st2));
+  BENCH_TRY(emit(op, send_name, rname, sms, &st, pairs * 2.0 * H, -1));
+  BENCH_TRY(emit(op, recv_name, rname, sms, &st2, pairs * 2.0 * H, -1));
+  return 0;
+}
+
+/* The packed rows of a BY_RANK or mixed group: FP8 dispatch (by-rank only: mixed runs the same
+ * dispatch kernel) and the combine of a packed BF16 dispatch. */
+static int packed_rows(ll_op_t *op, int route, const char *rname, int sms, const int *ones) {
+  const double fp8_row = (double)op->b->opt->hidden + (double)(op->b->opt->hidden / 128) * 4;
+  bench_stats_t st, st2;
+  long long rows = 0;
+  op->packed = 1;
+  if (route == EPX_LL_ROUTE_BY_RANK) {
+    op->dtype = EPX_DTYPE_FP8_E4M3;
+    BENCH_TRY(bench_time(op->b, dispatch_iter, op, &st));
+    BENCH_TRY(trace(op, "ll dispatch fp8 packed", rname, sms, dispatch_iter, &st));
+    BENCH_TRY(received_rows(op, &rows));
+    BENCH_TRY(emit(op, "ll dispatch fp8 packed", rname, sms, &st, rows * fp8_row, -1));
+    BENCH_TRY(time_split(op, 0, &st, &st2));
+    BENCH_TRY(emit(op, "ll dispatch send packed", rname, sms, &st, rows * fp8_row, -1));
+    BENCH_TRY(emit(op, "ll dispatch recv packed", rname, sms, &st2, rows * fp8_row, -1));
+  }
+  op->dtype = EPX_DTYPE_BF16;
+  BENCH_TRY(dispatch_iter(op, op->b->stream)); /* the packed rows its combine returns */
+  BENCH_TRY(check_errors(op));
+  BENCH_TRY(combine_rows(op, rname, sms, "ll combine packed", "ll combine send packed",
+                         "ll combine recv packed", ones));
+  op->packed = 0;
+  return 0;
+}
+
 /* Every row of one route. */
 static int route_rows(bench_rank_t *b, bench_workload_t *w, int route, const float *weights,
                       void *out, const int *ones) {
@@ -222,23 +280,9 @@ static int route_rows(bench_rank_t *b, bench_workload_t *w, int route, const flo
   }
 
   /* Combine the latest BF16 dispatch, its rows read in place. */
-  const double pairs = (double)w->num_tokens * opt->top_k; /* distinct, all valid */
-  BENCH_CUDA(cudaMemsetAsync(out, 0xff, (size_t)w->max_tokens * H * 2, b->stream));
-  BENCH_TRY(bench_time(b, combine_iter, &op, &st));
-  BENCH_TRY(trace(&op, "ll combine", rname, sms, combine_iter, &st)); /* before the check */
-  long long wrong = 0;
-  BENCH_CUDA(cudaMemsetAsync(w->wrong_dev, 0, sizeof *w->wrong_dev, b->stream));
-  BENCH_CUDA(bench_check_scaled_launch(out, ones, w->num_tokens, H, opt->seed, b->rank,
-                                       w->wrong_dev, b->stream));
-  unsigned long long count = 0;
-  BENCH_CUDA(
-      cudaMemcpyAsync(&count, w->wrong_dev, sizeof count, cudaMemcpyDeviceToHost, b->stream));
-  BENCH_CUDA(cudaStreamSynchronize(b->stream));
-  wrong = (long long)count;
-  BENCH_TRY(emit(&op, "ll combine", rname, sms, &st, pairs * bf16_row, wrong));
-  BENCH_TRY(time_split(&op, 1, &st, &st2));
-  BENCH_TRY(emit(&op, "ll combine send", rname, sms, &st, pairs * bf16_row, -1));
-  BENCH_TRY(emit(&op, "ll combine recv", rname, sms, &st2, pairs * bf16_row, -1));
+  BENCH_TRY(
+      combine_rows(&op, rname, sms, "ll combine", "ll combine send", "ll combine recv", ones));
+  if (route != EPX_LL_ROUTE_DIRECT) BENCH_TRY(packed_rows(&op, route, rname, sms, ones));
 
   BENCH_CUDA(cudaStreamSynchronize(b->stream));
   BENCH_EPX(epx_group_destroy(op.group));

@@ -155,21 +155,29 @@ int ll_check_dispatch(const world_t *w, int me, const epx_ll_dispatch_result_t *
   return bad ? TEST_FAIL : TEST_PASS;
 }
 
-int ll_upload_outputs(const world_t *w, int me, uint16_t *const *y, void *dst) {
+/* y[me]'s segment rows to dst: at s*M (fixed slots) or back to back from row 0 (packed). */
+static int upload_rows(const world_t *w, int me, uint16_t *const *y, void *dst, int packed) {
   const size_t RM = (size_t)w->R * w->M, H = (size_t)w->H;
   ll_ref_recv_t ref;
   if (ll_ref_recv(w, me, 0, 0, &ref) != TEST_PASS) return TEST_FAIL;
-  for (int j = 0; j < w->L; j++)
+  for (int j = 0; j < w->L; j++) {
+    size_t next = 0; /* packed: rows of the sources before s */
     for (int s = 0; s < w->R; s++) {
-      const int n = ref.num[j * w->R + s];
-      const size_t row0 = (size_t)j * RM + (size_t)s * w->M;
+      const size_t n = (size_t)ref.num[j * w->R + s], fixed = (size_t)s * w->M;
+      const size_t from = (size_t)j * RM + fixed, to = (size_t)j * RM + (packed ? next : fixed);
       if (n > 0)
-        EXPECT_CUDA(cudaMemcpy((char *)dst + row0 * H * 2, y[me] + row0 * H, n * H * 2,
+        EXPECT_CUDA(cudaMemcpy((char *)dst + to * H * 2, y[me] + from * H, n * H * 2,
                                cudaMemcpyHostToDevice));
+      next += n;
     }
+  }
   ll_ref_recv_free(&ref);
   EXPECT_CUDA(cudaDeviceSynchronize());
   return TEST_PASS;
+}
+
+int ll_upload_outputs(const world_t *w, int me, uint16_t *const *y, void *dst) {
+  return upload_rows(w, me, y, dst, 0);
 }
 
 int ll_check_combine(const world_t *w, int me, const void *out_dev, uint16_t *const *y,
@@ -412,21 +420,5 @@ int ll_check_dispatch_layout(const world_t *w, int me, const epx_ll_dispatch_res
 }
 
 int ll_upload_outputs_packed(const world_t *w, int me, uint16_t *const *y, void *dst) {
-  const size_t RM = (size_t)w->R * w->M, H = (size_t)w->H;
-  ll_ref_recv_t ref;
-  if (ll_ref_recv(w, me, 0, 0, &ref) != TEST_PASS) return TEST_FAIL;
-  for (int j = 0; j < w->L; j++) {
-    size_t next = (size_t)j * RM;
-    for (int s = 0; s < w->R; s++) {
-      const size_t n = (size_t)ref.num[j * w->R + s];
-      const size_t from = (size_t)j * RM + (size_t)s * w->M;
-      if (n > 0)
-        EXPECT_CUDA(cudaMemcpy((char *)dst + next * H * 2, y[me] + from * H, n * H * 2,
-                               cudaMemcpyHostToDevice));
-      next += n;
-    }
-  }
-  ll_ref_recv_free(&ref);
-  EXPECT_CUDA(cudaDeviceSynchronize());
-  return TEST_PASS;
+  return upload_rows(w, me, y, dst, 1);
 }

@@ -103,18 +103,13 @@ static int combine_checked(epx_test_rank_t *t, epx_group_t g, const world_t *w,
   if (up != TEST_PASS) return TEST_FAIL;
   EXPECT_CUDA(cudaMemset(d->out, 0xff, (size_t)w->M * w->H * 2));
   EXPECT_CUDA(cudaDeviceSynchronize());
-  epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
-  ca.x = zero_copy ? NULL : d->y;
-  ca.dispatch = res;
-  ca.out = d->out;
-  ca.split = split;
   epx_ll_hook_t hook = {0};
-  ca.hook = &hook;
+  epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+  ca.x = zero_copy ? NULL : d->y, ca.dispatch = res, ca.out = d->out;
+  ca.split = split, ca.hook = &hook;
   EXPECT_OK(epx_ll_combine(g, &ca, t->stream));
-  if (split) {
-    EXPECT_CUDA(test_spin_ns(100000, t->stream));
-    EXPECT_OK(epx_ll_recv(g, &hook, t->stream));
-  }
+  if (split) EXPECT_CUDA(test_spin_ns(100000, t->stream)); /* other work, then the receive */
+  if (split) EXPECT_OK(epx_ll_recv(g, &hook, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   const int r = ll_check_combine(w, me, d->out, y, label);
   for (int q = 0; q < w->R; q++) free(y[q]);
@@ -148,36 +143,40 @@ static const char *route_label(int route) {
                                          : "mixed";
 }
 
+/* Case c on a group of `route`, twice (the second call uses the other buffer and the next
+ * epochs). A packed case on DIRECT is skipped (ll_packed_refusals covers the refusal). */
+static int run_case(epx_test_rank_t *t, int route, const packed_case_t *c, const world_t *w) {
+  if (c->packed && route == EPX_LL_ROUTE_DIRECT) return TEST_PASS;
+  char label[128];
+  snprintf(label, sizeof label, "%s (%s)", c->name, route_label(route));
+  epx_group_config_t cfg = packed_config(w, route);
+  epx_group_t g = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  world_dev_t d;
+  long long *range = NULL;
+  if (world_dev_alloc(w, (size_t)w->L * w->R * w->M, &d) != TEST_PASS) return TEST_FAIL;
+  EXPECT_CUDA(cudaMalloc((void **)&range, sizeof(long long) * (size_t)w->E));
+  int rc = TEST_PASS;
+  for (int call = 0; call < 2 && rc == TEST_PASS; call++) {
+    rc = packed_cycle(t, g, w, c, &d, range, label);
+    if (rc != TEST_PASS) fprintf(stderr, "  rank %d: %s failed (call %d)\n", t->rank, label, call);
+  }
+  if (rc == TEST_PASS) EXPECT_NO_ASYNC_ERROR(g, label);
+  EXPECT_CUDA(cudaFree(range));
+  world_dev_free(&d);
+  EXPECT_OK(epx_group_destroy(g));
+  return rc;
+}
+
 EPX_GPU_TEST(ll_packed_cases, 900) {
   for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {
     uint64_t rng = t->seed; /* the same on every rank: the world is shared */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-      const packed_case_t *c = &cases[i];
       world_t w;
-      world_make(&w, t->num_ranks, &c->world, WORLD_LL, &rng);
-      if (c->packed && route == EPX_LL_ROUTE_DIRECT) { /* refused: ll_packed_refusals */
-        world_free(&w);
-        continue;
-      }
-      epx_group_config_t cfg = packed_config(&w, route);
-      epx_group_t g = NULL;
-      EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-      world_dev_t d;
-      if (world_dev_alloc(&w, (size_t)w.L * w.R * w.M, &d) != TEST_PASS) return TEST_FAIL;
-      long long *range = NULL;
-      EXPECT_CUDA(cudaMalloc((void **)&range, sizeof(long long) * (size_t)w.E));
-      char label[128];
-      snprintf(label, sizeof label, "%s (%s)", c->name, route_label(route));
-      for (int rep = 0; rep < 2; rep++) /* the second call: the other buffer, the next epochs */
-        if (packed_cycle(t, g, &w, c, &d, range, label) != TEST_PASS) {
-          fprintf(stderr, "  rank %d: case %s failed (call %d)\n", t->rank, label, rep);
-          return TEST_FAIL;
-        }
-      EXPECT_NO_ASYNC_ERROR(g, label);
-      EXPECT_CUDA(cudaFree(range));
-      world_dev_free(&d);
+      world_make(&w, t->num_ranks, &cases[i].world, WORLD_LL, &rng);
+      const int rc = run_case(t, route, &cases[i], &w);
       world_free(&w);
-      EXPECT_OK(epx_group_destroy(g));
+      if (rc != TEST_PASS) return TEST_FAIL;
     }
   }
   return TEST_PASS;
