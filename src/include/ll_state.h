@@ -16,6 +16,8 @@ typedef struct epx__ll_host {
   void *combine_out[2];              /* out of a split combine, for its epx_ll_recv */
   unsigned long long pending[2][2];  /* [0 dispatch, 1 combine][buffer]: hook id of a split call
                                         awaiting epx_ll_recv, or 0 */
+  const float *combine_weights[2];   /* combine-time topk_weights of a split combine (or NULL),
+                                        for its epx_ll_recv */
 } epx__ll_host_t;
 
 #endif /* EPX_LL_STATE_H_ */
