@@ -413,7 +413,8 @@ typedef struct epx_ll_dispatch_args {
   const void *x;              /* [IN] [T, H] BF16, 16-byte aligned */
   const void *topk_idx;       /* [IN] [T, K] expert ids, -1 = empty slot */
   epx_dtype_t topk_idx_dtype; /* EPX_DTYPE_INT64 or EPX_DTYPE_INT32 */
-  const float *topk_weights;  /* [IN] [T, K] float32 combine weights, or NULL (all 1) */
+  const float *topk_weights;  /* [IN] [T, K] float32 combine weights, or NULL (all 1); may be
+                                 given to epx_ll_combine instead, as DeepEP does */
   int num_tokens;             /* T, 0..ll_max_tokens_per_rank */
   epx_dtype_t recv_dtype;     /* EPX_DTYPE_BF16 (copied) or EPX_DTYPE_FP8_E4M3 (quantized on the
                                  fly, one float32 scale per 128 channels) */
