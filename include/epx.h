@@ -118,12 +118,16 @@ typedef struct epx_group_config {
                               else every SM of the GPU); must come out equal on every rank */
   int ll_route;            /* epx_ll_route_t of low-latency calls; 0 = auto (EPX_LL_ROUTE, else
                               the measured default, see docs/low-latency.md) */
+  int ll_max_tokens_per_rank; /* most tokens any rank passes to one low-latency call, 1..65536;
+                                 sizes the low-latency region alone, so one group can serve
+                                 prefill (max_tokens_per_rank = 4096) and decode (128); 0 = auto:
+                                 max_tokens_per_rank (DeepEP's num_max_dispatch_tokens_per_rank) */
 } epx_group_config_t;
 
 #define EPX_GROUP_CONFIG_INIT                                                             \
   {                                                                                       \
     sizeof(epx_group_config_t), EPX_VERSION_CODE, 0, 0, 0, 0, 0u, 0u, EPX_AUTO, EPX_AUTO, \
-        EPX_AUTO, EPX_AUTO                                                                \
+        EPX_AUTO, EPX_AUTO, EPX_AUTO                                                      \
   }
 
 /* How low-latency mode moves a token to the experts of one rank. Every rank of a group uses the
@@ -141,13 +145,39 @@ typedef enum epx_ll_route {
 } epx_ll_route_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each
- * GPU, before anything is allocated. Uses the same layout code as the kernels.
+ * GPU, before anything is allocated. Uses the same layout code as the kernels. The normal-mode
+ * part grows with max_tokens_per_rank, the low-latency part with ll_max_tokens_per_rank; the
+ * bytes of each: epx_workspace_size_by_mode.
  *   config    - [IN] a config; auto fields are resolved as epx_group_create would.
  *   num_ranks - [IN] ranks of the group, 2..EPX_MAX_RANKS.
  *   bytes     - [OUT] workspace bytes per GPU.
  * Returns EPX_OK, EPX_ERR_INVALID_ARGUMENT (bad field, named in epx_last_error), or
  * EPX_ERR_UNSUPPORTED (beyond the compiled limits). Not collective; touches no GPU. */
 epx_status_t epx_workspace_size(const epx_group_config_t *config, int num_ranks, size_t *bytes);
+
+/* Workspace bytes per GPU, by mode (epx_workspace_size_by_mode). total = common + normal +
+ * low_latency; a mode the config does not ask for counts 0. */
+typedef struct epx_workspace_sizes {
+  size_t size;              /* sizeof(epx_workspace_sizes_t); set by EPX_WORKSPACE_SIZES_INIT */
+  size_t total_bytes;       /* [OUT] what epx_workspace_size returns */
+  size_t common_bytes;      /* [OUT] control words and the normal-mode count exchange */
+  size_t normal_bytes;      /* [OUT] EPX_MODE_NORMAL: receive and combine slabs, by
+                               max_tokens_per_rank */
+  size_t low_latency_bytes; /* [OUT] EPX_MODE_LOW_LATENCY: two buffers, by
+                               ll_max_tokens_per_rank */
+} epx_workspace_sizes_t;
+
+#define EPX_WORKSPACE_SIZES_INIT \
+  { sizeof(epx_workspace_sizes_t), 0, 0, 0, 0 }
+
+/* epx_workspace_size_by_mode - epx_workspace_size split by mode, e.g. to see what a
+ * low-latency region at ll_max_tokens_per_rank adds to a normal-mode group.
+ *   config    - [IN] as epx_workspace_size.
+ *   num_ranks - [IN] ranks of the group, 2..EPX_MAX_RANKS.
+ *   sizes     - [OUT] initialized with EPX_WORKSPACE_SIZES_INIT; the byte fields are filled.
+ * Returns as epx_workspace_size. Not collective; touches no GPU. */
+epx_status_t epx_workspace_size_by_mode(const epx_group_config_t *config, int num_ranks,
+                                        epx_workspace_sizes_t *sizes);
 
 /* epx_config_validate - the checks epx_group_create applies to a config, without a GPU.
  * Returns as epx_workspace_size. Not collective. */
@@ -359,7 +389,7 @@ epx_status_t epx_combine(epx_group_t group, epx_handle_t handle, const epx_combi
  * Low-latency mode (decode): fixed-slot dispatch and combine. Needs EPX_MODE_LOW_LATENCY and a
  * hidden size that is a multiple of 128. How it works: docs/low-latency.md.
  *
- * With L = E/R local experts and M = max_tokens_per_rank, each rank owns, in the group's
+ * With L = E/R local experts and M = ll_max_tokens_per_rank, each rank owns, in the group's
  * workspace, an expert-major receive buffer of L x (R*M) rows. Source rank s writes its rows of
  * local expert j at the FIXED slots [j][s*M + i], i = 0, 1, ... in ascending token order, one
  * row per distinct (token, expert) pair (a token listing an expert twice sends it once). So a
@@ -383,8 +413,9 @@ typedef struct epx_ll_dispatch_args {
   const void *x;              /* [IN] [T, H] BF16, 16-byte aligned */
   const void *topk_idx;       /* [IN] [T, K] expert ids, -1 = empty slot */
   epx_dtype_t topk_idx_dtype; /* EPX_DTYPE_INT64 or EPX_DTYPE_INT32 */
-  const float *topk_weights;  /* [IN] [T, K] float32 combine weights, or NULL (all 1) */
-  int num_tokens;             /* T, 0..max_tokens_per_rank */
+  const float *topk_weights;  /* [IN] [T, K] float32 combine weights, or NULL (all 1); may be
+                                 given to epx_ll_combine instead, as DeepEP does */
+  int num_tokens;             /* T, 0..ll_max_tokens_per_rank */
   epx_dtype_t recv_dtype;     /* EPX_DTYPE_BF16 (copied) or EPX_DTYPE_FP8_E4M3 (quantized on the
                                  fly, one float32 scale per 128 channels) */
   int ue8m0;                  /* FP8: 1 = round every scale up to a power of two */
@@ -409,10 +440,10 @@ typedef struct epx_ll_dispatch_args {
   }
 
 typedef struct epx_ll_dispatch_result {
-  int num_tokens;        /* T this rank dispatched (the rows its combine returns) */
-  int num_local_experts; /* L = E/R */
-  int rows_per_expert;   /* R x max_tokens_per_rank */
-  int max_tokens_per_rank;
+  int num_tokens;          /* T this rank dispatched (the rows its combine returns) */
+  int num_local_experts;   /* L = E/R */
+  int rows_per_expert;     /* R x M, M = the group's ll_max_tokens_per_rank */
+  int max_tokens_per_rank; /* M: the group's ll_max_tokens_per_rank */
   epx_dtype_t recv_dtype;
   /* Device arrays in the workspace, valid until the dispatch after next: */
   void *recv_x;               /* [L, R*M, H] BF16 or FP8 E4M3 */
@@ -458,20 +489,32 @@ typedef struct epx_ll_combine_args {
                     dispatch's combine_input in the workspace (zero copy) */
   const epx_ll_dispatch_result_t *dispatch; /* [IN] the dispatch whose rows these are */
   void *out;                                /* [OUT] [T, H] BF16, T = dispatch->num_tokens */
-  int split;           /* 1: return after the sends; epx_ll_recv(hook) writes out later */
-  epx_ll_hook_t *hook; /* [OUT] split only: the hook to pass to epx_ll_recv */
+  int split;                 /* 1: return after the sends; epx_ll_recv(hook) writes out later */
+  epx_ll_hook_t *hook;       /* [OUT] split only: the hook to pass to epx_ll_recv */
+  const float *topk_weights; /* [IN] [T, K] float32 combine weights of the dispatch's tokens, in
+                                the slot order of its topk_idx (DeepEP's low_latency_combine
+                                topk_weights), read when the receive runs (split: by
+                                epx_ll_recv); NULL = the dispatch's topk_weights. Route BY_RANK:
+                                every rank passes weights or none (see epx_ll_combine) */
 } epx_ll_combine_args_t;
 
 #define EPX_LL_COMBINE_ARGS_INIT \
-  { sizeof(epx_ll_combine_args_t), NULL, NULL, NULL, 0, NULL }
+  { sizeof(epx_ll_combine_args_t), NULL, NULL, NULL, 0, NULL, NULL }
 
 /* epx_ll_combine - return every row of a low-latency dispatch to its source token:
  *   out[t] = BF16( sum over the token's valid top-k slots k of w[t][k] * x[row of (t, e_k)] )
- * summed in float32, w = the dispatch's topk_weights (1 when NULL); tokens with no valid slot,
- * and slots on masked peers, contribute nothing (a token with none is +0). COLLECTIVE, ordered
- * on stream, no host synchronization, capturable in a CUDA graph. The dispatch must be one of
- * the two most recent and its receive complete. With args->split = 1 the kernel returns after
- * its sends; out is written by epx_ll_recv(group, args->hook, stream).
+ * summed in float32, w = args->topk_weights if given, else the dispatch's topk_weights (1 when
+ * NULL); tokens with no valid slot, and slots on masked peers, contribute nothing (a token with
+ * none is +0). The slots and experts are always the dispatch's: there is no topk_idx argument
+ * (DeepEP's combine takes the dispatch's ids again; EPX kept them in the workspace).
+ * Combine-time weights are applied by this rank as it reduces the returned rows, so route BY_RANK
+ * (which sums w * y on the expert side, where these weights are unknown) runs the DIRECT combine
+ * for such a call: one returned BF16 row per (token, expert) instead of one float32 partial per
+ * (token, rank); all ranks must then pass weights alike (all or none), since the two combines
+ * exchange different rows. Routes DIRECT and DISPATCH_BY_RANK run as without weights.
+ * COLLECTIVE, ordered on stream, no host synchronization, capturable in a CUDA graph. The
+ * dispatch must be one of the two most recent and its receive complete. With args->split = 1 the
+ * kernel returns after its sends; out is written by epx_ll_recv(group, args->hook, stream).
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument; EPX_ERR_INVALID_USAGE
  * (stale or still-pending dispatch). */
 epx_status_t epx_ll_combine(epx_group_t group, const epx_ll_combine_args_t *args,
@@ -488,12 +531,27 @@ epx_status_t epx_ll_combine(epx_group_t group, const epx_ll_combine_args_t *args
 epx_status_t epx_ll_recv(epx_group_t group, epx_ll_hook_t *hook, cudaStream_t stream);
 
 /* epx_group_get_peer_mask - the peers this rank has masked (bit p = rank p) after they stopped
- * answering a low-latency call within timeout_ms. Reads the device word without waiting for
- * any stream. Not collective.
+ * answering a low-latency call within timeout_ms, or with epx_group_mask_peer (DeepEP's
+ * low_latency_query_mask_buffer). Reads the device word without waiting for any stream. Not
+ * collective.
  *   mask - [OUT] 0 when every peer answers. */
 epx_status_t epx_group_get_peer_mask(epx_group_t group, unsigned int *mask);
 
-/* epx_group_clear_peer_mask - unmask every peer once the failed ranks are back. COLLECTIVE over
+/* epx_group_mask_peer - mask `peer` on demand (DeepEP's low_latency_update_mask_buffer(rank,
+ * True)): low-latency calls of this rank ordered after this one on the GPU neither send to the
+ * peer nor wait for it, exactly as after a timeout, but no async error is recorded. A kernel of
+ * one thread sets the bit in this rank's mask, stream-ordered; epx_group_get_peer_mask sees it
+ * once that kernel ran (synchronize stream first). Not collective: each rank masks for itself,
+ * and a rank that keeps calling still sees the masked peer's results unless the peer masks it
+ * too. Unmask with epx_group_clear_peer_mask (collective; DeepEP unmasks one rank at a time, EPX
+ * restarts every epoch so all peers come back together). Capturable.
+ *   peer - [IN] a rank of the group other than this one.
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT (peer out of range or this rank);
+ * EPX_ERR_INVALID_USAGE (group without low-latency mode). */
+epx_status_t epx_group_mask_peer(epx_group_t group, int peer, cudaStream_t stream);
+
+/* epx_group_clear_peer_mask - unmask every peer once the failed ranks are back (DeepEP's
+ * low_latency_clean_mask_buffer). COLLECTIVE over
  * every rank (the recovered ones included); synchronizes the device and the ranks (an NCCL
  * all-reduce), then moves every low-latency epoch of every rank to one common value so that no
  * signal of the failed period can be mistaken for a new one. The async error record is kept

@@ -7,6 +7,7 @@
  */
 #include <string.h>
 
+#include "arg_check.h"
 #include "checks.h"
 #include "config.h"
 #include "param.h"
@@ -74,16 +75,23 @@ static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
                 "config.ll_route = %d: must be 0 (auto), EPX_LL_ROUTE_DIRECT, "
                 "EPX_LL_ROUTE_BY_RANK or EPX_LL_ROUTE_DISPATCH_BY_RANK",
                 c->ll_route);
+  EPX_ARG_CHECK(c->ll_max_tokens_per_rank > 0,
+                "config.ll_max_tokens_per_rank = %d: must be 0 (auto: max_tokens_per_rank) or > 0",
+                c->ll_max_tokens_per_rank);
+  if (c->ll_max_tokens_per_rank > EPX_MAX_TOKENS_PER_RANK)
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "config.ll_max_tokens_per_rank = %d: at most %d supported",
+                          c->ll_max_tokens_per_rank, EPX_MAX_TOKENS_PER_RANK);
   if (c->modes & EPX_MODE_LOW_LATENCY) {
     EPX_ARG_CHECK(c->hidden % 128 == 0,
                   "config.hidden = %d: low-latency mode needs a multiple of 128", c->hidden);
-    const size_t bitmap = epx__ll_bitmap_bytes(c->num_experts, c->max_tokens_per_rank);
+    const size_t bitmap = epx__ll_bitmap_bytes(c->num_experts, c->ll_max_tokens_per_rank);
     if (bitmap > EPX_LL_MAX_BITMAP_BYTES)
       return epx__set_error(EPX_ERR_UNSUPPORTED,
-                            "config.max_tokens_per_rank = %d with config.num_experts = %d: "
+                            "config.ll_max_tokens_per_rank = %d with config.num_experts = %d: "
                             "low-latency dispatch keeps E x ceil(T/32) words (%zu bytes) in "
                             "shared memory, at most %d",
-                            c->max_tokens_per_rank, c->num_experts, bitmap,
+                            c->ll_max_tokens_per_rank, c->num_experts, bitmap,
                             EPX_LL_MAX_BITMAP_BYTES);
   }
   return EPX_OK;
@@ -114,6 +122,8 @@ epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
   if (c.ll_num_sms == EPX_AUTO) c.ll_num_sms = (int)epx__param_LlNumSms();
   if (c.ll_route == EPX_LL_ROUTE_AUTO) c.ll_route = (int)epx__param_LlRoute();
   if (c.ll_route == EPX_LL_ROUTE_AUTO) c.ll_route = EPX_LL_ROUTE_DEFAULT;
+  /* An older caller's config ends before this field: EPX_GROUP_CONFIG_INIT left it auto. */
+  if (c.ll_max_tokens_per_rank == EPX_AUTO) c.ll_max_tokens_per_rank = c.max_tokens_per_rank;
   EPX_CHECK(validate(&c, num_ranks));
   *out = c;
   return EPX_OK;
@@ -121,7 +131,7 @@ epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
 
 void epx__config_layout(const epx_group_config_t *c, int num_ranks, epx__ws_layout_t *layout) {
   epx__ws_layout_init(layout, num_ranks, c->max_tokens_per_rank, c->hidden, c->num_experts,
-                      c->top_k, c->dtypes, c->modes);
+                      c->top_k, c->dtypes, c->modes, c->ll_max_tokens_per_rank);
 }
 
 EPX_EXPORT epx_status_t epx_config_validate(const epx_group_config_t *config, int num_ranks) {
@@ -137,5 +147,22 @@ EPX_EXPORT epx_status_t epx_workspace_size(const epx_group_config_t *config, int
   epx__ws_layout_t l;
   epx__config_layout(&c, num_ranks, &l);
   *bytes = l.total_bytes;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_workspace_size_by_mode(const epx_group_config_t *config, int num_ranks,
+                                                   epx_workspace_sizes_t *sizes) {
+  static const char fn[] = "epx_workspace_size_by_mode";
+  EPX_CHECK(epx__check_not_null(fn, "sizes", sizes));
+  EPX_CHECK(epx__check_struct_size(fn, "sizes", sizes->size, sizeof(epx_workspace_sizes_t),
+                                   "EPX_WORKSPACE_SIZES_INIT"));
+  epx_group_config_t c;
+  EPX_CHECK(epx__config_resolve(config, num_ranks, &c));
+  epx__ws_layout_t l;
+  epx__config_layout(&c, num_ranks, &l);
+  sizes->total_bytes = l.total_bytes;
+  sizes->normal_bytes = l.normal_bytes;
+  sizes->low_latency_bytes = l.ll_bytes;
+  sizes->common_bytes = l.total_bytes - l.normal_bytes - l.ll_bytes;
   return EPX_OK;
 }

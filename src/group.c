@@ -61,15 +61,26 @@ enum {
   FP_TIMEOUT_MS,
   FP_LL_NUM_SMS,
   FP_LL_ROUTE,
+  FP_LL_MAX_TOKENS,
   FP_TRACE, /* EPX_TRACE set: not compared (no name); tracing starts if every rank has it */
   FP_COUNT
 };
-static const char *const fp_names[FP_COUNT] = {
-    "local status",      "NCCL runtime version",   "EPX version",
-    "rank count",        "NVLink (LSA) team size", "config.max_tokens_per_rank",
-    "config.hidden",     "config.num_experts",     "config.top_k",
-    "config.dtypes",     "config.modes",           "config.num_sms",
-    "config.timeout_ms", "config.ll_num_sms",      "config.ll_route"};
+static const char *const fp_names[FP_COUNT] = {"local status",
+                                               "NCCL runtime version",
+                                               "EPX version",
+                                               "rank count",
+                                               "NVLink (LSA) team size",
+                                               "config.max_tokens_per_rank",
+                                               "config.hidden",
+                                               "config.num_experts",
+                                               "config.top_k",
+                                               "config.dtypes",
+                                               "config.modes",
+                                               "config.num_sms",
+                                               "config.timeout_ms",
+                                               "config.ll_num_sms",
+                                               "config.ll_route",
+                                               "config.ll_max_tokens_per_rank"};
 
 /* All-gather `mine` over comm into all[num_ranks][FP_COUNT], on a stream of its own (the group
  * and its setup stream do not exist yet). */
@@ -165,6 +176,7 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
                               cfg.hidden,     cfg.num_experts,   cfg.top_k,
                               cfg.dtypes,     cfg.modes,         cfg.num_sms,
                               cfg.timeout_ms, cfg.ll_num_sms,    cfg.ll_route};
+  mine[FP_LL_MAX_TOKENS] = cfg.ll_max_tokens_per_rank;
   mine[FP_TRACE] = epx__trace_env_requested();
   long long *all = (long long *)calloc((size_t)num_ranks * FP_COUNT, sizeof(long long));
   if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");

@@ -1,8 +1,9 @@
 /*
  * ll.c - the host side of low-latency mode: epx_ll_dispatch, epx_ll_combine, epx_ll_recv and
- * the peer-mask calls. Checks every argument (nothing is queued when one is refused), keeps
- * the bookkeeping of buffers and split calls (epx__ll_host_t in group.h), then queues the
- * kernels of src/kernels/ll_dispatch.cu and ll_combine.cu on the caller's stream.
+ * the peer-mask calls (manual mask, query, collective clear). Checks every argument (nothing is
+ * queued when one is refused), keeps the bookkeeping of buffers and split calls (epx__ll_host_t in
+ * group.h), then queues the kernels of src/kernels/ll_dispatch.cu and ll_combine.cu on the caller's
+ * stream.
  *
  * Buffers: dispatches alternate between the two buffers of the workspace's ll region; a
  * combine uses its dispatch's buffer. A split call leaves its buffer "pending" until its hook
@@ -47,7 +48,7 @@ static void fill_result(epx_group_t g, int parity, int num_tokens, epx_dtype_t d
   out->num_tokens = num_tokens;
   out->num_local_experts = g->config.num_experts / g->num_ranks;
   out->rows_per_expert = (int)l->ll_rows;
-  out->max_tokens_per_rank = g->config.max_tokens_per_rank;
+  out->max_tokens_per_rank = g->config.ll_max_tokens_per_rank;
   out->recv_dtype = dtype;
   out->recv_x = base + l->ll_x_offset;
   out->recv_x_scales = dtype == EPX_DTYPE_FP8_E4M3 && !g->ll.dispatch_pack_scales[parity]
@@ -74,7 +75,7 @@ static epx__ll_dispatch_launch_args_t dispatch_launch_args(epx_group_t g, int pa
   d.hidden = g->config.hidden;
   d.top_k = g->config.top_k;
   d.num_experts = g->config.num_experts;
-  d.max_tokens = g->config.max_tokens_per_rank;
+  d.max_tokens = g->config.ll_max_tokens_per_rank;
   d.fp8 = fp8;
   d.by_rank = g->config.ll_route == EPX_LL_ROUTE_BY_RANK ||
               g->config.ll_route == EPX_LL_ROUTE_DISPATCH_BY_RANK;
@@ -87,18 +88,23 @@ static epx__ll_dispatch_launch_args_t dispatch_launch_args(epx_group_t g, int pa
   return d;
 }
 
+/* weights: combine-time topk_weights or NULL. With them route BY_RANK runs the DIRECT combine:
+ * the expert side cannot apply weights it does not have, and both dispatch routes leave what the
+ * DIRECT combine reads (every received row's src_info, and the returned-rows area). */
 static epx__ll_combine_launch_args_t combine_launch_args(epx_group_t g, int parity, const void *x,
-                                                         void *out, int phases) {
+                                                         void *out, const float *weights,
+                                                         int phases) {
   epx__ll_combine_launch_args_t c;
   memset(&c, 0, sizeof c);
   c.x = x;
   c.out = out;
+  c.topk_weights = weights;
   c.num_tokens = g->ll.dispatch_tokens[parity];
   c.hidden = g->config.hidden;
   c.top_k = g->config.top_k;
   c.num_experts = g->config.num_experts;
-  c.max_tokens = g->config.max_tokens_per_rank;
-  c.by_rank = g->config.ll_route == EPX_LL_ROUTE_BY_RANK;
+  c.max_tokens = g->config.ll_max_tokens_per_rank;
+  c.by_rank = g->config.ll_route == EPX_LL_ROUTE_BY_RANK && weights == NULL;
   c.parity = parity;
   c.phases = phases;
   c.num_blocks = g->config.ll_num_sms;
@@ -136,8 +142,9 @@ EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_arg
   EPX_CHECK(require_ll(g, fn));
   EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_ll_dispatch_args_t),
                                    "EPX_LL_DISPATCH_ARGS_INIT"));
-  EPX_CHECK(
-      epx__check_token_count(fn, "args->num_tokens", a->num_tokens, g->config.max_tokens_per_rank));
+  EPX_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= g->config.ll_max_tokens_per_rank,
+                "%s: args->num_tokens = %d: must be in [0, ll_max_tokens_per_rank = %d]", fn,
+                a->num_tokens, g->config.ll_max_tokens_per_rank);
   EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
   EPX_ARG_CHECK(a->recv_dtype == EPX_DTYPE_BF16 || a->recv_dtype == EPX_DTYPE_FP8_E4M3,
                 "%s: args->recv_dtype = %d: must be EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3", fn,
@@ -233,13 +240,18 @@ EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_
                 fn);
   const int T = g->ll.dispatch_tokens[parity];
   if (T > 0) EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));
+  if (T > 0 && a->topk_weights)
+    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
   const void *x =
       a->x ? a->x : (const void *)(ll_buffer(g, parity) + g->layout.ll_combine_in_offset);
   /* Expert outputs may be 0 rows on this rank, but the pointer must still be device memory. */
   if (a->x) EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
 
-  epx__ll_combine_launch_args_t c = combine_launch_args(
-      g, parity, x, a->out, a->split ? EPX_LL_PHASE_SEND : EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV);
+  /* Not dropped when T = 0: the route's combine must be the same on every rank. */
+  const float *weights = a->topk_weights;
+  epx__ll_combine_launch_args_t c =
+      combine_launch_args(g, parity, x, a->out, weights,
+                          a->split ? EPX_LL_PHASE_SEND : EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV);
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   EPX_CHECK(epx__ll_combine_launch(&ctx, &c, stream));
@@ -248,6 +260,7 @@ EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_
     a->hook->id = hook_id(seq, KIND_COMBINE, parity);
     g->ll.pending[KIND_COMBINE][parity] = a->hook->id;
     g->ll.combine_out[parity] = a->out;
+    g->ll.combine_weights[parity] = weights;
   }
   return EPX_OK;
 }
@@ -272,12 +285,26 @@ EPX_EXPORT epx_status_t epx_ll_recv(epx_group_t g, epx_ll_hook_t *hook, cudaStre
     EPX_CHECK(epx__ll_dispatch_launch(&ctx, &d, stream));
   } else {
     epx__ll_combine_launch_args_t c =
-        combine_launch_args(g, parity, NULL, g->ll.combine_out[parity], EPX_LL_PHASE_RECV);
+        combine_launch_args(g, parity, NULL, g->ll.combine_out[parity],
+                            g->ll.combine_weights[parity], EPX_LL_PHASE_RECV);
     EPX_CHECK(epx__ll_combine_launch(&ctx, &c, stream));
   }
   g->ll.pending[kind][parity] = 0;
   hook->id = 0;
   return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_group_mask_peer(epx_group_t g, int peer, cudaStream_t stream) {
+  static const char fn[] = "epx_group_mask_peer";
+  EPX_CHECK(epx__group_check(g));
+  EPX_CHECK(require_ll(g, fn));
+  EPX_ARG_CHECK(peer >= 0 && peer < g->num_ranks, "%s: peer = %d: must be a rank in [0, %d)", fn,
+                peer, g->num_ranks);
+  EPX_ARG_CHECK(peer != g->rank, "%s: peer = %d: is this rank; a rank cannot mask itself", fn,
+                peer);
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  return epx__peer_mask_launch(&ctx, 1u << peer, stream);
 }
 
 EPX_EXPORT epx_status_t epx_group_get_peer_mask(epx_group_t g, unsigned int *mask) {

@@ -19,6 +19,8 @@ typedef struct epx__ll_host {
   int dispatch_packed[2];            /* its layout is packed (args->packed) */
   int dispatch_pack_scales[2];       /* its scales come out as UE8M0 words (args->ue8m0_packed) */
   long long *layout_range[2];        /* its args->layout_range, for a split receive */
+  const float *combine_weights[2];   /* combine-time topk_weights of a split combine (or NULL),
+                                        for its epx_ll_recv */
 } epx__ll_host_t;
 
 #endif /* EPX_LL_STATE_H_ */

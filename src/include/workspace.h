@@ -11,7 +11,7 @@
  *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
  *            combine slab 2 x [R, max_tokens, H] BF16 and its per-chunk arrival counters
  *   ll       (EPX_MODE_LOW_LATENCY) 2 buffers ("parities") of the arrays below, then the
- *            per-block epochs. Per parity, with L = E/R, M = max_tokens, RM = R x M:
+ *            per-block epochs. Per parity, with L = E/R, M = ll_max_tokens, RM = R x M:
  *              x           [L, RM, H] payload (2 bytes/element if BF16 is supported, else 1)
  *              scales      [L, RM, H/128] float32 (FP8 groups only)
  *              src_info    [L, RM] int4: source rank, token, slot, 0
@@ -103,7 +103,7 @@ typedef struct epx__ws_layout {
    * arrays are relative to the start of a parity (see the header comment). */
   size_t ll_offset, ll_bytes;
   size_t ll_parity_bytes;
-  size_t ll_rows;       /* rows per local expert: R x max_tokens */
+  size_t ll_rows;       /* rows per local expert: R x ll_max_tokens */
   size_t ll_elem_bytes; /* bytes per element of x and stage payloads: 2 (BF16 supported) or 1 */
   size_t ll_x_offset, ll_scales_offset, ll_src_info_offset, ll_cnt_offset;
   size_t ll_recv_count_offset, ll_recv_begin_offset, ll_recv_num_offset;
@@ -152,9 +152,11 @@ EPX_HD size_t epx__ll_stage_row_bytes(int hidden, unsigned dtypes) {
   return epx__align_up(n, 16);
 }
 
-/* Fill *l for a resolved config (auto fields already filled in) and R ranks. */
+/* Fill *l for a resolved config (auto fields already filled in) and R ranks: max_tokens sizes
+ * the normal region, ll_max_tokens the low-latency one. */
 EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_tokens, int hidden,
-                                int num_experts, int top_k, unsigned dtypes, unsigned modes) {
+                                int num_experts, int top_k, unsigned dtypes, unsigned modes,
+                                int ll_max_tokens) {
   size_t off = 0;
   l->control_offset = off;
   l->control_bytes = epx__align_up(sizeof(epx__control_t), EPX_WS_ALIGN);
@@ -198,7 +200,7 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   /* ll: two parities of the arrays listed at the top, each array 256-byte aligned, then the
    * epochs. Sized only when low-latency mode is asked for. */
   const size_t L = (size_t)(num_experts / num_ranks), R = (size_t)num_ranks;
-  const size_t M = (size_t)max_tokens, K = (size_t)top_k, H = (size_t)hidden;
+  const size_t M = (size_t)ll_max_tokens, K = (size_t)top_k, H = (size_t)hidden;
   const size_t rows = R * M, lrows = L * rows;
   l->ll_rows = rows;
   l->ll_elem_bytes = epx__payload_elem_bytes(dtypes);

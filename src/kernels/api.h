@@ -105,7 +105,9 @@ typedef struct epx__ll_combine_launch_args {
   int num_tokens; /* T of the dispatch */
   int hidden, top_k, num_experts, max_tokens;
   int by_rank, parity, phases, num_blocks;
-  int packed; /* the dispatch's rows are packed: (j, s) starts at recv_begin[j][s] */
+  int packed;                /* the dispatch's rows are packed: (j, s) starts at recv_begin[j][s] */
+  const float *topk_weights; /* [T, K] combine-time weights, or NULL (the dispatch's, my_w);
+                                DIRECT combine only (by_rank = 0) */
 } epx__ll_combine_launch_args_t;
 
 epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,
@@ -113,6 +115,9 @@ epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,
                                      cudaStream_t stream);
 epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
                                     const epx__ll_combine_launch_args_t *args, cudaStream_t stream);
+/* Low-latency peer mask (src/kernels/peer_mask.cu): this rank's ll_peer_mask |= bits. */
+epx_status_t epx__peer_mask_launch(const epx__kernel_ctx_t *ctx, unsigned bits,
+                                   cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -15,7 +15,9 @@
  * and sends one float32 partial to combine_recv[d*M + t] on s; block b of s waits for block b of
  * every rank and adds the partials of the token's ranks.
  *
- * Route DISPATCH_BY_RANK (the default) runs the BY_RANK dispatch and this DIRECT combine. Every
+ * Route DISPATCH_BY_RANK (the default) runs the BY_RANK dispatch and this DIRECT combine; so does
+ * route BY_RANK for a combine given weights at combine time (args topk_weights), which only the
+ * source can apply: both dispatches write the src_info of every row they deliver. Every
  * block signals every rank when its sends are issued: cflag[me][b] = (epoch, 0). Sums are
  * float32, written once as BF16; a token with no valid slot gets +0.
  *
@@ -377,14 +379,16 @@ __device__ __forceinline__ void combine_reduce_by_rank(const epx__kernel_ctx_t &
 
 /* Route DIRECT: the (token, chunk) units u % G == b; the valid slots of the token in slot
  * order, slot k reading the row of the token's first slot naming the same expert (one row per
- * distinct expert was sent). */
+ * distinct expert was sent), weighted by the combine-time weights a.topk_weights (kGivenWeights,
+ * slot order as my_w) or by this rank's my_w (the dispatch's). */
+template <bool kGivenWeights>
 __device__ __forceinline__ void combine_reduce_direct(const epx__kernel_ctx_t &ctx,
                                                       const epx__ll_combine_launch_args_t &a,
                                                       const Call &c, unsigned ok) {
   const int lane = c.lane, b = c.b, G = c.G, H = c.H, K = c.K, nch = c.nch;
   const epx__ws_layout_t &lay = ctx.layout;
   const int *my_ids = (const int *)(c.own + lay.ll_my_ids_offset);
-  const float *my_w = (const float *)(c.own + lay.ll_my_w_offset);
+  const float *my_w = kGivenWeights ? a.topk_weights : (const float *)(c.own + lay.ll_my_w_offset);
   const char *recv = c.own + lay.ll_combine_recv_offset;
   for (int u = b + c.warp * G; u < a.num_tokens * nch; u += kWarps * G) {
     const int t = u / nch, ch = u % nch;
@@ -411,8 +415,11 @@ __device__ __forceinline__ void combine_reduce_direct(const epx__kernel_ctx_t &c
   }
 }
 
-/* Traced per block by thread 0: send, wait, reduce (docs/profiling.md). */
-template <bool kByRank, bool kPacked>
+/* Traced per block by thread 0: send, wait, reduce (docs/profiling.md). kPacked: the dispatch's
+ * rows are packed (segment (j, s) starts at recv_begin[j][s]). kGivenWeights: the DIRECT reduce
+ * applies the call's combine-time weights (a specialisation of its own, so the kernel without
+ * them is the one it always was). */
+template <bool kByRank, bool kPacked, bool kGivenWeights>
 __global__ void __launch_bounds__(kThreads, 1)
     ll_combine_kernel(epx__kernel_ctx_t ctx, epx__ll_combine_launch_args_t a) {
   __shared__ uint32_t s_epoch, s_dispatch_epoch;
@@ -452,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kByRank)
       combine_reduce_by_rank(ctx, a, c, ok);
     else
-      combine_reduce_direct(ctx, a, c, ok);
+      combine_reduce_direct<kGivenWeights>(ctx, a, c, ok);
     if (c.tid == 0) trace_end(ctx, t_reduce, EPX_TRACE_LL_COMBINE_REDUCE, a.num_tokens);
   }
 }
@@ -463,10 +470,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 extern "C" epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
                                                const epx__ll_combine_launch_args_t *args,
                                                cudaStream_t stream) {
-  return EPX_BOOL_SWITCH(args->by_rank, kByRank, [&] {
-    return EPX_BOOL_SWITCH(args->packed, kPacked, [&] {
-      return epx::launch<epx::ll::ll_combine_kernel<kByRank, kPacked>>(
-          args->num_blocks, epx::ll::kThreads, 0, stream, *ctx, *args);
+  using epx::ll::ll_combine_kernel;
+  const int blocks = args->num_blocks, threads = epx::ll::kThreads;
+  return EPX_BOOL_SWITCH(args->packed, kPacked, [&] {
+    /* Combine-time weights only reach the DIRECT combine (ll.c): no BY_RANK variant with them. */
+    if (args->by_rank)
+      return epx::launch<ll_combine_kernel<true, kPacked, false>>(blocks, threads, 0, stream, *ctx,
+                                                                  *args);
+    return EPX_BOOL_SWITCH(args->topk_weights != NULL, kGivenWeights, [&] {
+      return epx::launch<ll_combine_kernel<false, kPacked, kGivenWeights>>(blocks, threads, 0,
+                                                                           stream, *ctx, *args);
     });
   });
 }

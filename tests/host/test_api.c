@@ -3,6 +3,7 @@
  * validation and workspace sizing, and argument checks that must refuse before touching a GPU.
  */
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/runner.h"
@@ -183,7 +184,7 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   EXPECT_OK(epx_workspace_size(&d, 4, &bytes));
   epx__ws_layout_t l;
   epx__ws_layout_init(&l, 4, 4096, 7168, 256, 8, EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3,
-                      EPX_MODE_NORMAL);
+                      EPX_MODE_NORMAL, 4096);
   EXPECT_EQ_INT(bytes, l.total_bytes);
   EXPECT_EQ_INT(l.normal_offset % 4096, 0);
   EXPECT_EQ_INT(l.notify_offset % 4096, 0);
@@ -222,5 +223,114 @@ EPX_HOST_TEST(argument_checks_without_gpu, 10) {
   epx_group_t g = bogus;
   EXPECT_STATUS(epx_group_create(NULL, &c, &g), EPX_ERR_INVALID_ARGUMENT);
   EXPECT(strstr(epx_last_error(), "comm") != NULL);
+  return TEST_PASS;
+}
+
+/* config.ll_max_tokens_per_rank: validated and named like max_tokens_per_rank; 0 and a config
+ * from before the field (a smaller size) both mean max_tokens_per_rank; it alone sizes the
+ * low-latency region and the dispatch's shared-memory bitmaps. */
+EPX_HOST_TEST(ll_max_tokens_config, 10) {
+  epx_group_config_t c = small_config();
+  c.modes = EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY;
+  c.ll_max_tokens_per_rank = -1;
+  EXPECT_STATUS(epx_config_validate(&c, 4), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "config.ll_max_tokens_per_rank = -1") != NULL);
+  c.ll_max_tokens_per_rank = EPX_MAX_TOKENS_PER_RANK + 1;
+  EXPECT_STATUS(epx_config_validate(&c, 4), EPX_ERR_UNSUPPORTED);
+  EXPECT(strstr(epx_last_error(), "config.ll_max_tokens_per_rank") != NULL);
+  /* The bitmap limit follows the low-latency maximum, not the normal one. */
+  c.num_experts = 1024;
+  c.max_tokens_per_rank = 8192;
+  c.ll_max_tokens_per_rank = 128;
+  EXPECT_OK(epx_config_validate(&c, 4));
+  c.max_tokens_per_rank = 128;
+  c.ll_max_tokens_per_rank = 8192;
+  EXPECT_STATUS(epx_config_validate(&c, 4), EPX_ERR_UNSUPPORTED);
+  EXPECT(strstr(epx_last_error(), "config.ll_max_tokens_per_rank = 8192") != NULL);
+
+  /* Auto, explicit max_tokens_per_rank and an older caller's config: the same workspace. */
+  epx_group_config_t a = small_config();
+  a.modes = EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY;
+  epx_group_config_t e = a, old = a;
+  e.ll_max_tokens_per_rank = a.max_tokens_per_rank;
+  old.size = offsetof(epx_group_config_t, ll_max_tokens_per_rank);
+  old.ll_max_tokens_per_rank = -7; /* past old.size: never read */
+  size_t auto_bytes = 0, explicit_bytes = 1, old_bytes = 2;
+  EXPECT_OK(epx_workspace_size(&a, 4, &auto_bytes));
+  EXPECT_OK(epx_workspace_size(&e, 4, &explicit_bytes));
+  EXPECT_OK(epx_workspace_size(&old, 4, &old_bytes));
+  EXPECT_EQ_INT(auto_bytes, explicit_bytes);
+  EXPECT_EQ_INT(old_bytes, explicit_bytes);
+  /* A larger normal maximum leaves the low-latency region alone, and the other way round. */
+  epx_workspace_sizes_t s0 = EPX_WORKSPACE_SIZES_INIT, s1 = EPX_WORKSPACE_SIZES_INIT;
+  EXPECT_OK(epx_workspace_size_by_mode(&e, 4, &s0));
+  e.max_tokens_per_rank *= 4;
+  EXPECT_OK(epx_workspace_size_by_mode(&e, 4, &s1));
+  EXPECT_EQ_INT(s1.low_latency_bytes, s0.low_latency_bytes);
+  EXPECT(s1.normal_bytes > s0.normal_bytes);
+  e.max_tokens_per_rank /= 4;
+  e.ll_max_tokens_per_rank *= 4;
+  EXPECT_OK(epx_workspace_size_by_mode(&e, 4, &s1));
+  EXPECT_EQ_INT(s1.normal_bytes, s0.normal_bytes);
+  EXPECT(s1.low_latency_bytes > s0.low_latency_bytes);
+  return TEST_PASS;
+}
+
+/* epx_workspace_size_by_mode: the parts add up to epx_workspace_size and to the layout, a mode
+ * not asked for is 0; the issue's server (both modes, 4096 prefill / 128 decode tokens, hidden
+ * 7168, 256 experts, top-8, 8 ranks) before and after separate maxima (docs/low-latency.md). */
+EPX_HOST_TEST(workspace_size_by_mode, 10) {
+  epx_group_config_t c = EPX_GROUP_CONFIG_INIT;
+  c.max_tokens_per_rank = 4096;
+  c.hidden = 7168;
+  c.num_experts = 256;
+  c.top_k = 8;
+  c.modes = EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY;
+  epx_workspace_sizes_t before = EPX_WORKSPACE_SIZES_INIT, after = EPX_WORKSPACE_SIZES_INIT;
+  EXPECT_OK(epx_workspace_size_by_mode(&c, 8, &before)); /* ll_max auto: 4096 */
+  c.ll_max_tokens_per_rank = 128;
+  EXPECT_OK(epx_workspace_size_by_mode(&c, 8, &after));
+  const epx_workspace_sizes_t *both[2] = {&before, &after};
+  const int ll_max[2] = {4096, 128};
+  for (int i = 0; i < 2; i++) {
+    const epx_workspace_sizes_t *s = both[i];
+    EXPECT_EQ_INT(s->total_bytes, s->common_bytes + s->normal_bytes + s->low_latency_bytes);
+    epx__ws_layout_t l;
+    epx__ws_layout_init(&l, 8, 4096, 7168, 256, 8, EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3,
+                        EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY, ll_max[i]);
+    EXPECT_EQ_INT(s->total_bytes, l.total_bytes);
+    EXPECT_EQ_INT(s->normal_bytes, l.normal_bytes);
+    EXPECT_EQ_INT(s->low_latency_bytes, l.ll_bytes);
+    EXPECT_EQ_INT(s->common_bytes, l.control_bytes + l.notify_bytes);
+    printf(
+        "  both modes, 8 ranks, normal 4096 / low-latency %d tokens: total %zu bytes (%.2f GiB)"
+        " = common %zu + normal %zu (%.2f GiB) + low-latency %zu (%.2f GiB)\n",
+        ll_max[i], s->total_bytes, s->total_bytes / 1073741824.0, s->common_bytes, s->normal_bytes,
+        s->normal_bytes / 1073741824.0, s->low_latency_bytes, s->low_latency_bytes / 1073741824.0);
+  }
+  size_t bytes = 0;
+  EXPECT_OK(epx_workspace_size(&c, 8, &bytes));
+  EXPECT_EQ_INT(bytes, after.total_bytes);
+  EXPECT_EQ_INT(before.normal_bytes, after.normal_bytes);
+  EXPECT(after.low_latency_bytes * 16 < before.low_latency_bytes);
+  /* One mode only: the other counts 0. */
+  c.modes = EPX_MODE_NORMAL;
+  EXPECT_OK(epx_workspace_size_by_mode(&c, 8, &after));
+  EXPECT_EQ_INT(after.low_latency_bytes, 0);
+  EXPECT(after.normal_bytes > 0);
+  c.modes = EPX_MODE_LOW_LATENCY;
+  EXPECT_OK(epx_workspace_size_by_mode(&c, 8, &after));
+  EXPECT_EQ_INT(after.normal_bytes, 0);
+  EXPECT(after.low_latency_bytes > 0);
+  /* Bad arguments, named. */
+  EXPECT_STATUS(epx_workspace_size_by_mode(&c, 8, NULL), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "sizes") != NULL);
+  epx_workspace_sizes_t raw;
+  memset(&raw, 0, sizeof raw);
+  EXPECT_STATUS(epx_workspace_size_by_mode(&c, 8, &raw), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "EPX_WORKSPACE_SIZES_INIT") != NULL);
+  c.ll_max_tokens_per_rank = -3;
+  EXPECT_STATUS(epx_workspace_size_by_mode(&c, 8, &after), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "ll_max_tokens_per_rank") != NULL);
   return TEST_PASS;
 }
