@@ -415,13 +415,17 @@ __device__ __forceinline__ void combine_reduce_direct(const epx__kernel_ctx_t &c
   }
 }
 
+}  // namespace
+
+/* The kernel has external linkage so that profilers show it as epx::ll::combine (docs/profiling.md,
+ * "Kernel names"). */
 /* Traced per block by thread 0: send, wait, reduce (docs/profiling.md). kPacked: the dispatch's
  * rows are packed (segment (j, s) starts at recv_begin[j][s]). kGivenWeights: the DIRECT reduce
  * applies the call's combine-time weights (a specialisation of its own, so the kernel without
  * them is the one it always was). */
 template <bool kByRank, bool kPacked, bool kGivenWeights>
 __global__ void __launch_bounds__(kThreads, 1)
-    ll_combine_kernel(epx__kernel_ctx_t ctx, epx__ll_combine_launch_args_t a) {
+    combine(epx__kernel_ctx_t ctx, epx__ll_combine_launch_args_t a) {
   __shared__ uint32_t s_epoch, s_dispatch_epoch;
   __shared__ unsigned s_mask, s_ok;
   __shared__ int s_prefix[EPX_MAX_EXPERTS + 1];
@@ -464,22 +468,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-}  // namespace
 }  // namespace epx::ll
 
 extern "C" epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
                                                const epx__ll_combine_launch_args_t *args,
                                                cudaStream_t stream) {
-  using epx::ll::ll_combine_kernel;
+  using epx::ll::combine;
   const int blocks = args->num_blocks, threads = epx::ll::kThreads;
   return EPX_BOOL_SWITCH(args->packed, kPacked, [&] {
     /* Combine-time weights only reach the DIRECT combine (ll.c): no BY_RANK variant with them. */
     if (args->by_rank)
-      return epx::launch<ll_combine_kernel<true, kPacked, false>>(blocks, threads, 0, stream, *ctx,
-                                                                  *args);
+      return epx::launch<combine<true, kPacked, false>>(blocks, threads, 0, stream, *ctx, *args);
     return EPX_BOOL_SWITCH(args->topk_weights != NULL, kGivenWeights, [&] {
-      return epx::launch<ll_combine_kernel<false, kPacked, kGivenWeights>>(blocks, threads, 0,
-                                                                           stream, *ctx, *args);
+      return epx::launch<combine<false, kPacked, kGivenWeights>>(blocks, threads, 0, stream, *ctx,
+                                                                 *args);
     });
   });
 }

@@ -452,10 +452,14 @@ __device__ __forceinline__ void dispatch_recv(const epx__kernel_ctx_t &ctx,
   if (tid == 0) trace_end(ctx, t_recv, EPX_TRACE_LL_DISPATCH_RECV, b);
 }
 
+}  // namespace
+
+/* The kernel has external linkage so that profilers show it as epx::ll::dispatch
+ * (docs/profiling.md, "Kernel names"). */
 /* Traced per block by thread 0: send, wait, receive (docs/profiling.md). */
 template <typename IdxT, bool kFp8, bool kByRank, bool kPacked, bool kPackScales>
 __global__ void __launch_bounds__(kThreads, 1)
-    ll_dispatch_kernel(epx__kernel_ctx_t ctx, epx__ll_dispatch_launch_args_t a) {
+    dispatch(epx__kernel_ctx_t ctx, epx__ll_dispatch_launch_args_t a) {
   extern __shared__ uint32_t bitmap[]; /* [E][nw]: bit t of expert e = token t chose e */
   __shared__ uint32_t s_epoch;
   __shared__ unsigned s_mask;
@@ -484,7 +488,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                        s_src, s_cnt, s_begin, &s_dead);
 }
 
-}  // namespace
 }  // namespace epx::ll
 
 extern "C" epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,
@@ -502,8 +505,7 @@ extern "C" epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,
         return EPX_BOOL_SWITCH(args->packed && args->by_rank, kPackedArg, [&] {
           return EPX_BOOL_SWITCH(args->pack_scales && args->fp8, kPackScalesArg, [&] {
             constexpr bool kPacked = kByRank && kPackedArg, kPackScales = kFp8 && kPackScalesArg;
-            return epx::launch<
-                epx::ll::ll_dispatch_kernel<IdxT, kFp8, kByRank, kPacked, kPackScales>>(
+            return epx::launch<epx::ll::dispatch<IdxT, kFp8, kByRank, kPacked, kPackScales>>(
                 args->num_blocks, epx::ll::kThreads, smem, stream, *ctx, *args);
           });
         });
