@@ -10,6 +10,9 @@
  *   epx dispatch fp8       FP8 payload + per-128 float32 scales, with host sync
  *   epx cached dispatch    the routing of the handle again: data only
  *   epx combine            every received row sent back unchanged and summed (unweighted)
+ *   epx combine +weights   the same, each row's K float32 top-k weights sent back with it and
+ *                          summed per token too (DeepEP combine's topk_weights); the cost of
+ *                          the weight reduction is this row minus the one above
  * Logical bytes per rank = rows received (own tokens included) x row bytes, where a BF16 row is
  * H x 2 bytes and an FP8 row H + H/128 x 4 bytes (DeepEP's accounting).
  * BF16 dispatch and combine results are checked (wrong rows); FP8 payload is not (the tests
@@ -32,6 +35,7 @@ typedef struct {
   int sync_counts;
   epx_dispatch_result_t result;
   void *out;
+  float *out_w; /* combine +weights: [T, K] */
 } epx_op_t;
 
 static int dispatch_iter(void *arg, cudaStream_t stream) {
@@ -59,6 +63,7 @@ static int combine_iter(void *arg, cudaStream_t stream) {
   epx_combine_args_t c = EPX_COMBINE_ARGS_INIT;
   c.x = op->result.recv_x;
   c.out = op->out;
+  if (op->out_w) c.recv_topk_weights = op->result.recv_topk_weights, c.out_topk_weights = op->out_w;
   BENCH_EPX(epx_combine(op->group, op->handle, &c, stream));
   return 0;
 }
@@ -107,6 +112,8 @@ int bench_epx_rows(bench_rank_t *b, bench_workload_t *w) {
   BENCH_CUDA(cudaMalloc((void **)&scales, (size_t)w->max_tokens * (H / 128 + 1) * sizeof(float)));
   BENCH_CUDA(cudaMemset(scales, 0x3c, (size_t)w->max_tokens * (H / 128 + 1) * sizeof(float)));
   BENCH_CUDA(cudaMalloc(&out, (size_t)w->max_tokens * H * 2));
+  float *out_w = NULL;
+  BENCH_CUDA(cudaMalloc((void **)&out_w, (size_t)w->max_tokens * opt->top_k * sizeof(float)));
   BENCH_CUDA(cudaDeviceSynchronize());
 
   for (int i = 0; i < opt->num_epx_sms; i++) {
@@ -131,6 +138,11 @@ int bench_epx_rows(bench_rank_t *b, bench_workload_t *w) {
     BENCH_TRY(emit(&op, "epx cached dispatch", cached_iter, sms, bf16_row, BENCH_OP_NCCL_A2A, 1));
     /* The handle now holds this routing and recv_x the BF16 rows: combine sends them back. */
     BENCH_TRY(emit(&op, "epx combine", combine_iter, sms, bf16_row, BENCH_OP_NCCL_COMBINE, 2));
+    /* Its rows are checked as above; the weights the tests check bit-exactly. */
+    op.out_w = out_w;
+    BENCH_TRY(
+        emit(&op, "epx combine +weights", combine_iter, sms, bf16_row, BENCH_OP_NCCL_COMBINE, 2));
+    op.out_w = NULL;
     if (can_fp8) {
       op.dtype = EPX_DTYPE_FP8_E4M3, op.scales = scales, op.sync_counts = 1;
       BENCH_TRY(emit(&op, "epx dispatch fp8", dispatch_iter, sms, fp8_row, NULL, 0));
@@ -140,5 +152,6 @@ int bench_epx_rows(bench_rank_t *b, bench_workload_t *w) {
   }
   BENCH_CUDA(cudaFree(scales));
   BENCH_CUDA(cudaFree(out));
+  BENCH_CUDA(cudaFree(out_w));
   return 0;
 }

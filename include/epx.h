@@ -374,14 +374,33 @@ typedef struct epx_combine_args {
   const float *topk_weights; /* [IN] [T, K]: row from rank d is scaled by the sum of the weights
                                 of the token's slots on d; NULL = unweighted sum */
   void *out;                 /* [OUT] [T, H] BF16, T = the dispatch's num_tokens */
+  /* Top-k weight reduction (DeepEP combine's `topk_weights` -> `combined_topk_weights`): both
+   * or neither, and the same choice on every rank (collective; a rank that sends none leaves
+   * its share of its peers' outputs undefined). */
+  const float *recv_topk_weights; /* [IN] [num_recv, K] float32 of the received rows, in
+                                     dispatch order (may be the dispatch's recv_topk_weights) */
+  float *out_topk_weights;        /* [OUT] [T, K] float32: out_topk_weights[t][k] = sum over the
+                                     ranks d holding token t, d ascending, from +0.0f, of row
+                                     (t on d)'s [k]; 0 for a token on no rank */
+  const void *bias[2]; /* [IN] [T, H] BF16 each, or NULL (DeepEP combine's `bias`, one tensor or
+                          a pair): added in float32 to the sum, bias[0] then bias[1], before the
+                          one BF16 rounding; a token on no rank gets its bias */
 } epx_combine_args_t;
 
-#define EPX_COMBINE_ARGS_INIT \
-  { sizeof(epx_combine_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, NULL }
+#define EPX_COMBINE_ARGS_INIT                                                          \
+  {                                                                                    \
+    sizeof(epx_combine_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, NULL, NULL, NULL, { \
+      NULL, NULL                                                                       \
+    }                                                                                  \
+  }
 
 /* epx_combine - return each received row to its source token and sum the rows of one token in
- * float32, written once as BF16; tokens that chose no expert get zeros. COLLECTIVE, ordered on
- * stream, no host synchronization; capturable in a CUDA graph. */
+ * float32, written once as BF16; tokens that chose no expert get zeros (plus their bias, if
+ * any). With recv_topk_weights, each row's K weights travel with it and come back summed per
+ * source token into out_topk_weights. COLLECTIVE, ordered on stream, no host synchronization;
+ * capturable in a CUDA graph.
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument (nothing is sent, the
+ * group still works); EPX_ERR_INVALID_USAGE (no dispatch in the handle yet). */
 epx_status_t epx_combine(epx_group_t group, epx_handle_t handle, const epx_combine_args_t *args,
                          cudaStream_t stream);
 

@@ -171,6 +171,25 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
   return EPX_OK;
 }
 
+/* The top-k weight reduction and the bias of a combine (DeepEP combine's `topk_weights` and
+ * `bias`): weights both or neither; every pointer given must be device memory, except the [T, ..]
+ * outputs and biases of a rank with no tokens, which are never touched. */
+static epx_status_t check_combine_extras(const char *fn, const epx_combine_args_t *a, int T) {
+  EPX_ARG_CHECK(!a->recv_topk_weights == !a->out_topk_weights,
+                "%s: args->recv_topk_weights = %p, args->out_topk_weights = %p: the top-k weight "
+                "reduction needs both (or neither)",
+                fn, (const void *)a->recv_topk_weights, (void *)a->out_topk_weights);
+  /* The received rows may be 0 on this rank, but the pointer must still be valid memory. */
+  if (a->recv_topk_weights)
+    EPX_CHECK(epx__check_device_ptr(fn, "args->recv_topk_weights", a->recv_topk_weights, 4));
+  if (T == 0) return EPX_OK;
+  if (a->out_topk_weights)
+    EPX_CHECK(epx__check_device_ptr(fn, "args->out_topk_weights", a->out_topk_weights, 4));
+  if (a->bias[0]) EPX_CHECK(epx__check_device_ptr(fn, "args->bias[0]", a->bias[0], 16));
+  if (a->bias[1]) EPX_CHECK(epx__check_device_ptr(fn, "args->bias[1]", a->bias[1], 16));
+  return EPX_OK;
+}
+
 EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_combine_args_t *a,
                                     cudaStream_t stream) {
   static const char fn[] = "epx_combine";
@@ -194,6 +213,7 @@ EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_com
                                     epx__index_bytes(a->topk_idx_dtype)));
     EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
   }
+  EPX_CHECK(check_combine_extras(fn, a, h->num_tokens));
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   epx__combine_launch_args_t c;
@@ -209,5 +229,7 @@ EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_com
   c.num_experts = g->config.num_experts;
   c.max_tokens = g->config.max_tokens_per_rank;
   c.num_blocks = g->config.num_sms;
-  return epx__combine_launch(&ctx, &c, stream);
+  const epx__combine_extras_t x = {
+      a->recv_topk_weights, a->out_topk_weights, {a->bias[0], a->bias[1]}};
+  return epx__combine_launch(&ctx, &c, &x, stream);
 }

@@ -9,7 +9,9 @@
  *   control  epx__control_t: barrier inboxes and epochs, the async-error claim word
  *   notify   count exchange: R sources x (R + E/R) epoch-tagged 64-bit words (sized R x (R + E))
  *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
- *            combine slab 2 x [R, max_tokens, H] BF16 and its per-chunk arrival counters
+ *            combine slab 2 x [R, max_tokens, H] BF16 and its per-chunk arrival counters, then
+ *            the combine weights 2 x [R, max_tokens, K] float32 (each returned row's top-k
+ *            weights, when a combine asks for them; same parity and chunk counters as the slab)
  *   ll       (EPX_MODE_LOW_LATENCY) 2 buffers ("parities") of the arrays below, then the
  *            per-block epochs. Per parity, with L = E/R, M = ll_max_tokens, RM = R x M:
  *              x           [L, RM, H] payload (2 bytes/element if BF16 is supported, else 1)
@@ -113,6 +115,9 @@ typedef struct epx__ws_layout {
   size_t ll_dflag_offset, ll_cflag_offset;
   size_t ll_epoch_offset; /* relative to ll_offset */
   size_t total_bytes;
+  size_t combine_weights_offset; /* 2 parities x [R, max_tokens, K] float32: row (d, p) = the
+                                    top-k weights of the slab's row (d, p) */
+  size_t combine_weights_bytes;  /* one parity: R x max_tokens x K x 4, rounded up to 256 */
 } epx__ws_layout_t;
 
 /* Counts of one normal dispatch, kept in its handle (device memory), written by notify. */
@@ -194,6 +199,9 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->combine_chunks = (max_tokens + EPX_COMBINE_CHUNK_ROWS - 1) / EPX_COMBINE_CHUNK_ROWS;
   l->combine_signal_offset = n;
   n += epx__align_up(2 * (size_t)num_ranks * l->combine_chunks * 8, 256);
+  l->combine_weights_offset = n;
+  l->combine_weights_bytes = epx__align_up(cap * top_k * 4, 256);
+  n += 2 * l->combine_weights_bytes;
   l->normal_bytes = (modes & EPX_MODE_NORMAL) ? epx__align_up(n, EPX_WS_ALIGN) : 0;
   off += l->normal_bytes;
 

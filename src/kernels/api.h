@@ -75,12 +75,22 @@ typedef struct epx__combine_launch_args {
   int hidden, top_k, num_experts, max_tokens, num_blocks;
 } epx__combine_launch_args_t;
 
+/* What a normal combine adds for DeepEP parity (src/kernels/combine_extras.cuh); a separate
+ * kernel argument, so that a plain combine's kernel keeps its parameters and registers. */
+typedef struct epx__combine_extras {
+  const float *recv_topk_weights; /* [num_recv, K] sent back with the rows, or NULL */
+  float *out_topk_weights;        /* [T, K] summed over ranks; NULL iff recv_topk_weights is */
+  const void *bias[2];            /* [T, H] BF16 each, or NULL */
+} epx__combine_extras_t;
+
 epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx, const epx__notify_launch_args_t *args,
                                 cudaStream_t stream);
 epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
                                   const epx__dispatch_launch_args_t *args, cudaStream_t stream);
+/* extras: NULL, or all its pointers NULL, for a plain combine. */
 epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
-                                 const epx__combine_launch_args_t *args, cudaStream_t stream);
+                                 const epx__combine_launch_args_t *args,
+                                 const epx__combine_extras_t *extras, cudaStream_t stream);
 
 /* Low-latency mode (src/kernels/ll_dispatch.cu, ll_pack.cuh, ll_combine.cu). phases:
  * EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV. */

@@ -17,12 +17,18 @@
  * Reduce: token t needs row pos[t][d] of each rank d holding it; d's chunk of that row is full
  * when its counter reaches min(CHUNK_ROWS, rows from d - chunk start), and only then is it read.
  *
+ * kExtras (combine_extras.cuh): the call also returns the rows' top-k weights summed per token
+ * and/or adds bias rows; without them the kernel is compiled exactly as before.
+ *
  * The work split and the send pipeline are compile-time constants: the winners of a sweep on
  * 4x H200 (docs/performance.md; dev/README.md says how to sweep again).
  */
+#include <type_traits>
+
 #include "checks.h"
 #include "kernels/api.h"
 #include "kernels/bf16.cuh"
+#include "kernels/combine_extras.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/trace.cuh"
 #include "kernels/wait.cuh"
@@ -81,12 +87,27 @@ static_assert(sizeof(SendSmem) == (size_t)kSendWarps * (kWarpStageBytes + kStage
                   sizeof(SendSmem) + 128 <= kMaxBlockSharedBytes,
               "the send warps' stages and barriers, with the static bytes, fit one block");
 
+/* The kernel's extras argument: epx__combine_extras_t with kExtras, else nothing (an empty
+ * parameter leaves a plain combine's kernel as it was). */
+struct NoExtras {};
+template <bool kExtras>
+using ExtrasOf = std::conditional_t<kExtras, epx__combine_extras_t, NoExtras>;
+
+template <bool kExtras>
+ExtrasOf<kExtras> extras_arg(const epx__combine_extras_t &x) {
+  if constexpr (kExtras)
+    return x;
+  else
+    return NoExtras();
+}
+
 /* What every warp of the block needs to know about this combine call, computed once by each
  * thread before the roles split. Call n uses parity n mod 2 of the slab and of the counters. */
 struct CombineView {
   unsigned call;        /* combines this rank completed before this one */
   size_t slab;          /* workspace offset of this parity's slab [R, max_tokens, H] BF16 */
   size_t signal;        /* workspace offset of this parity's counters [R, chunks] u64 */
+  size_t weights;       /* workspace offset of this parity's top-k weights [R, max_tokens, K] */
   size_t row_bytes;     /* H * 2 */
   int n16;              /* 16-byte words per row */
   int experts_per_rank; /* E / R */
@@ -122,6 +143,18 @@ struct SendPlan {
   int me, R;
   size_t row_bytes;
   long long units;
+};
+
+/* kExtras: the [num_recv, K] top-k weights to send with the rows (NULL: none) and the offset of
+ * my segment in every peer's weights region. Empty otherwise, so the plain send keeps its
+ * registers and stack. */
+template <bool kExtras>
+struct SendWeights {};
+template <>
+struct SendWeights<true> {
+  const float *src;
+  size_t off;
+  int K;
 };
 
 struct SendUnit {
@@ -214,10 +247,22 @@ __device__ __forceinline__ uint32_t cursor_next(const SendPlan &plan, UnitQueue 
   return bytes;
 }
 
+/* kExtras: the top-k weights of a unit whose last piece was just stored; the unit's signal,
+ * kSignalLag pieces later, publishes them with its rows. */
+__device__ __forceinline__ void send_unit_weights(const epx__kernel_ctx_t &ctx,
+                                                  const SendPlan &plan, const SendWeights<true> &sw,
+                                                  const SendUnit &su) {
+  if (!sw.src) return;
+  float *dst = (float *)(ctx.peer_base[su.s] + sw.off) + (size_t)su.p0 * sw.K;
+  epx::copy_unit_weights(sw.src + (size_t)(plan.prefix[su.s] + su.p0) * sw.K, dst,
+                         (su.p1 - su.p0) * sw.K);
+}
+
 /* Lane 0 of a send warp: every unit it takes, through `stages` (kStages x kPieceBytes) and
  * their barriers. Returns the number of units sent. */
-__device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan, char *stages,
-                          uint64_t *bars) {
+template <bool kExtras>
+__device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
+                          SendWeights<kExtras> sw, char *stages, uint64_t *bars) {
   PieceCursor load, store;
   UnitQueue queue;
   queue.head = queue.tail = 0;
@@ -256,6 +301,7 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan, ch
     const uint32_t bytes = cursor_next(plan, &queue, false, &store, &off, &end); /* = its load's */
     epx::bulk_store(unit_dst(plan, su) + off, stages + (size_t)st * kPieceBytes, bytes);
     if (end) {
+      if constexpr (kExtras) send_unit_weights(ctx, plan, sw, su);
       pending[num_pending] = su;
       pending_group[num_pending++] = stores;
     }
@@ -285,10 +331,11 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan, ch
 
 /* A send warp: once every peer has finished the call that last used this parity (call - 2),
  * lane 0 sends the units it takes into the peers' slabs. */
+template <bool kExtras>
 __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
                                              const epx__combine_launch_args_t &a,
-                                             const CombineView &cv, const int *prefix, int warp,
-                                             int lane) {
+                                             const ExtrasOf<kExtras> &x, const CombineView &cv,
+                                             const int *prefix, int warp, int lane) {
   const int R = ctx.num_ranks, me = ctx.rank;
   const uint64_t t_send = epx::trace_begin(ctx);
   int sent = 0;
@@ -316,11 +363,17 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
       plan.signal[s] = (unsigned long long *)(ctx.peer_base[s] + cv.signal) + (size_t)me * chunks;
     }
     plan.units = (long long)(most_rows + kUnitRows - 1) / kUnitRows * (R - 1);
+    SendWeights<kExtras> sw;
+    if constexpr (kExtras) {
+      sw.src = x.recv_topk_weights;
+      sw.K = a.top_k;
+      sw.off = cv.weights + (size_t)me * a.max_tokens * a.top_k * sizeof(float);
+    }
     extern __shared__ __align__(128) char dyn_smem[];
     SendSmem *smem = (SendSmem *)dyn_smem;
     for (int i = 0; i < kStages; i++) epx::mbarrier_init(&smem->bar[warp][i], 1);
     epx::fence_mbarrier_init();
-    sent = send_units(ctx, plan, smem->stage[warp], smem->bar[warp]);
+    sent = send_units<kExtras>(ctx, plan, sw, smem->stage[warp], smem->bar[warp]);
   }
   if (lane == 0) epx::trace_end(ctx, t_send, EPX_TRACE_COMBINE_SEND, sent);
 }
@@ -330,14 +383,16 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
 /* out[t] = sum over ranks d in mask of factor(t, d) * row(d, pos_d), in float32; lane d holds
  * pos_d in my_pos. kRanks: the rank count as a compile-time constant, so that the row pointers
  * and factors stay in registers and kRanks x kReduceUnroll rows of loads are in flight (more
- * chunks in flight with fewer ranks). */
-template <typename IdxT, int kRanks>
+ * chunks in flight with fewer ranks). kExtras: the bias rows given are loaded with the rows and
+ * added after them (combine_extras.cuh). */
+template <typename IdxT, int kRanks, bool kExtras>
 __device__ __forceinline__ void reduce_token(const epx__kernel_ctx_t &ctx,
                                              const epx__combine_launch_args_t &a,
-                                             const CombineView &cv, const int *prefix,
-                                             const char *slab_base, int t, unsigned mask,
-                                             int my_pos, int lane) {
-  constexpr int kReduceUnroll = kRanks <= 4 ? 4 : 2;
+                                             const ExtrasOf<kExtras> &x, const CombineView &cv,
+                                             const int *prefix, const char *slab_base, int t,
+                                             unsigned mask, int my_pos, int lane) {
+  /* kExtras at 8 ranks: one chunk, or the bias words spill (ptxas -v). */
+  constexpr int kReduceUnroll = kRanks <= 4 ? 4 : (kExtras ? 1 : 2);
   const int me = ctx.rank, K = a.top_k, n16 = cv.n16;
   const int epr = cv.experts_per_rank;
   const IdxT *topk = (const IdxT *)a.topk_idx;
@@ -377,10 +432,18 @@ __device__ __forceinline__ void reduce_token(const epx__kernel_ctx_t &ctx,
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; u++) {
       if (i0 + u * 32 >= n16) break;
+      /* kExtras: the bias words are loaded here, one chunk at a time, from the kernel parameter's
+       * pointers: loaded with the rows, or with pointers kept in registers, they spill at 4 and 8
+       * ranks. */
+      int4 b[2];
+      if constexpr (kExtras)
+        for (int j = 0; j < 2; j++)
+          if (x.bias[j]) b[j] = ((const int4 *)x.bias[j])[(size_t)t * n16 + i0 + u * 32];
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
       for (int r = 0; r < kRanks; r++)
         if ((mask >> r) & 1u) epx::acc_bf16x8(v[u][r], factor[r], acc);
+      if constexpr (kExtras) epx::add_bias_bf16x8(x.bias, b, acc);
       out[i0 + u * 32] = epx::float8_to_bf16x8(acc);
     }
   }
@@ -397,12 +460,12 @@ __device__ __forceinline__ int tokens_in_units(int first, int stride, int T) {
 
 /* A reduce warp (reduce_warp of the block's kReduceWarps): this rank's tokens in units of
  * kReduceTokens, round-robin over the grid; before a token's rows are read, lane d waits until
- * rank d's chunk holding its row is full. */
-template <typename IdxT, int kRanks>
+ * rank d's chunk holding its row is full (which publishes the row's top-k weights too). */
+template <typename IdxT, int kRanks, bool kExtras>
 __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
                                                const epx__combine_launch_args_t &a,
-                                               const CombineView &cv, const int *prefix,
-                                               int reduce_warp, int lane) {
+                                               const ExtrasOf<kExtras> &x, const CombineView &cv,
+                                               const int *prefix, int reduce_warp, int lane) {
   const int R = ctx.num_ranks, me = ctx.rank, T = a.routing.num_tokens;
   const size_t chunks = ctx.layout.combine_chunks;
   const char *slab_base = ctx.peer_base[me] + cv.slab;
@@ -432,7 +495,13 @@ __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
         epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
       }
       __syncwarp(); /* orders every lane's acquire before the warp's loads of the rows */
-      reduce_token<IdxT, kRanks>(ctx, a, cv, prefix, slab_base, t, mask, my_pos, lane);
+      reduce_token<IdxT, kRanks, kExtras>(ctx, a, x, cv, prefix, slab_base, t, mask, my_pos, lane);
+      if constexpr (kExtras)
+        if (x.out_topk_weights)
+          epx::reduce_token_weights<kRanks>(x.recv_topk_weights + (size_t)prefix[me] * a.top_k,
+                                            (const float *)(ctx.peer_base[me] + cv.weights), me,
+                                            a.max_tokens, a.top_k, mask, my_pos, lane,
+                                            x.out_topk_weights + (size_t)t * a.top_k);
       if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_COMBINE_TOKEN, t);
     }
   }
@@ -474,9 +543,9 @@ __device__ __forceinline__ void combine_finish(const epx__kernel_ctx_t &ctx,
   }
 }
 
-template <typename IdxT, int kRanks>
+template <typename IdxT, int kRanks, bool kExtras>
 __global__ void __launch_bounds__(kThreads, 1)
-    combine_kernel(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a) {
+    combine_kernel(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a, ExtrasOf<kExtras> x) {
   const int R = ctx.num_ranks, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   __shared__ int prefix[EPX_MAX_RANKS + 1];
   __shared__ unsigned call;
@@ -489,28 +558,38 @@ __global__ void __launch_bounds__(kThreads, 1)
   cv.call = call;
   cv.slab = L.normal_offset + L.combine_slab_offset + parity * L.combine_slab_bytes;
   cv.signal = L.normal_offset + L.combine_signal_offset + parity * R * L.combine_chunks * 8;
+  cv.weights = L.normal_offset + L.combine_weights_offset + parity * L.combine_weights_bytes;
   cv.row_bytes = (size_t)a.hidden * 2;
   cv.n16 = a.hidden * 2 / 16;
   cv.experts_per_rank = a.num_experts / R;
   if (warp < kSendWarps)
-    combine_send(ctx, a, cv, prefix, warp, lane);
+    combine_send<kExtras>(ctx, a, x, cv, prefix, warp, lane);
   else
-    combine_reduce<IdxT, kRanks>(ctx, a, cv, prefix, warp - kSendWarps, lane);
+    combine_reduce<IdxT, kRanks, kExtras>(ctx, a, x, cv, prefix, warp - kSendWarps, lane);
   combine_finish(ctx, cv);
 }
 
 }  // namespace
 
 /* The rank count is a specialisation axis: 2, 4 and 8 get their own kernels; 3, 5, 6 and 7 run
- * the next larger one (ranks beyond num_ranks never have their mask bit set). The dynamic shared
- * memory is the send warps' stages (launch() opts the kernel into more than 48 KiB). */
+ * the next larger one (ranks beyond num_ranks never have their mask bit set). kExtras (top-k
+ * weights or bias asked for) is another, so that a plain combine keeps its registers. The
+ * dynamic shared memory is the send warps' stages (launch() opts the kernel into more than
+ * 48 KiB). */
 extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                             const epx__combine_launch_args_t *args,
+                                            const epx__combine_extras_t *extras,
                                             cudaStream_t stream) {
+  const epx__combine_extras_t none = {NULL, NULL, {NULL, NULL}};
+  const epx__combine_extras_t &x = extras ? *extras : none;
+  const bool any = x.recv_topk_weights || x.bias[0] || x.bias[1];
   return EPX_RANKS_SWITCH(ctx->num_ranks, kRanks, [&] {
     return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
-      return epx::launch<combine_kernel<IdxT, kRanks>>(args->num_blocks, kThreads, sizeof(SendSmem),
-                                                       stream, *ctx, *args);
+      return EPX_BOOL_SWITCH(any, kExtras, [&] {
+        return epx::launch<combine_kernel<IdxT, kRanks, kExtras>>(args->num_blocks, kThreads,
+                                                                  sizeof(SendSmem), stream, *ctx,
+                                                                  *args, extras_arg<kExtras>(x));
+      });
     });
   });
 }

@@ -409,11 +409,14 @@ void epx_ref_recv_free(epx_ref_recv_t *recv) {
   memset(recv, 0, sizeof *recv);
 }
 
-/* Normal combine, both precisions at once (either output may be NULL). */
+/* Normal combine, both precisions at once (either output may be NULL); ex: the top-k weight
+ * reduction and the bias (epx_ref_combine_ex), or NULL. */
 static int combine_impl(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
-                        const float *topk_weights, uint16_t *out_bf16, double *out_f64) {
+                        const float *topk_weights, const epx_ref_combine_extras_t *ex,
+                        uint16_t *out_bf16, double *out_f64) {
   if (check_world(world) || check_rank_arg(world, src_rank, "src_rank")) return -1;
   if (!y) return fail("y is NULL");
+  if (ex && !ex->recv_w != !ex->out_w) return fail("recv_w and out_w: both or neither");
   const int R = world->num_ranks, E = world->num_experts, K = world->top_k, H = world->hidden;
   const int experts_per_rank = E / R;
   const epx_ref_rank_t *me = &world->ranks[src_rank];
@@ -437,13 +440,16 @@ static int combine_impl(const epx_ref_world_t *world, int src_rank, const uint16
   for (int t = 0; t < me->num_tokens; t++) {
     const int64_t *idx = me->topk_idx + (size_t)t * K;
     for (int c = 0; c < H; c++) acc32[c] = 0.0f, acc64[c] = 0.0;
+    float *out_w = ex && ex->out_w ? ex->out_w + (size_t)t * K : NULL;
+    for (int k = 0; out_w && k < K; k++) out_w[k] = 0.0f;
     for (int d = 0; d < R; d++) {
       if (!token_on_rank(idx, K, E, experts_per_rank, d)) continue;
       const int row = base[d] + next[d]++;
-      if (!y[d]) {
-        res = fail("y[%d] is NULL but rank %d received rows", d, d);
+      if (!y[d] || (out_w && !ex->recv_w[d])) {
+        res = fail("y[%d] or recv_w[%d] is NULL but rank %d received rows", d, d, d);
         goto exit;
       }
+      for (int k = 0; out_w && k < K; k++) out_w[k] = out_w[k] + ex->recv_w[d][(size_t)row * K + k];
       float factor32 = 1.0f;
       double factor64 = 1.0;
       if (topk_weights) {
@@ -461,6 +467,12 @@ static int combine_impl(const epx_ref_world_t *world, int src_rank, const uint16
         acc64[c] = acc64[c] + mul_f64(factor64, (double)v);
       }
     }
+    for (int j = 0; ex && j < 2; j++)
+      for (int c = 0; ex->bias[j] && c < H; c++) {
+        const float b = epx_ref_bf16_to_float(ex->bias[j][(size_t)t * H + c]);
+        acc32[c] = acc32[c] + b;
+        acc64[c] = acc64[c] + (double)b;
+      }
     for (int c = 0; c < H; c++) {
       if (out_bf16) out_bf16[(size_t)t * H + c] = epx_ref_bf16_from_float(acc32[c]);
       if (out_f64) out_f64[(size_t)t * H + c] = acc64[c];
@@ -474,13 +486,13 @@ exit:
 int epx_ref_combine(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
                     const float *topk_weights, uint16_t *out) {
   if (!out) return fail("out is NULL");
-  return combine_impl(world, src_rank, y, topk_weights, out, NULL);
+  return combine_impl(world, src_rank, y, topk_weights, NULL, out, NULL);
 }
 
 int epx_ref_combine_f64(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
                         const float *topk_weights, double *out) {
   if (!out) return fail("out is NULL");
-  return combine_impl(world, src_rank, y, topk_weights, NULL, out);
+  return combine_impl(world, src_rank, y, topk_weights, NULL, NULL, out);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -769,4 +781,22 @@ int epx_ref_ll_combine_f64_layout(const epx_ref_world_t *world, int src_rank,
   if (!out) return fail("out is NULL");
   if (check_layout_arg(layout)) return -1;
   return ll_combine_impl(world, src_rank, max_tokens_per_rank, layout, y, topk_weights, NULL, out);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Normal combine's top-k weight reduction and bias (DeepEP parity): combine_impl with extras.
+ * ------------------------------------------------------------------------------------------- */
+
+int epx_ref_combine_ex(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
+                       const float *topk_weights, const epx_ref_combine_extras_t *extras,
+                       uint16_t *out) {
+  if (!out) return fail("out is NULL");
+  return combine_impl(world, src_rank, y, topk_weights, extras, out, NULL);
+}
+
+int epx_ref_combine_ex_f64(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
+                           const float *topk_weights, const epx_ref_combine_extras_t *extras,
+                           double *out) {
+  if (!out) return fail("out is NULL");
+  return combine_impl(world, src_rank, y, topk_weights, extras, NULL, out);
 }

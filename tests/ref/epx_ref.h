@@ -355,6 +355,42 @@ int epx_ref_ll_combine_f64_layout(const epx_ref_world_t *world, int src_rank,
                                   int max_tokens_per_rank, epx_ref_ll_layout_t layout,
                                   const uint16_t *const *y, const float *topk_weights, double *out);
 
+/* ---------------------------------------------------------------------------------------------
+ * Normal combine's top-k weight reduction and bias (DeepEP combine's `topk_weights` ->
+ * `combined_topk_weights`, and `bias`).
+ * ------------------------------------------------------------------------------------------- */
+
+/* What a normal combine returns or adds beyond the sum of rows. Any part may be NULL. */
+typedef struct epx_ref_combine_extras {
+  const float *const *recv_w; /* [R] pointers: recv_w[d] is [num_recv_d, K] float32, the weights
+                                 rank d returns with its rows, in d's receive order (may be NULL
+                                 when d receives no row); NULL: no weight reduction */
+  float *out_w;               /* [OUT] [T_s, K] float32 (with recv_w, else NULL): out_w[t][k] =
+                                 the sum over the ranks d that received t, d ascending, from
+                                 +0.0f, of recv_w[d][row][k], each addition rounded to float32
+                                 (the same in epx_ref_combine_ex and _f64); 0 for a token on no
+                                 rank. Exact when at most one term per k is nonzero, as with a
+                                 dispatch's received weights (zeros where the slot is elsewhere) */
+  const uint16_t *bias[2];    /* [T_s, H] BF16 each, or NULL */
+} epx_ref_combine_extras_t;
+
+/* epx_ref_combine_ex - epx_ref_combine, then for each token t: bias[0][t] and then bias[1][t]
+ * (those given, converted exactly) are added to the float32 sum, each addition rounded, before
+ * the one BF16 rounding (a token on no rank gets bf16(+0.0f + bias)); and out_w as described
+ * above.
+ *   extras - [IN/OUT] or NULL (then exactly epx_ref_combine); other arguments as epx_ref_combine.
+ * Returns 0 or -1. */
+int epx_ref_combine_ex(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
+                       const float *topk_weights, const epx_ref_combine_extras_t *extras,
+                       uint16_t *out);
+
+/* epx_ref_combine_ex_f64 - epx_ref_combine_ex in float64 (the bias added in float64 too) with no
+ * final rounding; out_w is still the float32 sum defined above.
+ *   out - [OUT] [T_s, H] float64. Returns 0 or -1. */
+int epx_ref_combine_ex_f64(const epx_ref_world_t *world, int src_rank, const uint16_t *const *y,
+                           const float *topk_weights, const epx_ref_combine_extras_t *extras,
+                           double *out);
+
 #ifdef __cplusplus
 }
 #endif
