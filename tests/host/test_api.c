@@ -136,17 +136,17 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   EXPECT_OK(epx_workspace_size(&c, 4, &bytes));
   /* R=4, T=128, H=1024, E=16, K=4, BF16, normal mode:
    *   control 4096; notify 4*(4+16)*8 = 640 -> 4096;
-   *   normal, capacity 4*128 = 512 rows: recv_x 512*1024*2 = 1048576, topk idx 512*4*4 = 8192,
-   *   weights 8192, src token 2048, combine slab 2 parities x 1048576;
-   *   sum 3164160 -> 773 pages (3166208).  Total 3174400. */
-  EXPECT_EQ_INT(bytes, 3174400);
+   *   normal, capacity 4*128 = 512 rows: recv_x 512*1024*2 = 1048576, topk idx 512*4*8 = 16384
+   *   (room for int64 ids), weights 8192, src token 2048, combine slab 2 parities x 1048576;
+   *   sum 3172352 -> 775 pages (3174400).  Total 3182592. */
+  EXPECT_EQ_INT(bytes, 3182592);
   EXPECT_STATUS(epx_workspace_size(&c, 4, NULL), EPX_ERR_INVALID_ARGUMENT);
 
-  /* FP8 adds the scales array, 512 rows x 8 scales x 4 bytes = 16384: 3180544 -> 777 pages. */
+  /* FP8 adds the scales array, 512 rows x 8 scales x 4 bytes = 16384: 3188736 -> 779 pages. */
   c.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
   size_t both = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &both));
-  EXPECT_EQ_INT(both, 4096 + 4096 + 777 * 4096);
+  EXPECT_EQ_INT(both, 4096 + 4096 + 779 * 4096);
   bytes = both;
 
   /* Low-latency adds two buffers and the epochs. L = 4 local experts, R*M = 512 rows each:
