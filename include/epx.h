@@ -336,8 +336,8 @@ typedef struct epx_dispatch_result {
   const int *num_recv_per_expert_device; /* device [E/R], aligned as asked */
   const int *rank_prefix_matrix_device;  /* device [R, R] int32 row-major: [i][j] = tokens ranks
                                             0..i send to rank j (DeepEP's rank_prefix_matrix) */
-  int64_t *recv_topk_idx_int64; /* [capacity, K] int64 when recv_topk_idx_dtype = INT64 (then
-                                   recv_topk_idx is NULL), else NULL */
+  int64_t *recv_topk_idx_int64;  /* [capacity, K] int64 when recv_topk_idx_dtype = INT64 (then
+                                    recv_topk_idx is NULL), else NULL */
   int32_t *recv_x_scales_packed; /* [capacity, ceil(H/512)] int32 UE8M0 words when x_scales_dtype
                                     = INT32 (then recv_x_scales is NULL), else NULL */
 } epx_dispatch_result_t;

@@ -55,8 +55,8 @@ epx_status_t epx__dispatch_check_payload(epx_group_t g, const char *fn, const ch
     EPX_CHECK(check_scale_format(g, fn, prefix, a, num_tokens, d));
   } else {
     EPX_ARG_CHECK(a->x_scales_dtype == 0 || a->x_scales_dtype == EPX_DTYPE_FLOAT32,
-                  "%s: %sx_scales_dtype = %d: scales only go with x_dtype = EPX_DTYPE_FP8_E4M3",
-                  fn, prefix, (int)a->x_scales_dtype);
+                  "%s: %sx_scales_dtype = %d: scales only go with x_dtype = EPX_DTYPE_FP8_E4M3", fn,
+                  prefix, (int)a->x_scales_dtype);
     EPX_ARG_CHECK(a->x_scales_stride_token == 0 && a->x_scales_stride_group == 0,
                   "%s: %sx_scales_stride_token / _group = %d / %d: scales only go with x_dtype = "
                   "EPX_DTYPE_FP8_E4M3",

@@ -190,11 +190,11 @@ EPX_EXPORT epx_status_t epx_dispatch_cached_args(epx_group_t g, epx_handle_t h,
   EPX_ARG_CHECK(a->num_tokens == h->num_tokens,
                 "%s: args->num_tokens = %d: must be the handle's (%d), whose routing is reused", fn,
                 a->num_tokens, h->num_tokens);
-  EPX_ARG_CHECK(!a->topk_idx && !a->topk_weights && !a->is_token_in_rank &&
-                    !a->num_tokens_per_expert,
-                "%s: args->topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert: must "
-                "be NULL (a cached dispatch reuses the handle's routing)",
-                fn);
+  EPX_ARG_CHECK(
+      !a->topk_idx && !a->topk_weights && !a->is_token_in_rank && !a->num_tokens_per_expert,
+      "%s: args->topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert: must "
+      "be NULL (a cached dispatch reuses the handle's routing)",
+      fn);
   return dispatch_cached(g, h, fn, "args->", a, out, stream);
 }
 

@@ -73,7 +73,7 @@ typedef struct epx__dispatch_launch_args {
    * 4-byte words); scales_strided = 0 when the strides are (scale_cols, 1). */
   int scale_cols, scales_strided, scales_packed;
   long long scale_stride_token, scale_stride_group;
-  int write_meta;    /* 1: write recv_topk_idx / weights / src_token (topk_idx NULL: -1 / 0) */
+  int write_meta;     /* 1: write recv_topk_idx / weights / src_token (topk_idx NULL: -1 / 0) */
   int recv_idx_int64; /* recv_topk_idx as int64 */
 } epx__dispatch_launch_args_t;
 

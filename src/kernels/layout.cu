@@ -168,7 +168,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (kFromMask) { /* the caller's expert counts; block 0 copies them */
     if (blockIdx.x == 0 && a.num_tokens_per_expert)
-      for (int e = tid; e < E; e += kThreads) a.num_tokens_per_expert[e] = a.in_tokens_per_expert[e];
+      for (int e = tid; e < E; e += kThreads)
+        a.num_tokens_per_expert[e] = a.in_tokens_per_expert[e];
   } else if (a.num_tokens_per_expert) {
     for (int e = tid; e < E; e += kThreads)
       if (expert_count[e]) atomicAdd(&a.num_tokens_per_expert[e], expert_count[e]);

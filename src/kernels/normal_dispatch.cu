@@ -83,8 +83,8 @@ __device__ __forceinline__ void copy_scales(const epx__kernel_ctx_t &ctx,
                             : src[(size_t)t * num_scales + i];
     for (unsigned m = mask; m; m &= m - 1) {
       const int r = __ffs(m) - 1;
-      uint32_t *d = (uint32_t *)(ctx.peer_base[r] + ctx.layout.normal_offset +
-                                 ctx.layout.recv_scales_offset);
+      uint32_t *d =
+          (uint32_t *)(ctx.peer_base[r] + ctx.layout.normal_offset + ctx.layout.recv_scales_offset);
       d[(size_t)rows[r] * num_scales + i] = sc;
     }
   }
@@ -183,7 +183,7 @@ epx_status_t launch_scales(const epx__kernel_ctx_t *ctx, const epx__dispatch_lau
   return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
     return EPX_INDEX_SWITCH(args->recv_idx_int64, OutIdxT, [&] {
       return epx::launch<dispatch_kernel<IdxT, OutIdxT, kScales>>(grid, block, 0, stream, *ctx,
-                                                                   *args);
+                                                                  *args);
     });
   });
 }
@@ -193,6 +193,6 @@ extern "C" epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
                                              cudaStream_t stream) {
   if (!args->x_is_fp8) return launch_scales<kNoScales>(ctx, args, stream);
   return EPX_BOOL_SWITCH(args->scales_strided, kStrided, [&] {
-    return launch_scales<kStrided ? kStridedScales : kContiguousScales>(ctx, args, stream);
+    return launch_scales < kStrided ? kStridedScales : kContiguousScales > (ctx, args, stream);
   });
 }

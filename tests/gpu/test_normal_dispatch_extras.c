@@ -84,8 +84,8 @@ static int check_meta(const world_t *w, const epx_dispatch_result_t *res, int ro
   for (int i = 0; i < ref->num_recv && bad < 0; i++)
     if (src[i] != ref->src_token[i]) bad = (long long)i * w->K;
   if (bad >= 0)
-    fprintf(stderr, "  %s: row %lld slot %lld: id %lld (want %lld), weight %g\n", label,
-            bad / w->K, bad % w->K, (long long)idx[bad], (long long)want[bad], wt[bad]);
+    fprintf(stderr, "  %s: row %lld slot %lld: id %lld (want %lld), weight %g\n", label, bad / w->K,
+            bad % w->K, (long long)idx[bad], (long long)want[bad], wt[bad]);
   free(idx), free(wt), free(src);
   return bad < 0 ? TEST_PASS : TEST_FAIL;
 }
@@ -113,7 +113,8 @@ static int check_fp8_recv(const world_t *w, const epx_dispatch_result_t *res, in
   EXPECTF(memcmp(x, ref->x_fp8, (size_t)n * w->H) == 0, "%s: recv_x differs", label);
   EXPECT((packed ? (void *)res->recv_x_scales_packed : (void *)res->recv_x_scales) != NULL);
   EXPECT((packed ? (void *)res->recv_x_scales : (void *)res->recv_x_scales_packed) == NULL);
-  EXPECT_CUDA(cudaMemcpy(sc, packed ? (void *)res->recv_x_scales_packed : (void *)res->recv_x_scales,
+  EXPECT_CUDA(cudaMemcpy(sc,
+                         packed ? (void *)res->recv_x_scales_packed : (void *)res->recv_x_scales,
                          (size_t)n * cols * 4, cudaMemcpyDeviceToHost));
   if (packed)
     epx_ref_ue8m0_pack(ref->x_scales, n, G, (int32_t *)want);
@@ -136,6 +137,42 @@ static int *upload_ints(const void *host, size_t bytes) {
   return d;
 }
 
+/* A world with its group, handle and device inputs (WORLD_NORMAL). */
+typedef struct {
+  world_t w;
+  epx_group_t g;
+  epx_handle_t h;
+  world_dev_t d;
+} setup_t;
+
+static int setup_make(epx_test_rank_t *t, const world_spec_t *spec, uint64_t *rng, setup_t *s) {
+  memset(s, 0, sizeof *s);
+  world_make(&s->w, t->num_ranks, spec, WORLD_NORMAL, rng);
+  const epx_group_config_t cfg = gpu_test_config(s->w.M, s->w.H, s->w.E, s->w.K);
+  const epx_status_t st = epx_group_create(t->comm, &cfg, &s->g);
+  EXPECTF(st == EPX_OK && epx_handle_create(s->g, &s->h) == EPX_OK, "group or handle: %s",
+          epx_last_error());
+  return world_dev_make(&s->w, t->rank, (size_t)t->num_ranks * s->w.M, &s->d);
+}
+
+/* A copy of s's world (sharing its arrays), its reference repointed at the copy's ranks. */
+static world_t setup_world(const setup_t *s) {
+  world_t w = s->w;
+  w.ref.ranks = w.ranks;
+  return w;
+}
+
+/* No async error on record, then everything of s released. */
+static int setup_free(setup_t *s, const char *label) {
+  EXPECT_NO_ASYNC_ERROR(s->g, label);
+  world_dev_free(&s->d);
+  world_free(&s->w);
+  const epx_status_t st = epx_handle_destroy(s->h);
+  EXPECTF(st == EPX_OK && epx_group_destroy(s->g) == EPX_OK, "%s: destroy: %s", label,
+          epx_last_error());
+  return TEST_PASS;
+}
+
 typedef struct {
   const char *name;
   world_spec_t world;
@@ -148,9 +185,10 @@ static int combine_and_check(epx_test_rank_t *t, const world_t *w, epx_group_t g
                              const world_dev_t *d, const char *label) {
   int nrecv = 0;
   uint16_t *y = normal_expert_output(w, t->rank, &nrecv);
-  EXPECT_CUDA(cudaMemcpyAsync(d->y, y, (size_t)nrecv * w->H * 2, cudaMemcpyHostToDevice, t->stream));
-  EXPECT_CUDA(cudaMemsetAsync(d->out, 0xFF, (size_t)w->ranks[t->rank].num_tokens * w->H * 2,
-                              t->stream));
+  EXPECT_CUDA(
+      cudaMemcpyAsync(d->y, y, (size_t)nrecv * w->H * 2, cudaMemcpyHostToDevice, t->stream));
+  EXPECT_CUDA(
+      cudaMemsetAsync(d->out, 0xFF, (size_t)w->ranks[t->rank].num_tokens * w->H * 2, t->stream));
   epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
   ca.x = d->y;
   ca.out = d->out;
@@ -162,17 +200,14 @@ static int combine_and_check(epx_test_rank_t *t, const world_t *w, epx_group_t g
 
 static int run_mask_case(epx_test_rank_t *t, const mask_case_t *c, uint64_t *rng) {
   const int R = t->num_ranks, me = t->rank;
-  world_t w;
-  world_make(&w, R, &c->world, WORLD_NORMAL, rng);
+  setup_t su;
+  if (setup_make(t, &c->world, rng, &su) != TEST_PASS) return TEST_FAIL;
+  world_t w = setup_world(&su);
+  const epx_group_t g = su.g;
+  const epx_handle_t h = su.h;
+  const world_dev_t d = su.d;
   masks_t m;
   masks_make(&w, c->one, &m);
-  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
-  world_dev_t d;
-  if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
   const int T = w.ranks[me].num_tokens, align = 1 + 3 * (c->fp8 != 0);
   uint8_t *d_mask = (uint8_t *)upload_ints(m.mask[me], (size_t)T * R);
   int *d_tpe = upload_ints(m.tpe[me], sizeof(int) * w.E);
@@ -222,14 +257,9 @@ static int run_mask_case(epx_test_rank_t *t, const mask_case_t *c, uint64_t *rng
   if (normal_check_recv(&w, me, &res, c->fp8, 0, &ref, label) != TEST_PASS) return TEST_FAIL;
   epx_ref_recv_free(&ref);
 
-  EXPECT_NO_ASYNC_ERROR(g, c->name);
   cudaFree(d_mask), cudaFree(d_tpe);
   masks_free(&m, R);
-  world_dev_free(&d);
-  world_free(&w);
-  EXPECT_OK(epx_handle_destroy(h));
-  EXPECT_OK(epx_group_destroy(g));
-  return TEST_PASS;
+  return setup_free(&su, c->name);
 }
 
 /*   name  {T_max  H  E  K  routing  T  empty_rank}  fp8  idx64  mask value */
@@ -290,19 +320,17 @@ EPX_GPU_TEST(normal_dispatch_worst_tokens, 300) {
                                 {256, 512, 32, 4, ROUTE_HOLES, -1, R - 1},
                                 {128, 256, 16, 2, ROUTE_EMPTY, 128, -1}};
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
-    world_t w;
-    world_make(&w, R, &specs[i], WORLD_NORMAL, &rng);
-    epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
-    epx_group_t g = NULL;
-    epx_handle_t h = NULL;
-    EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-    EXPECT_OK(epx_handle_create(g, &h));
-    world_dev_t d;
-    if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
+    setup_t su;
+    if (setup_make(t, &specs[i], &rng, &su) != TEST_PASS) return TEST_FAIL;
+    world_t w = setup_world(&su);
+    const epx_group_t g = su.g;
+    const epx_handle_t h = su.h;
+    const world_dev_t d = su.d;
     epx_ref_recv_t ref;
     EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
     const int cap = R * w.M, n = ref.num_recv;
-    const int worsts[3] = {cap, n > 0 ? n : 1, n + (cap - n) / 3 + 1 > cap ? cap : n + (cap - n) / 3 + 1};
+    const int worsts[3] = {cap, n > 0 ? n : 1,
+                           n + (cap - n) / 3 + 1 > cap ? cap : n + (cap - n) / 3 + 1};
     for (int k = 0; k < 3; k++) {
       char label[96];
       snprintf(label, sizeof label, "worst case %zu, num_worst_tokens %d (received %d)", i,
@@ -326,12 +354,8 @@ EPX_GPU_TEST(normal_dispatch_worst_tokens, 300) {
       return TEST_FAIL;
     if (combine_and_check(t, &w, g, h, &d, "combine after a worst-case dispatch") != TEST_PASS)
       return TEST_FAIL;
-    EXPECT_NO_ASYNC_ERROR(g, "worst tokens");
     epx_ref_recv_free(&ref);
-    world_dev_free(&d);
-    world_free(&w);
-    EXPECT_OK(epx_handle_destroy(h));
-    EXPECT_OK(epx_group_destroy(g));
+    if (setup_free(&su, "worst tokens") != TEST_PASS) return TEST_FAIL;
   }
   return TEST_PASS;
 }
@@ -365,17 +389,14 @@ EPX_GPU_TEST(normal_dispatch_scale_formats, 300) {
   const int formats[3][2] = {{0, 1}, {1, 0}, {1, 1}}; /* packed, column-major */
   for (int f = 0; f < 3; f++) {
     const int packed = formats[f][0], colmajor = formats[f][1];
-    const world_spec_t spec = {192, 640, 8 * R, 4, f == 2 ? ROUTE_HOLES : ROUTE_UNIFORM, -1,
-                               f == 1 ? 0 : -1};
-    world_t w;
-    world_make(&w, R, &spec, WORLD_NORMAL, &rng);
-    epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
-    epx_group_t g = NULL;
-    epx_handle_t h = NULL;
-    EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-    EXPECT_OK(epx_handle_create(g, &h));
-    world_dev_t d;
-    if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
+    const world_spec_t spec = {
+        192, 640, 8 * R, 4, f == 2 ? ROUTE_HOLES : ROUTE_UNIFORM, -1, f == 1 ? 0 : -1};
+    setup_t su;
+    if (setup_make(t, &spec, &rng, &su) != TEST_PASS) return TEST_FAIL;
+    world_t w = setup_world(&su); /* x8, sc changes reach the shared arrays */
+    const epx_group_t g = su.g;
+    const epx_handle_t h = su.h;
+    const world_dev_t d = su.d;
     for (int pass = 0; pass < 2; pass++) { /* 0: epx_dispatch, 1: cached with new payload */
       if (pass == 1) {
         for (int s = 0; s < R; s++)
@@ -415,112 +436,92 @@ EPX_GPU_TEST(normal_dispatch_scale_formats, 300) {
       epx_ref_recv_free(&ref);
       cudaFree(dsc);
     }
-    EXPECT_NO_ASYNC_ERROR(g, "scale formats");
-    world_dev_free(&d);
-    world_free(&w);
-    EXPECT_OK(epx_handle_destroy(h));
-    EXPECT_OK(epx_group_destroy(g));
+    if (setup_free(&su, "scale formats") != TEST_PASS) return TEST_FAIL;
   }
   return TEST_PASS;
 }
 
-typedef struct {
-  const char *name;
-  epx_dispatch_args_t args;
-  const char *must_name; /* the message must contain this */
-} extras_bad_t;
-
-static extras_bad_t extras_bad(const char *name, epx_dispatch_args_t args, const char *must_name) {
-  extras_bad_t b = {name, args, must_name};
-  return b;
+/* epx_dispatch(args) is refused with EPX_ERR_INVALID_ARGUMENT and a message naming `must`. */
+static int expect_refused(epx_test_rank_t *t, epx_group_t g, epx_handle_t h,
+                          epx_dispatch_args_t args, const char *must) {
+  epx_dispatch_result_t res;
+  const epx_status_t s = epx_dispatch(g, h, &args, &res, t->stream);
+  EXPECTF(s == EPX_ERR_INVALID_ARGUMENT && strstr(epx_last_error(), must) != NULL,
+          "a refusal naming %s: got %s, '%s'", must, epx_status_string(s), epx_last_error());
+  return TEST_PASS;
 }
 
-/* Inconsistent combinations of the new options are refused with EPX_ERR_INVALID_ARGUMENT
- * naming the field, before anything is sent; a dispatch right after is checked. */
+/* The options' refusals, each a field change of a valid dispatch (a, or its rank-mask or FP8
+ * version) and the name the message must carry. */
+static int refuse_all(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, epx_dispatch_args_t a,
+                      epx_dispatch_args_t mask, epx_dispatch_args_t fp8, const void *ids,
+                      const uint8_t *host_mask) {
+  int bad = 0;
+  epx_dispatch_args_t b;
+  b = mask, b.topk_idx = ids, bad |= expect_refused(t, g, h, b, "topk_idx");
+  b = mask, b.num_tokens_per_expert = NULL, bad |= expect_refused(t, g, h, b, "num_tokens_per_e");
+  b = mask, b.is_token_in_rank = NULL, bad |= expect_refused(t, g, h, b, "is_token_in_rank");
+  b = mask, b.topk_weights = a.topk_weights, bad |= expect_refused(t, g, h, b, "topk_weights");
+  b = mask, b.is_token_in_rank = host_mask, bad |= expect_refused(t, g, h, b, "is_token_in_rank");
+  b = a, b.num_worst_tokens = 8, bad |= expect_refused(t, g, h, b, "num_worst_tokens");
+  b = a, b.sync_counts = 0, b.num_worst_tokens = -1;
+  bad |= expect_refused(t, g, h, b, "num_worst_tokens");
+  b = a, b.sync_counts = 0, b.num_worst_tokens = t->num_ranks * 64 + 1;
+  bad |= expect_refused(t, g, h, b, "num_worst_tokens");
+  b = a, b.recv_topk_idx_dtype = EPX_DTYPE_FLOAT32;
+  bad |= expect_refused(t, g, h, b, "recv_topk_idx_dtype");
+  b = fp8, b.x_scales_dtype = EPX_DTYPE_BF16, bad |= expect_refused(t, g, h, b, "x_scales_dtype");
+  b = fp8, b.x_scales_stride_token = 1, bad |= expect_refused(t, g, h, b, "x_scales_stride");
+  b = a, b.x_scales_dtype = EPX_DTYPE_INT32, bad |= expect_refused(t, g, h, b, "x_scales_dtype");
+  b = a, b.x_scales_stride_token = 1, b.x_scales_stride_group = 64;
+  bad |= expect_refused(t, g, h, b, "x_scales_stride");
+  return bad ? TEST_FAIL : TEST_PASS;
+}
+
+/* Inconsistent combinations of the new options are refused by name before anything is sent;
+ * a rank-mask dispatch right after is checked, then cached dispatches refused by name. */
 EPX_GPU_TEST(normal_dispatch_extras_bad_arguments, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const world_spec_t spec = {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1};
-  world_t w;
-  world_make(&w, R, &spec, WORLD_NORMAL, &rng);
+  setup_t su;
+  if (setup_make(t, &spec, &rng, &su) != TEST_PASS) return TEST_FAIL;
   masks_t m;
-  masks_make(&w, 1, &m);
-  epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
-  world_dev_t d;
-  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
+  masks_make(&su.w, 1, &m);
   uint8_t *d_mask = (uint8_t *)upload_ints(m.mask[me], (size_t)64 * R);
-  int *d_tpe = upload_ints(m.tpe[me], sizeof(int) * w.E);
+  int *d_tpe = upload_ints(m.tpe[me], sizeof(int) * su.w.E);
   EXPECT(d_mask && d_tpe);
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
-  a.x = d.x;
-  a.topk_idx = d.idx;
-  a.topk_weights = (const float *)d.w;
+  a.x = su.d.x;
+  a.topk_idx = su.d.idx;
+  a.topk_weights = (const float *)su.d.w;
   a.num_tokens = 64;
   epx_dispatch_args_t mask = a, fp8 = a;
   mask.topk_idx = NULL, mask.topk_weights = NULL;
   mask.is_token_in_rank = d_mask, mask.num_tokens_per_expert = d_tpe;
-  fp8.x = d.x8, fp8.x_dtype = EPX_DTYPE_FP8_E4M3, fp8.x_scales = (const float *)d.sc;
-  extras_bad_t bad[16];
-  int nb = 0;
-  bad[nb] = extras_bad("ids and mask", mask, "topk_idx"), bad[nb++].args.topk_idx = d.idx;
-  bad[nb] = extras_bad("mask without counts", mask, "num_tokens_per_expert"),
-  bad[nb++].args.num_tokens_per_expert = NULL;
-  bad[nb] = extras_bad("counts without mask", mask, "is_token_in_rank"),
-  bad[nb++].args.is_token_in_rank = NULL;
-  bad[nb] = extras_bad("mask with weights", mask, "topk_weights"),
-  bad[nb++].args.topk_weights = (const float *)d.w;
-  bad[nb] = extras_bad("host mask", mask, "is_token_in_rank"),
-  bad[nb++].args.is_token_in_rank = m.mask[me];
-  bad[nb] = extras_bad("worst with sync", a, "num_worst_tokens"), bad[nb++].args.num_worst_tokens = 8;
-  bad[nb] = extras_bad("negative worst", a, "num_worst_tokens"), bad[nb].args.sync_counts = 0,
-  bad[nb++].args.num_worst_tokens = -1;
-  bad[nb] = extras_bad("worst above capacity", a, "num_worst_tokens"), bad[nb].args.sync_counts = 0,
-  bad[nb++].args.num_worst_tokens = R * 64 + 1;
-  bad[nb] = extras_bad("float ids", a, "recv_topk_idx_dtype"),
-  bad[nb++].args.recv_topk_idx_dtype = EPX_DTYPE_FLOAT32;
-  bad[nb] = extras_bad("bf16 scales", fp8, "x_scales_dtype"),
-  bad[nb++].args.x_scales_dtype = EPX_DTYPE_BF16;
-  bad[nb] = extras_bad("one stride", fp8, "x_scales_stride"),
-  bad[nb++].args.x_scales_stride_token = 1;
-  bad[nb] = extras_bad("packed scales on bf16", a, "x_scales_dtype"),
-  bad[nb++].args.x_scales_dtype = EPX_DTYPE_INT32;
-  bad[nb] = extras_bad("strides on bf16", a, "x_scales_stride"),
-  bad[nb].args.x_scales_stride_token = 1, bad[nb++].args.x_scales_stride_group = 64;
+  fp8.x = su.d.x8, fp8.x_dtype = EPX_DTYPE_FP8_E4M3, fp8.x_scales = (const float *)su.d.sc;
+  if (refuse_all(t, su.g, su.h, a, mask, fp8, su.d.idx, m.mask[me]) != TEST_PASS) return TEST_FAIL;
   epx_dispatch_result_t res;
-  for (int i = 0; i < nb; i++) {
-    const epx_status_t s = epx_dispatch(g, h, &bad[i].args, &res, t->stream);
-    EXPECTF(s == EPX_ERR_INVALID_ARGUMENT, "%s: got %s", bad[i].name, epx_status_string(s));
-    EXPECTF(strstr(epx_last_error(), bad[i].must_name) != NULL, "%s: message '%s' does not name %s",
-            bad[i].name, epx_last_error(), bad[i].must_name);
-  }
-  EXPECT_STATUS(epx_dispatch_cached_args(g, h, &a, &res, t->stream), EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_dispatch_cached_args(su.g, su.h, &a, &res, t->stream), EPX_ERR_INVALID_USAGE);
 
-  /* The group still works: a rank-mask dispatch, then cached dispatches refused by name. */
-  EXPECT_OK(epx_dispatch(g, h, &mask, &res, t->stream));
+  EXPECT_OK(epx_dispatch(su.g, su.h, &mask, &res, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   epx_ref_recv_t ref;
-  EXPECT(epx_ref_dispatch_mask(&w.ref, (const uint8_t *const *)m.mask, (const int *const *)m.tpe,
+  EXPECT(epx_ref_dispatch_mask(&su.w.ref, (const uint8_t *const *)m.mask, (const int *const *)m.tpe,
                                me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
-  if (normal_check_recv(&w, me, &res, 0, 0, &ref, "after bad arguments") != TEST_PASS)
+  if (normal_check_recv(&su.w, me, &res, 0, 0, &ref, "after bad arguments") != TEST_PASS)
     return TEST_FAIL;
   epx_ref_recv_free(&ref);
   epx_dispatch_args_t c = EPX_DISPATCH_ARGS_INIT;
-  c.x = d.x, c.num_tokens = 63;
-  EXPECT_STATUS(epx_dispatch_cached_args(g, h, &c, &res, t->stream), EPX_ERR_INVALID_ARGUMENT);
+  c.x = su.d.x, c.num_tokens = 63;
+  EXPECT_STATUS(epx_dispatch_cached_args(su.g, su.h, &c, &res, t->stream),
+                EPX_ERR_INVALID_ARGUMENT);
   EXPECT(strstr(epx_last_error(), "num_tokens") != NULL);
-  c.num_tokens = 64, c.topk_idx = d.idx;
-  EXPECT_STATUS(epx_dispatch_cached_args(g, h, &c, &res, t->stream), EPX_ERR_INVALID_ARGUMENT);
+  c.num_tokens = 64, c.topk_idx = su.d.idx;
+  EXPECT_STATUS(epx_dispatch_cached_args(su.g, su.h, &c, &res, t->stream),
+                EPX_ERR_INVALID_ARGUMENT);
   EXPECT(strstr(epx_last_error(), "topk_idx") != NULL);
-  EXPECT_NO_ASYNC_ERROR(g, __func__);
   cudaFree(d_mask), cudaFree(d_tpe);
   masks_free(&m, R);
-  world_dev_free(&d);
-  world_free(&w);
-  EXPECT_OK(epx_handle_destroy(h));
-  EXPECT_OK(epx_group_destroy(g));
-  return TEST_PASS;
+  return setup_free(&su, __func__);
 }

@@ -885,7 +885,8 @@ int epx_ref_ue8m0_pack(const float *scales, int num_tokens, int num_groups, int3
     for (int j = 0; j < words; j++) {
       uint32_t word = 0;
       for (int i = 0; i < 4 && 4 * j + i < num_groups; i++) {
-        const uint32_t exponent = (f32_bits(scales[(size_t)t * num_groups + 4 * j + i]) >> 23) & 0xff;
+        const uint32_t exponent =
+            (f32_bits(scales[(size_t)t * num_groups + 4 * j + i]) >> 23) & 0xff;
         word |= exponent << (8 * i);
       }
       out[(size_t)t * words + j] = (int32_t)word;

@@ -355,7 +355,6 @@ int epx_ref_ll_combine_f64_layout(const epx_ref_world_t *world, int src_rank,
                                   int max_tokens_per_rank, epx_ref_ll_layout_t layout,
                                   const uint16_t *const *y, const float *topk_weights, double *out);
 
-
 /* ---------------------------------------------------------------------------------------------
  * DeepEP-parity dispatch options (docs/normal-mode.md): rank-mask routing, the rank prefix
  * matrix, worst-case rows, strided and packed UE8M0 scales.
@@ -381,8 +380,7 @@ int epx_ref_dispatch_mask(const epx_ref_world_t *world, const uint8_t *const *ma
  *   masks - [IN]  NULL: route by topk_idx; else [R] rank masks as epx_ref_dispatch_mask
  *   out   - [OUT] [R, R] int
  * Returns 0 or -1. */
-int epx_ref_rank_prefix_matrix(const epx_ref_world_t *world, const uint8_t *const *masks,
-                               int *out);
+int epx_ref_rank_prefix_matrix(const epx_ref_world_t *world, const uint8_t *const *masks, int *out);
 
 /* epx_ref_worst_topk_idx - recv_topk_idx of a dispatch with num_worst_tokens: rows
  * [0, num_recv) are recv->topk_idx, rows [num_recv, num_worst) are -1.
