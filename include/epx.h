@@ -350,7 +350,11 @@ typedef struct epx_dispatch_result {
  *   result - [OUT] where the received data is.
  * Returns EPX_OK once queued, or EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent).
  * Expert ids out of range are reported asynchronously (stage LAYOUT) and treated as empty. A
- * peer that does not arrive within timeout_ms is reported asynchronously (EPX_ERR_TIMEOUT). */
+ * peer that does not arrive within timeout_ms is reported asynchronously (EPX_ERR_TIMEOUT).
+ * With num_worst_tokens, a real receive count above it is reported asynchronously
+ * (EPX_ERR_INVALID_ARGUMENT, stage DISPATCH, value = the count); every row is still written.
+ * The DeepEP-parity options (rank mask, worst-case rows, int64 ids, strided / packed scales,
+ * rank prefix matrix) and the DeepEP calls they serve: docs/normal-mode.md. */
 epx_status_t epx_dispatch(epx_group_t group, epx_handle_t handle, const epx_dispatch_args_t *args,
                           epx_dispatch_result_t *result, cudaStream_t stream);
 
