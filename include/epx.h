@@ -323,26 +323,53 @@ typedef struct epx_dispatch_args {
                                  only host synchronization of EPX); 0: no host sync, counts only
                                  on the device (capturable in a CUDA graph) */
   int *num_recv_per_expert;   /* [OUT] optional host array [E/R] (sync_counts = 1 only) */
+  /* DeepEP-parity options (docs/normal-mode.md). Their defaults keep the behaviour above. */
+  const uint8_t *is_token_in_rank;  /* [IN] [T, R] bool (0 / nonzero): route by rank mask instead
+                                       of topk_idx (which must then be NULL, and topk_weights
+                                       too); needs num_tokens_per_expert. NULL = route by ids */
+  const int *num_tokens_per_expert; /* [IN] device [E] int32: with is_token_in_rank, the tokens of
+                                       this rank per expert; they make the receivers' per-expert
+                                       counts. NULL otherwise */
+  int num_worst_tokens;             /* 0 = off; else the receive row count the caller planned
+                                       for (1..capacity): needs sync_counts = 0; result->num_recv
+                                       is then this number, and rows [real count, this) of
+                                       recv_topk_idx are -1 (weights 0), written on the GPU */
+  epx_dtype_t recv_topk_idx_dtype;  /* 0 or EPX_DTYPE_INT32: result->recv_topk_idx (int32);
+                                       EPX_DTYPE_INT64: result->recv_topk_idx_int64 */
+  epx_dtype_t x_scales_dtype;       /* FP8 only. 0 or EPX_DTYPE_FLOAT32: x_scales are [T, H/128]
+                                       float32; EPX_DTYPE_INT32: UE8M0 exponents packed four per
+                                       int32, [T, ceil(H/512)], carried as they are */
+  int x_scales_stride_token;        /* FP8 only: element strides of x_scales; both 0 = contiguous
+                                       rows; DeepEP's column-major [T, H/128]: 1 and T */
+  int x_scales_stride_group;
 } epx_dispatch_args_t;
 
 #define EPX_DISPATCH_ARGS_INIT                                                                     \
   {                                                                                                \
     sizeof(epx_dispatch_args_t), NULL, EPX_DTYPE_BF16, NULL, NULL, EPX_DTYPE_INT64, NULL, 0, 0, 1, \
-        NULL                                                                                       \
+        NULL, NULL, NULL, 0, EPX_DTYPE_INT32, EPX_DTYPE_FLOAT32, 0, 0                              \
   }
 
 typedef struct epx_dispatch_result {
-  int num_recv;                /* rows received (sync_counts = 1), else -1 */
+  int num_recv;                /* rows received (sync_counts = 1); num_worst_tokens when that
+                                  is set (the real count is num_recv_device); else -1 */
   int capacity;                /* rows the outputs can hold: R x max_tokens_per_rank */
   void *recv_x;                /* [capacity, H] BF16 or FP8 in the workspace; rows
                                   [0, num_recv) are this dispatch's, source-rank major */
-  float *recv_x_scales;        /* [capacity, H/128] (FP8 dispatch), else NULL */
-  int *recv_topk_idx;          /* [capacity, K] int32 local expert ids, -1 elsewhere */
+  float *recv_x_scales;        /* [capacity, H/128] (FP8 dispatch, float32 scales), else NULL */
+  int *recv_topk_idx;          /* [capacity, K] int32 local expert ids, -1 elsewhere (NULL when
+                                  recv_topk_idx_dtype = INT64) */
   float *recv_topk_weights;    /* [capacity, K] float32, 0 where the slot is elsewhere */
   int *recv_src_token;         /* [capacity] source token index of each row */
   const int *recv_rank_prefix; /* device [R+1]: rows of source s are [prefix[s], prefix[s+1]) */
   const int *num_recv_device;  /* device int: rows received */
   const int *num_recv_per_expert_device; /* device [E/R], aligned as asked */
+  const int *rank_prefix_matrix_device;  /* device [R, R] int32 row-major: [i][j] = tokens ranks
+                                            0..i send to rank j (DeepEP's rank_prefix_matrix) */
+  int64_t *recv_topk_idx_int64;  /* [capacity, K] int64 when recv_topk_idx_dtype = INT64 (then
+                                    recv_topk_idx is NULL), else NULL */
+  int32_t *recv_x_scales_packed; /* [capacity, ceil(H/512)] int32 UE8M0 words when x_scales_dtype
+                                    = INT32 (then recv_x_scales is NULL), else NULL */
 } epx_dispatch_result_t;
 
 /* epx_dispatch - send this rank's tokens to the ranks of their experts. COLLECTIVE: every rank
@@ -353,7 +380,11 @@ typedef struct epx_dispatch_result {
  *   result - [OUT] where the received data is.
  * Returns EPX_OK once queued, or EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent).
  * Expert ids out of range are reported asynchronously (stage LAYOUT) and treated as empty. A
- * peer that does not arrive within timeout_ms is reported asynchronously (EPX_ERR_TIMEOUT). */
+ * peer that does not arrive within timeout_ms is reported asynchronously (EPX_ERR_TIMEOUT).
+ * With num_worst_tokens, a real receive count above it is reported asynchronously
+ * (EPX_ERR_INVALID_ARGUMENT, stage DISPATCH, value = the count); every row is still written.
+ * The DeepEP-parity options (rank mask, worst-case rows, int64 ids, strided / packed scales,
+ * rank prefix matrix) and the DeepEP calls they serve: docs/normal-mode.md. */
 epx_status_t epx_dispatch(epx_group_t group, epx_handle_t handle, const epx_dispatch_args_t *args,
                           epx_dispatch_result_t *result, cudaStream_t stream);
 
@@ -364,6 +395,16 @@ epx_status_t epx_dispatch(epx_group_t group, epx_handle_t handle, const epx_disp
 epx_status_t epx_dispatch_cached(epx_group_t group, epx_handle_t handle, const void *x,
                                  epx_dtype_t x_dtype, const float *x_scales,
                                  epx_dispatch_result_t *result, cudaStream_t stream);
+
+/* epx_dispatch_cached_args - epx_dispatch_cached with every payload format of
+ * epx_dispatch_args_t (strided or packed UE8M0 scales). COLLECTIVE; as epx_dispatch_cached.
+ *   args - [IN] x, x_dtype, x_scales, x_scales_dtype, x_scales_stride_*; num_tokens must be the
+ *          handle's; topk_idx, topk_weights, is_token_in_rank and num_tokens_per_expert must be
+ *          NULL; the other fields are ignored (result->num_recv is the handle's
+ *          num_worst_tokens when it had one, else -1). */
+epx_status_t epx_dispatch_cached_args(epx_group_t group, epx_handle_t handle,
+                                      const epx_dispatch_args_t *args,
+                                      epx_dispatch_result_t *result, cudaStream_t stream);
 
 typedef struct epx_combine_args {
   size_t size;          /* sizeof(epx_combine_args_t); set by EPX_COMBINE_ARGS_INIT */

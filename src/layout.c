@@ -1,5 +1,6 @@
 /*
- * layout.c - epx_layout: argument checks, then the layout kernel (src/kernels/layout.cu).
+ * layout.c - epx_layout: argument checks, then the layout kernel (src/kernels/layout.cu); and
+ * the rank-mask variant that epx_dispatch uses with is_token_in_rank.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -46,8 +47,10 @@ EPX_EXPORT epx_status_t epx_layout(epx_group_t g, const epx_layout_args_t *args,
   return epx__layout_enqueue(g, args, stream);
 }
 
-epx_status_t epx__layout_enqueue(epx_group_t g, const epx_layout_args_t *args,
-                                 cudaStream_t stream) {
+/* The launch arguments of args; rank-mask routing when in_rank_mask or in_per_expert is set. */
+static epx_status_t enqueue(epx_group_t g, const epx_layout_args_t *args,
+                            const uint8_t *in_rank_mask, const int *in_per_expert,
+                            cudaStream_t stream) {
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   epx__layout_launch_args_t la = {args->topk_idx,
@@ -59,6 +62,20 @@ epx_status_t epx__layout_enqueue(epx_group_t g, const epx_layout_args_t *args,
                                   args->num_tokens_per_rank,
                                   args->num_tokens_per_expert,
                                   args->is_token_in_rank,
-                                  args->token_pos_in_rank};
+                                  args->token_pos_in_rank,
+                                  in_rank_mask || in_per_expert,
+                                  in_rank_mask,
+                                  in_per_expert};
   return epx__layout_launch(&ctx, &la, stream);
+}
+
+epx_status_t epx__layout_enqueue(epx_group_t g, const epx_layout_args_t *args,
+                                 cudaStream_t stream) {
+  return enqueue(g, args, NULL, NULL, stream);
+}
+
+epx_status_t epx__layout_mask_enqueue(epx_group_t g, const epx_layout_args_t *args,
+                                      const uint8_t *in_rank_mask, const int *in_per_expert,
+                                      cudaStream_t stream) {
+  return enqueue(g, args, in_rank_mask, in_per_expert, stream);
 }

@@ -1,12 +1,13 @@
 /*
- * normal.c - the host side of normal (high-throughput) mode: handles, epx_dispatch,
- * epx_dispatch_cached, epx_combine. Checks every argument, then queues the kernels of
+ * normal.c - the host side of normal (high-throughput) mode: epx_dispatch,
+ * epx_dispatch_cached(_args), epx_combine. Checks every argument (dispatch's in
+ * dispatch_args.c), then queues the kernels of
  * src/kernels/notify.cu, normal_dispatch.cu and normal_combine.cu (and layout.cu) on the
  * caller's stream.
  *
  * A dispatch is: layout (into the handle) -> notify (count exchange into the handle's meta)
- * -> dispatch kernel. With sync_counts the host waits for notify only; the dispatch kernel is
- * already queued behind it.
+ * -> (num_worst_tokens: the tail of the receive metadata) -> dispatch kernel. With sync_counts
+ * the host waits for notify only; the dispatch kernel is already queued behind it.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -15,6 +16,7 @@
 
 #include "arg_check.h"
 #include "checks.h"
+#include "dispatch_args.h"
 #include "group.h"
 #include "handle.h"
 #include "kernels/api.h"
@@ -31,38 +33,25 @@ static epx__routing_t routing_of(epx_handle_t h) {
   return r;
 }
 
-static void fill_result(epx_group_t g, epx_handle_t h, int x_is_fp8, int num_recv,
-                        epx_dispatch_result_t *out) {
+/* Where the received data is. scales_packed: the payload's scales are packed UE8M0 words. */
+static void fill_result(epx_group_t g, epx_handle_t h, int x_is_fp8, int scales_packed,
+                        int num_recv, epx_dispatch_result_t *out) {
   char *base = g->workspace + g->layout.normal_offset;
+  void *scales = base + g->layout.recv_scales_offset, *idx = base + g->layout.recv_topk_idx_offset;
+  memset(out, 0, sizeof *out);
   out->num_recv = num_recv;
   out->capacity = (int)g->layout.recv_capacity;
   out->recv_x = base + g->layout.recv_x_offset;
-  out->recv_x_scales = x_is_fp8 ? (float *)(base + g->layout.recv_scales_offset) : NULL;
-  out->recv_topk_idx = (int *)(base + g->layout.recv_topk_idx_offset);
+  out->recv_x_scales = x_is_fp8 && !scales_packed ? (float *)scales : NULL;
+  out->recv_x_scales_packed = x_is_fp8 && scales_packed ? (int32_t *)scales : NULL;
+  out->recv_topk_idx = h->recv_topk_idx_int64 ? NULL : (int *)idx;
+  out->recv_topk_idx_int64 = h->recv_topk_idx_int64 ? (int64_t *)idx : NULL;
   out->recv_topk_weights = (float *)(base + g->layout.recv_topk_weights_offset);
   out->recv_src_token = (int *)(base + g->layout.recv_src_token_offset);
   out->recv_rank_prefix = h->meta->rank_prefix;
   out->num_recv_device = &h->meta->num_recv;
   out->num_recv_per_expert_device = h->meta->per_expert;
-}
-
-/* Payload checks shared by epx_dispatch and epx_dispatch_cached. */
-static epx_status_t check_payload(epx_group_t g, const char *fn, const char *x_name, const void *x,
-                                  epx_dtype_t x_dtype, const float *x_scales, int num_tokens) {
-  char arg[64];
-  snprintf(arg, sizeof arg, "%s_dtype", x_name);
-  EPX_ARG_CHECK(x_dtype == EPX_DTYPE_BF16 || x_dtype == EPX_DTYPE_FP8_E4M3,
-                "%s: %s = %d: must be EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3", fn, arg, (int)x_dtype);
-  EPX_ARG_CHECK(g->config.dtypes & x_dtype,
-                "%s: %s = %s: must be one the group was created with (config.dtypes = 0x%x)", fn,
-                arg, x_dtype == EPX_DTYPE_BF16 ? "BF16" : "FP8_E4M3", g->config.dtypes);
-  if (num_tokens == 0) return EPX_OK;
-  EPX_CHECK(epx__check_device_ptr(fn, x_name, x, 16));
-  if (x_dtype == EPX_DTYPE_FP8_E4M3) {
-    snprintf(arg, sizeof arg, "%s_scales", x_name);
-    EPX_CHECK(epx__check_device_ptr(fn, arg, x_scales, 4));
-  }
-  return EPX_OK;
+  out->rank_prefix_matrix_device = h->meta->rank_prefix_matrix;
 }
 
 static int stream_is_capturing(cudaStream_t stream) {
@@ -71,20 +60,32 @@ static int stream_is_capturing(cudaStream_t stream) {
   return st != cudaStreamCaptureStatusNone;
 }
 
-static epx__dispatch_launch_args_t dispatch_args_of(epx_group_t g, epx_handle_t h, const void *x,
-                                                    epx_dtype_t x_dtype, const float *x_scales) {
-  epx__dispatch_launch_args_t d;
-  memset(&d, 0, sizeof d);
-  d.routing = routing_of(h);
-  d.x = x;
-  d.x_is_fp8 = x_dtype == EPX_DTYPE_FP8_E4M3;
-  d.x_scales = x_scales;
-  d.hidden = g->config.hidden;
-  d.top_k = g->config.top_k;
-  d.num_experts = g->config.num_experts;
-  d.num_blocks = g->config.num_sms;
-  d.idx_is_int64 = 1;
-  return d;
+/* The launch arguments every dispatch shares; the payload fields come from
+ * epx__dispatch_check_payload. */
+static void dispatch_args_of(epx_group_t g, epx_handle_t h, epx__dispatch_launch_args_t *d) {
+  d->routing = routing_of(h);
+  d->hidden = g->config.hidden;
+  d->top_k = g->config.top_k;
+  d->num_experts = g->config.num_experts;
+  d->num_blocks = g->config.num_sms;
+  d->idx_is_int64 = 1;
+  d->recv_idx_int64 = h->recv_topk_idx_int64;
+}
+
+/* Layout into the handle, from topk_idx or from the caller's rank mask. */
+static epx_status_t enqueue_layout(epx_group_t g, epx_handle_t h, const epx_dispatch_args_t *a,
+                                   cudaStream_t stream) {
+  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
+  la.topk_idx = a->topk_idx;
+  la.topk_idx_dtype = a->topk_idx_dtype;
+  la.num_tokens = a->num_tokens;
+  la.num_tokens_per_rank = h->num_tokens_per_rank;
+  la.num_tokens_per_expert = h->num_tokens_per_expert;
+  la.is_token_in_rank = h->is_token_in_rank;
+  la.token_pos_in_rank = h->token_pos_in_rank;
+  if (epx__dispatch_by_mask(a))
+    return epx__layout_mask_enqueue(g, &la, a->is_token_in_rank, a->num_tokens_per_expert, stream);
+  return epx__layout_enqueue(g, &la, stream);
 }
 
 EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_dispatch_args_t *a,
@@ -95,23 +96,10 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   EPX_CHECK(epx__check_not_null(fn, "result", out));
   EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_dispatch_args_t),
                                    "EPX_DISPATCH_ARGS_INIT"));
-  EPX_CHECK(
-      epx__check_token_count(fn, "args->num_tokens", a->num_tokens, g->config.max_tokens_per_rank));
-  EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
-  EPX_ARG_CHECK(a->expert_alignment >= 0 && a->expert_alignment <= 4096,
-                "%s: args->expert_alignment = %d: must be in [0, 4096]", fn, a->expert_alignment);
-  EPX_CHECK(epx__check_flag(fn, "args->sync_counts", a->sync_counts));
-  EPX_ARG_CHECK(a->sync_counts || !a->num_recv_per_expert,
-                "%s: args->num_recv_per_expert = %p: must be NULL unless args->sync_counts = 1 "
-                "(use the device counts otherwise)",
-                fn, (void *)a->num_recv_per_expert);
-  EPX_CHECK(check_payload(g, fn, "args->x", a->x, a->x_dtype, a->x_scales, a->num_tokens));
-  if (a->num_tokens > 0) {
-    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_idx", a->topk_idx,
-                                    epx__index_bytes(a->topk_idx_dtype)));
-    if (a->topk_weights)
-      EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
-  }
+  EPX_CHECK(epx__dispatch_check_routing(g, fn, a));
+  epx__dispatch_launch_args_t d;
+  memset(&d, 0, sizeof d);
+  EPX_CHECK(epx__dispatch_check_payload(g, fn, "args->", a, a->num_tokens, &d));
   if (a->sync_counts && stream_is_capturing(stream))
     return epx__set_error(
         EPX_ERR_INVALID_USAGE,
@@ -120,27 +108,27 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   h->num_tokens = a->num_tokens;
-  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
-  la.topk_idx = a->topk_idx;
-  la.topk_idx_dtype = a->topk_idx_dtype;
-  la.num_tokens = a->num_tokens;
-  la.num_tokens_per_rank = h->num_tokens_per_rank;
-  la.num_tokens_per_expert = h->num_tokens_per_expert;
-  la.is_token_in_rank = h->is_token_in_rank;
-  la.token_pos_in_rank = h->token_pos_in_rank;
-  EPX_CHECK(epx__layout_enqueue(g, &la, stream));
+  h->recv_topk_idx_int64 = a->recv_topk_idx_dtype == EPX_DTYPE_INT64;
+  h->num_worst_tokens = a->num_worst_tokens;
+  EPX_CHECK(enqueue_layout(g, h, a, stream));
   epx__notify_launch_args_t na = {routing_of(h), g->config.num_experts, a->expert_alignment,
                                   g->config.max_tokens_per_rank,
                                   a->sync_counts ? h->host_counts_dev : NULL};
   EPX_CHECK(epx__notify_launch(&ctx, &na, stream));
   if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
-  epx__dispatch_launch_args_t d = dispatch_args_of(g, h, a->x, a->x_dtype, a->x_scales);
+  if (a->num_worst_tokens > 0) {
+    epx__worst_tail_launch_args_t wa = {h->meta, a->num_worst_tokens, g->config.top_k,
+                                        h->recv_topk_idx_int64};
+    EPX_CHECK(epx__worst_tail_launch(&ctx, &wa, stream));
+  }
+  dispatch_args_of(g, h, &d);
   d.topk_idx = a->topk_idx;
   d.idx_is_int64 = a->topk_idx_dtype == EPX_DTYPE_INT64;
   d.topk_weights = a->topk_weights;
+  d.write_meta = 1;
   EPX_CHECK(epx__dispatch_launch(&ctx, &d, stream));
 
-  int num_recv = -1;
+  int num_recv = a->num_worst_tokens > 0 ? a->num_worst_tokens : -1;
   if (a->sync_counts) {
     /* The one host synchronization of EPX: wait for the count exchange, not for the data. */
     CUDA_CHECK(cudaEventSynchronize(h->counts_ready));
@@ -149,7 +137,33 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
       for (int j = 0; j < g->config.num_experts / g->num_ranks; j++)
         a->num_recv_per_expert[j] = ((volatile int *)h->host_counts)[1 + j];
   }
-  fill_result(g, h, a->x_dtype == EPX_DTYPE_FP8_E4M3, num_recv, out);
+  fill_result(g, h, d.x_is_fp8, d.scales_packed, num_recv, out);
+  return EPX_OK;
+}
+
+/* A cached dispatch of the payload in a (its payload fields only), num_tokens = the handle's. */
+static epx_status_t dispatch_cached(epx_group_t g, epx_handle_t h, const char *fn,
+                                    const char *prefix, const epx_dispatch_args_t *a,
+                                    epx_dispatch_result_t *out, cudaStream_t stream) {
+  epx__dispatch_launch_args_t d;
+  memset(&d, 0, sizeof d);
+  EPX_CHECK(epx__dispatch_check_payload(g, fn, prefix, a, h->num_tokens, &d));
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  dispatch_args_of(g, h, &d);
+  EPX_CHECK(epx__dispatch_launch(&ctx, &d, stream));
+  fill_result(g, h, d.x_is_fp8, d.scales_packed, h->num_worst_tokens > 0 ? h->num_worst_tokens : -1,
+              out);
+  return EPX_OK;
+}
+
+static epx_status_t check_cached(epx_group_t g, epx_handle_t h, const char *fn,
+                                 epx_dispatch_result_t *out) {
+  EPX_CHECK(epx__handle_check(g, h));
+  EPX_CHECK(epx__check_not_null(fn, "result", out));
+  if (h->num_tokens < 0)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the handle holds no routing yet; call epx_dispatch first", fn);
   return EPX_OK;
 }
 
@@ -157,18 +171,31 @@ EPX_EXPORT epx_status_t epx_dispatch_cached(epx_group_t g, epx_handle_t h, const
                                             epx_dtype_t x_dtype, const float *x_scales,
                                             epx_dispatch_result_t *out, cudaStream_t stream) {
   static const char fn[] = "epx_dispatch_cached";
-  EPX_CHECK(epx__handle_check(g, h));
-  EPX_CHECK(epx__check_not_null(fn, "result", out));
-  if (h->num_tokens < 0)
-    return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "%s: the handle holds no routing yet; call epx_dispatch first", fn);
-  EPX_CHECK(check_payload(g, fn, "x", x, x_dtype, x_scales, h->num_tokens));
-  epx__kernel_ctx_t ctx;
-  epx__group_kernel_ctx(g, &ctx);
-  epx__dispatch_launch_args_t d = dispatch_args_of(g, h, x, x_dtype, x_scales);
-  EPX_CHECK(epx__dispatch_launch(&ctx, &d, stream));
-  fill_result(g, h, x_dtype == EPX_DTYPE_FP8_E4M3, -1, out);
-  return EPX_OK;
+  EPX_CHECK(check_cached(g, h, fn, out));
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = x;
+  a.x_dtype = x_dtype;
+  a.x_scales = x_scales;
+  return dispatch_cached(g, h, fn, "", &a, out, stream);
+}
+
+EPX_EXPORT epx_status_t epx_dispatch_cached_args(epx_group_t g, epx_handle_t h,
+                                                 const epx_dispatch_args_t *a,
+                                                 epx_dispatch_result_t *out, cudaStream_t stream) {
+  static const char fn[] = "epx_dispatch_cached_args";
+  EPX_CHECK(check_cached(g, h, fn, out));
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_dispatch_args_t),
+                                   "EPX_DISPATCH_ARGS_INIT"));
+  EPX_ARG_CHECK(a->num_tokens == h->num_tokens,
+                "%s: args->num_tokens = %d: must be the handle's (%d), whose routing is reused", fn,
+                a->num_tokens, h->num_tokens);
+  EPX_ARG_CHECK(
+      !a->topk_idx && !a->topk_weights && !a->is_token_in_rank && !a->num_tokens_per_expert,
+      "%s: args->topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert: must "
+      "be NULL (a cached dispatch reuses the handle's routing)",
+      fn);
+  return dispatch_cached(g, h, fn, "args->", a, out, stream);
 }
 
 /* The top-k weight reduction and the bias of a combine (DeepEP combine's `topk_weights` and

@@ -20,7 +20,9 @@ struct epx_handle {
   epx__recv_meta_t *meta;
   int *host_counts, *host_counts_dev; /* mapped [1 + E/R]: num_recv, per-expert */
   cudaEvent_t counts_ready;
-  int num_tokens; /* of the dispatch that filled the handle; -1 before */
+  int num_tokens;          /* of the dispatch that filled the handle; -1 before */
+  int recv_topk_idx_int64; /* the dispatch that filled the handle wrote int64 recv_topk_idx */
+  int num_worst_tokens;    /* its num_worst_tokens (0 = off) */
 };
 
 #endif /* EPX_HANDLE_H_ */

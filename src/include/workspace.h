@@ -93,7 +93,8 @@ typedef struct epx__ws_layout {
   size_t recv_capacity;            /* rows: R x max_tokens */
   size_t recv_x_offset;            /* [capacity, H] payload (BF16: 2 bytes/element, FP8: 1) */
   size_t recv_scales_offset;       /* [capacity, H/128] float32 (FP8) */
-  size_t recv_topk_idx_offset;     /* [capacity, K] int32 local expert ids, -1 elsewhere */
+  size_t recv_topk_idx_offset;     /* [capacity, K] local expert ids, -1 elsewhere: int32, or
+                                      int64 (recv_topk_idx_dtype), so sized at 8 bytes each */
   size_t recv_topk_weights_offset; /* [capacity, K] float32 */
   size_t recv_src_token_offset;    /* [capacity] int32 source token index */
   size_t combine_slab_offset;      /* 2 parities x [R, max_tokens, H] BF16: row (d, p) = rank d's
@@ -126,6 +127,8 @@ typedef struct epx__recv_meta {
   int rank_prefix[EPX_MAX_RANKS + 1];      /* rows from sources < s start at rank_prefix[s] */
   int count[EPX_MAX_RANKS][EPX_MAX_RANKS]; /* count[s][r]: tokens rank s sends to rank r */
   int per_expert[EPX_MAX_EXPERTS];         /* rows per local expert (aligned if asked) */
+  /* rank_prefix_matrix[i * R + j]: tokens ranks 0..i send to rank j (inclusive over sources) */
+  int rank_prefix_matrix[EPX_MAX_RANKS * EPX_MAX_RANKS];
 } epx__recv_meta_t;
 
 EPX_HD size_t epx__align_up(size_t x, size_t a) {
@@ -186,7 +189,7 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->recv_scales_offset = n;
   if (dtypes & EPX_DTYPE_FP8_E4M3) n += epx__align_up(cap * (hidden / 128) * 4, 256);
   l->recv_topk_idx_offset = n;
-  n += epx__align_up(cap * top_k * 4, 256);
+  n += epx__align_up(cap * top_k * 8, 256); /* room for int64 ids */
   l->recv_topk_weights_offset = n;
   n += epx__align_up(cap * top_k * 4, 256);
   l->recv_src_token_offset = n;

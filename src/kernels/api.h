@@ -25,6 +25,11 @@ typedef struct epx__layout_launch_args {
   int *num_tokens_per_expert; /* [E] or NULL */
   uint8_t *is_token_in_rank;  /* [T, R] or NULL */
   int *token_pos_in_rank;     /* [T, R] or NULL */
+  /* Rank-mask routing (topk_idx NULL): the caller's [T, R] mask and [E] expert counts, which the
+   * kernel copies into num_tokens_per_expert. from_mask = 0: route by topk_idx. */
+  int from_mask;
+  const uint8_t *in_rank_mask;
+  const int *in_tokens_per_expert;
 } epx__layout_launch_args_t;
 
 epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx, const epx__layout_launch_args_t *args,
@@ -63,7 +68,21 @@ typedef struct epx__dispatch_launch_args {
   int idx_is_int64;
   const float *topk_weights;
   int hidden, top_k, num_experts, num_blocks;
+  /* Formats (epx_dispatch_args_t): x_scales element (t, g) at t * scale_stride_token +
+   * g * scale_stride_group, scale_cols words per row (float32 or packed UE8M0 int32, copied as
+   * 4-byte words); scales_strided = 0 when the strides are (scale_cols, 1). */
+  int scale_cols, scales_strided, scales_packed;
+  long long scale_stride_token, scale_stride_group;
+  int write_meta;     /* 1: write recv_topk_idx / weights / src_token (topk_idx NULL: -1 / 0) */
+  int recv_idx_int64; /* recv_topk_idx as int64 */
 } epx__dispatch_launch_args_t;
+
+/* Rows [num_recv, num_worst) of recv_topk_idx = -1, of recv_topk_weights = 0 (notify.cu); a
+ * num_recv above num_worst is raised as EPX_ERR_INVALID_ARGUMENT, stage DISPATCH. */
+typedef struct epx__worst_tail_launch_args {
+  const epx__recv_meta_t *meta;
+  int num_worst, top_k, recv_idx_int64;
+} epx__worst_tail_launch_args_t;
 
 typedef struct epx__combine_launch_args {
   epx__routing_t routing;
@@ -91,6 +110,8 @@ epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
 epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                  const epx__combine_launch_args_t *args,
                                  const epx__combine_extras_t *extras, cudaStream_t stream);
+epx_status_t epx__worst_tail_launch(const epx__kernel_ctx_t *ctx,
+                                    const epx__worst_tail_launch_args_t *args, cudaStream_t stream);
 
 /* Low-latency mode (src/kernels/ll_dispatch.cu, ll_pack.cuh, ll_combine.cu). phases:
  * EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV. */

@@ -17,6 +17,9 @@
  * of one is raised as EPX_ERR_INVALID_ARGUMENT. Nothing is written outside the caller's arrays.
  * Every loop over k or r is unrolled to the compile-time maximum, so the per-token arrays stay
  * in registers (indexed at run time they went to local memory).
+ * Rank-mask routing (kFromMask, epx_dispatch with is_token_in_rank): the same kernel with each
+ * token's rank mask read from the caller's [T, R] mask instead of derived from its ids; no ids,
+ * no invalid ids, and the caller's per-expert counts are copied (block 0) instead of counted.
  */
 #include "kernels/launch.cuh"
 #include "kernels/api.h"
@@ -61,7 +64,16 @@ __device__ __forceinline__ unsigned rank_mask_of(const int *ids, int experts_per
   return mask;
 }
 
-template <typename IdxT>
+/* Rank-mask routing: bit r set when the caller's mask says token t goes to rank r. */
+__device__ __forceinline__ unsigned rank_mask_from(const uint8_t *in_rank, int t, int R) {
+  unsigned mask = 0;
+#pragma unroll
+  for (int r = 0; r < EPX_MAX_RANKS; r++)
+    if (r < R && in_rank[(size_t)t * R + r]) mask |= 1u << r;
+  return mask;
+}
+
+template <typename IdxT, bool kFromMask>
 __global__ void __launch_bounds__(kThreads, 1)
     layout_kernel(epx__kernel_ctx_t ctx, epx__layout_launch_args_t a) {
   __shared__ int expert_count[EPX_MAX_EXPERTS];
@@ -90,8 +102,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 2
   for (int t = tid; t < tile; t += kThreads) {
     unsigned mask = 0;
+    if constexpr (kFromMask) mask = rank_mask_from(a.in_rank_mask, t, R);
 #pragma unroll 8
-    for (int k = 0; k < K; k++) {
+    for (int k = 0; k < (kFromMask ? 0 : K); k++) {
       const long long e = (long long)topk[(size_t)t * K + k];
       if (e >= 0 && e < E) {
         mask |= 1u << ((int)e / experts_per_rank);
@@ -121,8 +134,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   int ids[EPX_MAX_TOP_K];
 #pragma unroll
   for (int k = 0; k < EPX_MAX_TOP_K; k++) ids[k] = -1;
-  if (t < T) load_ids(topk, t, K, E, ids, &my_bad);
-  const unsigned rank_mask = rank_mask_of(ids, experts_per_rank);
+  if (t < T && !kFromMask) load_ids(topk, t, K, E, ids, &my_bad);
+  const unsigned rank_mask = kFromMask ? (t < T ? rank_mask_from(a.in_rank_mask, t, R) : 0u)
+                                       : rank_mask_of(ids, experts_per_rank);
 #pragma unroll
   for (int k = 0; k < EPX_MAX_TOP_K; k++) {
     if (ids[k] < 0) continue;
@@ -152,9 +166,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  if (a.num_tokens_per_expert)
+  if (kFromMask) { /* the caller's expert counts; block 0 copies them */
+    if (blockIdx.x == 0 && a.num_tokens_per_expert)
+      for (int e = tid; e < E; e += kThreads)
+        a.num_tokens_per_expert[e] = a.in_tokens_per_expert[e];
+  } else if (a.num_tokens_per_expert) {
     for (int e = tid; e < E; e += kThreads)
       if (expert_count[e]) atomicAdd(&a.num_tokens_per_expert[e], expert_count[e]);
+  }
   if (!last) return;
   /* The last block has seen every token: totals per rank and the lowest invalid id. */
   if (a.num_tokens_per_rank && tid < R) {
@@ -177,10 +196,12 @@ extern "C" epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx,
                                            const epx__layout_launch_args_t *args,
                                            cudaStream_t stream) {
   const int blocks = args->num_tokens > 0 ? (args->num_tokens + kThreads - 1) / kThreads : 1;
+  if (args->from_mask) /* no ids: the expert counts are copied, not summed */
+    return epx::launch<layout_kernel<int, true>>(blocks, kThreads, 0, stream, *ctx, *args);
   if (args->num_tokens_per_expert)
     CUDA_CHECK(cudaMemsetAsync(args->num_tokens_per_expert, 0,
                                sizeof(int) * (size_t)args->num_experts, stream));
   return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
-    return epx::launch<layout_kernel<IdxT>>(blocks, kThreads, 0, stream, *ctx, *args);
+    return epx::launch<layout_kernel<IdxT, false>>(blocks, kThreads, 0, stream, *ctx, *args);
   });
 }

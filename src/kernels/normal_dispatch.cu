@@ -13,6 +13,8 @@
  * counter has grown by the grid size. Counters are monotonic, so nothing is ever reset and a
  * captured graph replays correctly. All ranks launch the same grid (config.num_sms, agreed at
  * group creation).
+ * Specialised at compile time on the payload's scale format (none, contiguous, strided), the
+ * routing index dtype and the received index dtype (int32 or int64 recv_topk_idx).
  */
 #include "checks.h"
 #include "kernels/api.h"
@@ -64,9 +66,34 @@ __device__ __forceinline__ void copy_row_multicast(const int4 *src, int4 *const 
   }
 }
 
-template <typename IdxT, bool kFp8>
+/* Scale words of a payload row: none (BF16), contiguous rows, or caller-given strides. */
+enum ScaleMode { kNoScales = 0, kContiguousScales = 1, kStridedScales = 2 };
+
+/* Copy token t's scale words (float32 or packed UE8M0, moved as 4-byte words) to its row on
+ * every destination in mask (one warp). */
+template <int kScales>
+__device__ __forceinline__ void copy_scales(const epx__kernel_ctx_t &ctx,
+                                            const epx__dispatch_launch_args_t &a, int t,
+                                            const int *rows, unsigned mask, int lane) {
+  const int num_scales = a.scale_cols;
+  const uint32_t *src = (const uint32_t *)a.x_scales;
+  for (int i = lane; i < num_scales; i += 32) {
+    const uint32_t sc = kScales == kStridedScales
+                            ? src[t * a.scale_stride_token + i * a.scale_stride_group]
+                            : src[(size_t)t * num_scales + i];
+    for (unsigned m = mask; m; m &= m - 1) {
+      const int r = __ffs(m) - 1;
+      uint32_t *d =
+          (uint32_t *)(ctx.peer_base[r] + ctx.layout.normal_offset + ctx.layout.recv_scales_offset);
+      d[(size_t)rows[r] * num_scales + i] = sc;
+    }
+  }
+}
+
+template <typename IdxT, typename OutIdxT, int kScales>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(epx__kernel_ctx_t ctx, epx__dispatch_launch_args_t a) {
+  constexpr bool kFp8 = kScales != kNoScales;
   const uint64_t t_send = epx::trace_begin(ctx);
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int H = a.hidden, K = a.top_k, E = a.num_experts, epr = E / R;
@@ -80,11 +107,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   /* Buffer regions (every rank has the same layout):
-   *   recv_x        [cap, H] elem       recv_scales [cap, H/128] f32
-   *   recv_topk_idx [cap, K] i32        recv_topk_weights [cap, K] f32   recv_src_token [cap] i32
+   *   recv_x        [cap, H] elem       recv_scales [cap, scale_cols] f32 / packed i32
+   *   recv_topk_idx [cap, K] OutIdxT    recv_topk_weights [cap, K] f32   recv_src_token [cap] i32
    */
   const epx__ws_layout_t &L = ctx.layout;
-  const int elem = kFp8 ? 1 : 2, n16 = H * elem / 16, num_scales = H / 128;
+  const int elem = kFp8 ? 1 : 2, n16 = H * elem / 16;
   const IdxT *topk = (const IdxT *)a.topk_idx;
   int begin, end;
   block_share(a.routing.num_tokens, &begin, &end);
@@ -105,20 +132,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     copy_row_multicast((const int4 *)((const char *)a.x + (size_t)t * H * elem), dst, mask, n16,
                        lane);
-    if (kFp8) {
-      for (int i = lane; i < num_scales; i += 32) {
-        const float sc = a.x_scales[(size_t)t * num_scales + i];
-        for (unsigned m = mask; m; m &= m - 1) {
-          const int r = __ffs(m) - 1;
-          float *d = (float *)(ctx.peer_base[r] + L.normal_offset + L.recv_scales_offset);
-          d[(size_t)rows[r] * num_scales + i] = sc;
-        }
-      }
-    }
-    if (topk) { /* routing metadata; a cached dispatch keeps the earlier values */
+    if (kFp8) copy_scales<kScales>(ctx, a, t, rows, mask, lane);
+    if (a.write_meta) { /* routing metadata; a cached dispatch keeps the earlier values */
       long long e = -1;
       float w = 0.f;
-      if (lane < K) {
+      if (lane < K && topk) { /* rank-mask routing has no ids: -1 / 0 */
         e = (long long)topk[(size_t)t * K + lane];
         if (e < 0 || e >= E) e = -1; /* invalid ids were reported by the layout kernel */
         if (a.topk_weights) w = a.topk_weights[(size_t)t * K + lane];
@@ -128,8 +146,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         char *base = ctx.peer_base[r] + L.normal_offset;
         if (lane < K) {
           const bool here = e >= 0 && e / epr == r;
-          ((int *)(base + L.recv_topk_idx_offset))[(size_t)rows[r] * K + lane] =
-              here ? (int)(e - (long long)r * epr) : -1;
+          ((OutIdxT *)(base + L.recv_topk_idx_offset))[(size_t)rows[r] * K + lane] =
+              here ? (OutIdxT)(e - (long long)r * epr) : (OutIdxT)-1;
           ((float *)(base + L.recv_topk_weights_offset))[(size_t)rows[r] * K + lane] =
               here ? w : 0.f;
         }
@@ -156,14 +174,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-/* One kernel per payload dtype (BF16 or FP8 with scales) and routing index dtype. */
+/* One kernel per payload format (BF16; FP8 with contiguous or strided scales), routing index
+ * dtype and received index dtype. */
+template <int kScales>
+epx_status_t launch_scales(const epx__kernel_ctx_t *ctx, const epx__dispatch_launch_args_t *args,
+                           cudaStream_t stream) {
+  const dim3 grid(args->num_blocks), block(kThreads);
+  return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
+    return EPX_INDEX_SWITCH(args->recv_idx_int64, OutIdxT, [&] {
+      return epx::launch<dispatch_kernel<IdxT, OutIdxT, kScales>>(grid, block, 0, stream, *ctx,
+                                                                  *args);
+    });
+  });
+}
+
 extern "C" epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
                                              const epx__dispatch_launch_args_t *args,
                                              cudaStream_t stream) {
-  const dim3 grid(args->num_blocks), block(kThreads);
-  return EPX_BOOL_SWITCH(args->x_is_fp8, kFp8, [&] {
-    return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
-      return epx::launch<dispatch_kernel<IdxT, kFp8>>(grid, block, 0, stream, *ctx, *args);
-    });
+  if (!args->x_is_fp8) return launch_scales<kNoScales>(ctx, args, stream);
+  return EPX_BOOL_SWITCH(args->scales_strided, kStrided, [&] {
+    return launch_scales < kStrided ? kStridedScales : kContiguousScales > (ctx, args, stream);
   });
 }

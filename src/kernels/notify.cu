@@ -7,8 +7,13 @@
  * Each thread writes a strided share of the words to the peers, then waits for a strided share
  * of its own inbox; thread 0 writes the prefix. Invariant: every word is (epoch << 32) | value,
  * so a word is valid exactly when it carries this call's epoch: nothing is ever zeroed, there is
- * no separate flag and no ordering between words to get right.
+ * no separate flag and no ordering between words to get right. Thread i < R x R also writes
+ * entry i of the inclusive rank prefix matrix (DeepEP's rank_prefix_matrix).
+ *
+ * worst_tail_kernel (num_worst_tokens only): the -1 / 0 tail of the receive metadata.
  */
+#include <type_traits>
+
 #include "checks.h"
 #include "kernels/api.h"
 #include "kernels/launch.cuh"
@@ -19,6 +24,7 @@
 namespace {
 
 constexpr int kThreads = 512;
+constexpr int kTailThreads = 256;
 /* Thread i < R x R copies count[i / R][i % R] into the handle's meta. */
 static_assert(kThreads >= EPX_MAX_RANKS * EPX_MAX_RANKS, "one thread per count matrix entry");
 
@@ -89,7 +95,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (a.host_counts) a.host_counts[0] = prefix;
     epx::trace_end(ctx, t_start, EPX_TRACE_NOTIFY, prefix);
   }
-  if (tid < R * R) meta->count[tid / R][tid % R] = timed_out ? 0 : count[tid / R][tid % R];
+  if (tid < R * R) {
+    const int i = tid / R, j = tid % R;
+    int inclusive = 0; /* DeepEP's rank_prefix_matrix: sources 0..i to rank j */
+    for (int s = 0; s <= i; s++) inclusive += count[s][j];
+    meta->count[i][j] = timed_out ? 0 : count[i][j];
+    meta->rank_prefix_matrix[tid] = timed_out ? 0 : inclusive;
+  }
   const int align = a.expert_alignment > 1 ? a.expert_alignment : 1;
   for (int j = tid; j < epr; j += kThreads) {
     const int c = (expert_sum[j] + align - 1) / align * align;
@@ -98,7 +110,45 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+/* num_worst_tokens: grid-stride over the [num_worst - num_recv, K] tail of this rank's
+ * recv_topk_idx / recv_topk_weights. No peer writes those rows in this call (they hold rows
+ * below num_recv), and the previous dispatch's writes are complete (its kernel waited for them),
+ * so the tail is written without any wait. Ordered after notify on the stream (meta->num_recv). */
+template <typename OutIdxT>
+__global__ void __launch_bounds__(kTailThreads)
+    worst_tail_kernel(epx__kernel_ctx_t ctx, epx__worst_tail_launch_args_t a) {
+  const int num_recv = a.meta->num_recv, K = a.top_k;
+  if (num_recv > a.num_worst) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_DISPATCH, -1, a.num_worst,
+                       num_recv);
+    return;
+  }
+  /* Regions (every rank's layout): recv_topk_idx [cap, K] OutIdxT, recv_topk_weights [cap, K]
+   * float32, from the normal region of this rank. */
+  char *base = ctx.peer_base[ctx.rank] + ctx.layout.normal_offset;
+  OutIdxT *idx = (OutIdxT *)(base + ctx.layout.recv_topk_idx_offset) + (size_t)num_recv * K;
+  float *w = (float *)(base + ctx.layout.recv_topk_weights_offset) + (size_t)num_recv * K;
+  const size_t n = (size_t)(a.num_worst - num_recv) * K;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    idx[i] = (OutIdxT)-1;
+    w[i] = 0.f;
+  }
+}
+
 }  // namespace
+
+extern "C" epx_status_t epx__worst_tail_launch(const epx__kernel_ctx_t *ctx,
+                                               const epx__worst_tail_launch_args_t *args,
+                                               cudaStream_t stream) {
+  const size_t n = (size_t)args->num_worst * args->top_k;
+  const int blocks = (int)(n / kTailThreads + 1 < 128 ? n / kTailThreads + 1 : 128);
+  return EPX_BOOL_SWITCH(args->recv_idx_int64, kInt64, [&] {
+    using OutIdxT = typename std::conditional<kInt64, long long, int>::type;
+    return epx::launch<worst_tail_kernel<OutIdxT>>(blocks, kTailThreads, 0, stream, *ctx, *args);
+  });
+}
 
 extern "C" epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx,
                                            const epx__notify_launch_args_t *args,

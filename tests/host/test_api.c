@@ -137,18 +137,18 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   EXPECT_OK(epx_workspace_size(&c, 4, &bytes));
   /* R=4, T=128, H=1024, E=16, K=4, BF16, normal mode:
    *   control 4096; notify 4*(4+16)*8 = 640 -> 4096;
-   *   normal, capacity 4*128 = 512 rows: recv_x 512*1024*2 = 1048576, topk idx 512*4*4 = 8192,
-   *   weights 8192, src token 2048, combine slab 2 parities x 1048576, chunk counters 2 x 4
-   *   x 2 x 8 = 128 -> 256, combine weights 2 parities x 512*4*4 = 2 x 8192;
-   *   sum 3180800 -> 777 pages (3182592).  Total 3190784. */
-  EXPECT_EQ_INT(bytes, 3190784);
+   *   normal, capacity 4*128 = 512 rows: recv_x 512*1024*2 = 1048576, topk idx 512*4*8 = 16384
+   *   (room for int64 ids), weights 8192, src token 2048, combine slab 2 parities x 1048576,
+   *   chunk counters 2 x 4 x 2 x 8 = 128 -> 256, combine weights 2 parities x 512*4*4 = 2 x 8192;
+   *   sum 3188992 -> 779 pages (3190784).  Total 3198976. */
+  EXPECT_EQ_INT(bytes, 3198976);
   EXPECT_STATUS(epx_workspace_size(&c, 4, NULL), EPX_ERR_INVALID_ARGUMENT);
 
-  /* FP8 adds the scales array, 512 rows x 8 scales x 4 bytes = 16384: 3197184 -> 781 pages. */
+  /* FP8 adds the scales array, 512 rows x 8 scales x 4 bytes = 16384: 3205376 -> 783 pages. */
   c.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
   size_t both = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &both));
-  EXPECT_EQ_INT(both, 4096 + 4096 + 781 * 4096);
+  EXPECT_EQ_INT(both, 4096 + 4096 + 783 * 4096);
   bytes = both;
 
   /* Low-latency adds two buffers and the epochs. L = 4 local experts, R*M = 512 rows each:

@@ -800,3 +800,126 @@ int epx_ref_combine_ex_f64(const epx_ref_world_t *world, int src_rank, const uin
   if (!out) return fail("out is NULL");
   return combine_impl(world, src_rank, y, topk_weights, extras, NULL, out);
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * DeepEP-parity dispatch options.
+ * ------------------------------------------------------------------------------------------- */
+
+/* A world with the same payload whose routing says the masks: R slots per token, slot r naming
+ * the first expert of rank r when the mask sends the token there, else -1. ids[s] are allocated
+ * here ([T_s, R] int64); the caller frees them. */
+static int mask_world(const epx_ref_world_t *w, const uint8_t *const *masks, epx_ref_rank_t *ranks,
+                      int64_t **ids, epx_ref_world_t *out) {
+  const int R = w->num_ranks, first_of = w->num_experts / R;
+  *out = *w;
+  out->top_k = R;
+  out->ranks = ranks;
+  for (int s = 0; s < R; s++) {
+    const int T = w->ranks[s].num_tokens;
+    ranks[s] = w->ranks[s];
+    ranks[s].topk_weights = NULL;
+    ids[s] = alloc_array((size_t)T * R, sizeof(int64_t));
+    if (!ids[s]) return fail("out of memory for rank %d's mask", s);
+    if (T > 0 && (!masks || !masks[s])) return fail("masks[%d] is NULL with %d tokens", s, T);
+    for (size_t i = 0; i < (size_t)T * R; i++)
+      ids[s][i] = masks[s][i] ? (int64_t)(i % R) * first_of : -1;
+    ranks[s].topk_idx = ids[s];
+  }
+  return 0;
+}
+
+int epx_ref_dispatch_mask(const epx_ref_world_t *world, const uint8_t *const *masks,
+                          const int *const *tokens_per_expert, int dst_rank,
+                          epx_ref_payload_t payload, int expert_alignment, epx_ref_recv_t *recv) {
+  if (!recv) return fail("recv is NULL");
+  memset(recv, 0, sizeof *recv);
+  if (check_world(world) || check_rank_arg(world, dst_rank, "dst_rank")) return -1;
+  if (!tokens_per_expert) return fail("tokens_per_expert is NULL");
+  const int R = world->num_ranks, K = world->top_k, L = world->num_experts / R;
+  enum { kMaxRanks = 64 };
+  epx_ref_rank_t ranks[kMaxRanks];
+  int64_t *ids[kMaxRanks] = {NULL};
+  if (R > kMaxRanks) return fail("num_ranks = %d, want <= %d", R, (int)kMaxRanks);
+  epx_ref_world_t mw;
+  int res = mask_world(world, masks, ranks, ids, &mw);
+  if (res == 0) res = epx_ref_dispatch(&mw, dst_rank, payload, expert_alignment, recv);
+  for (int s = 0; s < R; s++) free(ids[s]);
+  if (res) return -1;
+  /* No ids travel: K columns of -1 / 0; the per-expert counts are the callers'. */
+  const size_t n = (size_t)recv->num_recv;
+  free(recv->topk_idx), free(recv->topk_weights);
+  recv->topk_idx = alloc_array(n * K, sizeof(int64_t));
+  recv->topk_weights = alloc_array(n * K, sizeof(float));
+  if (!recv->topk_idx || !recv->topk_weights) return fail("out of memory for %zu rows", n);
+  for (size_t i = 0; i < n * K; i++) recv->topk_idx[i] = -1;
+  for (int j = 0; j < L; j++) {
+    int count = 0;
+    for (int s = 0; s < R; s++) {
+      if (!tokens_per_expert[s]) return fail("tokens_per_expert[%d] is NULL", s);
+      count += tokens_per_expert[s][dst_rank * L + j];
+    }
+    recv->num_recv_per_expert[j] = count;
+    recv->num_recv_per_expert_aligned[j] =
+        (count + expert_alignment - 1) / expert_alignment * expert_alignment;
+  }
+  return 0;
+}
+
+int epx_ref_rank_prefix_matrix(const epx_ref_world_t *world, const uint8_t *const *masks,
+                               int *out) {
+  if (check_world(world)) return -1;
+  if (!out) return fail("out is NULL");
+  const int R = world->num_ranks, K = world->top_k, E = world->num_experts;
+  for (int j = 0; j < R; j++) {
+    int sum = 0;
+    for (int i = 0; i < R; i++) {
+      const epx_ref_rank_t *src = &world->ranks[i];
+      if (masks && src->num_tokens > 0 && !masks[i]) return fail("masks[%d] is NULL", i);
+      for (int t = 0; t < src->num_tokens; t++)
+        sum += masks ? masks[i][(size_t)t * R + j] != 0
+                     : token_on_rank(src->topk_idx + (size_t)t * K, K, E, E / R, j);
+      out[i * R + j] = sum;
+    }
+  }
+  return 0;
+}
+
+int epx_ref_worst_topk_idx(const epx_ref_recv_t *recv, int top_k, int num_worst, int64_t *out) {
+  if (!recv || !out) return fail("recv or out is NULL");
+  if (top_k < 1) return fail("top_k = %d, want >= 1", top_k);
+  if (num_worst < recv->num_recv)
+    return fail("num_worst = %d, want >= num_recv = %d", num_worst, recv->num_recv);
+  const size_t n = (size_t)recv->num_recv * top_k;
+  if (n) memcpy(out, recv->topk_idx, n * sizeof(int64_t));
+  for (size_t i = n; i < (size_t)num_worst * top_k; i++) out[i] = -1;
+  return 0;
+}
+
+int epx_ref_scales_strided(const void *scales, int num_tokens, int num_groups, int stride_token,
+                           int stride_group, void *out) {
+  if (num_tokens < 0 || num_groups < 0) return fail("negative dimension");
+  if (stride_token < 1 || stride_group < 1)
+    return fail("strides %d, %d: want >= 1", stride_token, stride_group);
+  const uint32_t *in = scales;
+  uint32_t *o = out;
+  for (int t = 0; t < num_tokens; t++)
+    for (int g = 0; g < num_groups; g++)
+      o[(size_t)t * stride_token + (size_t)g * stride_group] = in[(size_t)t * num_groups + g];
+  return 0;
+}
+
+int epx_ref_ue8m0_pack(const float *scales, int num_tokens, int num_groups, int32_t *out) {
+  if (num_tokens < 0 || num_groups < 0) return fail("negative dimension");
+  const int words = (num_groups + 3) / 4;
+  for (int t = 0; t < num_tokens; t++)
+    for (int j = 0; j < words; j++) {
+      uint32_t word = 0;
+      for (int i = 0; i < 4 && 4 * j + i < num_groups; i++) {
+        const uint32_t exponent =
+            (f32_bits(scales[(size_t)t * num_groups + 4 * j + i]) >> 23) & 0xff;
+        word |= exponent << (8 * i);
+      }
+      out[(size_t)t * words + j] = (int32_t)word;
+    }
+  return 0;
+}

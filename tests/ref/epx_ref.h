@@ -391,6 +391,59 @@ int epx_ref_combine_ex_f64(const epx_ref_world_t *world, int src_rank, const uin
                            const float *topk_weights, const epx_ref_combine_extras_t *extras,
                            double *out);
 
+/* ---------------------------------------------------------------------------------------------
+ * DeepEP-parity dispatch options (docs/normal-mode.md): rank-mask routing, the rank prefix
+ * matrix, worst-case rows, strided and packed UE8M0 scales.
+ * ------------------------------------------------------------------------------------------- */
+
+/* epx_ref_dispatch_mask - what dst_rank receives in a normal dispatch routed by rank masks
+ * (epx_dispatch_args_t.is_token_in_rank) instead of expert ids: every token t of every source
+ * rank s with masks[s][t*R + dst_rank] != 0, exactly once, ordered by (s, t). Rows carry no ids:
+ * topk_idx is -1 and topk_weights 0 everywhere. num_recv_per_expert[j] = sum over s of
+ * tokens_per_expert[s][dst_rank*E/R + j] (the callers' counts, exchanged as they are), aligned
+ * into num_recv_per_expert_aligned. Payload, rank_prefix, src_rank, src_token as
+ * epx_ref_dispatch (world's topk_idx is not read).
+ *   masks             - [IN]  [R] pointers, masks[s] is [T_s, R] uint8 (NULL when T_s = 0)
+ *   tokens_per_expert - [IN]  [R] pointers, each [E] int
+ *   other arguments as epx_ref_dispatch. Returns 0 or -1. */
+int epx_ref_dispatch_mask(const epx_ref_world_t *world, const uint8_t *const *masks,
+                          const int *const *tokens_per_expert, int dst_rank,
+                          epx_ref_payload_t payload, int expert_alignment, epx_ref_recv_t *recv);
+
+/* epx_ref_rank_prefix_matrix - DeepEP's rank_prefix_matrix: out[i*R + j] = tokens that ranks
+ * 0..i send to rank j (a token counts once per destination).
+ *   world - [IN]  every rank's topk_idx (used when masks is NULL)
+ *   masks - [IN]  NULL: route by topk_idx; else [R] rank masks as epx_ref_dispatch_mask
+ *   out   - [OUT] [R, R] int
+ * Returns 0 or -1. */
+int epx_ref_rank_prefix_matrix(const epx_ref_world_t *world, const uint8_t *const *masks, int *out);
+
+/* epx_ref_worst_topk_idx - recv_topk_idx of a dispatch with num_worst_tokens: rows
+ * [0, num_recv) are recv->topk_idx, rows [num_recv, num_worst) are -1.
+ *   recv      - [IN]  a reference receive
+ *   top_k     - [IN]  K
+ *   num_worst - [IN]  rows of out
+ *   out       - [OUT] [num_worst, K] int64
+ * Returns 0, or -1 if num_worst < recv->num_recv (nothing written). */
+int epx_ref_worst_topk_idx(const epx_ref_recv_t *recv, int top_k, int num_worst, int64_t *out);
+
+/* epx_ref_scales_strided - FP8 scales [T, G] float32 row-major rewritten at element strides:
+ * out[t*stride_token + g*stride_group] = scales[t*G + g]; other elements of out untouched.
+ * Column-major [T, G] (DeepEP's tests) is stride_token 1, stride_group T. Works on any 4-byte
+ * words (packed UE8M0 scales too, with G their word count).
+ * Returns 0, or -1 on a negative dimension or a stride < 1. */
+int epx_ref_scales_strided(const void *scales, int num_tokens, int num_groups, int stride_token,
+                           int stride_group, void *out);
+
+/* epx_ref_ue8m0_pack - pack float32 scales [T, G] four per int32 word, as DeepGEMM's
+ * transpose_and_pack_fp32_into_ue8m0 and DeepEP do: word j of a row holds groups 4j..4j+3, group
+ * 4j+i in bits [8i, 8i+8) (little-endian bytes), each byte the scale's biased exponent field
+ * (float bits 30..23; exact for positive powers of two, the mantissa is dropped otherwise);
+ * bytes past G are 0.
+ *   out - [OUT] [T, (G + 3) / 4] int32
+ * Returns 0, or -1 on a negative dimension. */
+int epx_ref_ue8m0_pack(const float *scales, int num_tokens, int num_groups, int32_t *out);
+
 #ifdef __cplusplus
 }
 #endif
