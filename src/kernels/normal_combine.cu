@@ -543,9 +543,15 @@ __device__ __forceinline__ void combine_finish(const epx__kernel_ctx_t &ctx,
   }
 }
 
+}  // namespace
+
+/* The kernel has external linkage so that profilers show it as epx::normal::combine
+ * (docs/profiling.md, "Kernel names"). */
+namespace epx::normal {
+
 template <typename IdxT, int kRanks, bool kExtras>
 __global__ void __launch_bounds__(kThreads, 1)
-    combine_kernel(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a, ExtrasOf<kExtras> x) {
+    combine(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a, ExtrasOf<kExtras> x) {
   const int R = ctx.num_ranks, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   __shared__ int prefix[EPX_MAX_RANKS + 1];
   __shared__ unsigned call;
@@ -569,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   combine_finish(ctx, cv);
 }
 
-}  // namespace
+}  // namespace epx::normal
 
 /* The rank count is a specialisation axis: 2, 4 and 8 get their own kernels; 3, 5, 6 and 7 run
  * the next larger one (ranks beyond num_ranks never have their mask bit set). kExtras (top-k
@@ -586,9 +592,9 @@ extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
   return EPX_RANKS_SWITCH(ctx->num_ranks, kRanks, [&] {
     return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
       return EPX_BOOL_SWITCH(any, kExtras, [&] {
-        return epx::launch<combine_kernel<IdxT, kRanks, kExtras>>(args->num_blocks, kThreads,
-                                                                  sizeof(SendSmem), stream, *ctx,
-                                                                  *args, extras_arg<kExtras>(x));
+        return epx::launch<epx::normal::combine<IdxT, kRanks, kExtras>>(
+            args->num_blocks, kThreads, sizeof(SendSmem), stream, *ctx, *args,
+            extras_arg<kExtras>(x));
       });
     });
   });

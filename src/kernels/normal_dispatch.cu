@@ -90,9 +90,15 @@ __device__ __forceinline__ void copy_scales(const epx__kernel_ctx_t &ctx,
   }
 }
 
+}  // namespace
+
+/* The kernel has external linkage so that profilers show it as epx::normal::dispatch
+ * (docs/profiling.md, "Kernel names"). */
+namespace epx::normal {
+
 template <typename IdxT, typename OutIdxT, int kScales>
 __global__ void __launch_bounds__(kThreads, 1)
-    dispatch_kernel(epx__kernel_ctx_t ctx, epx__dispatch_launch_args_t a) {
+    dispatch(epx__kernel_ctx_t ctx, epx__dispatch_launch_args_t a) {
   constexpr bool kFp8 = kScales != kNoScales;
   const uint64_t t_send = epx::trace_begin(ctx);
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -172,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-}  // namespace
+}  // namespace epx::normal
 
 /* One kernel per payload format (BF16; FP8 with contiguous or strided scales), routing index
  * dtype and received index dtype. */
@@ -182,8 +188,8 @@ epx_status_t launch_scales(const epx__kernel_ctx_t *ctx, const epx__dispatch_lau
   const dim3 grid(args->num_blocks), block(kThreads);
   return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
     return EPX_INDEX_SWITCH(args->recv_idx_int64, OutIdxT, [&] {
-      return epx::launch<dispatch_kernel<IdxT, OutIdxT, kScales>>(grid, block, 0, stream, *ctx,
-                                                                  *args);
+      return epx::launch<epx::normal::dispatch<IdxT, OutIdxT, kScales>>(grid, block, 0, stream,
+                                                                        *ctx, *args);
     });
   });
 }
