@@ -6,6 +6,7 @@
 #include "common/ranks.h"
 
 #include <errno.h>
+#include <execinfo.h>
 #include <limits.h>
 #include <math.h>
 #include <poll.h>
@@ -113,7 +114,24 @@ typedef struct launch {
 } launch_t;
 
 /* The child of rank r: keep only its own pipe ends, bootstrap the id, run. Never returns. */
+/* A rank that crashes prints its stack (binary+offset per frame: `addr2line -f -C -e BINARY
+ * OFFSET` names the line) before dying of the same signal. */
+static void print_stack_and_die(int sig) {
+  void *frames[48];
+  const int n = backtrace(frames, 48);
+  static const char head[] = "rank crashed; stack:\n";
+  if (write(STDERR_FILENO, head, sizeof head - 1) < 0) { /* nothing more to do */
+  }
+  backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
 static void run_child(launch_t *l, int r, double deadline, ranks_fn fn, void *arg) {
+  signal(SIGSEGV, print_stack_and_die);
+  signal(SIGBUS, print_stack_and_die);
+  signal(SIGFPE, print_stack_and_die);
+  signal(SIGABRT, print_stack_and_die);
   const char *name = l->config->name;
   close(l->up[0]);
   if (r != 0) close(l->up[1]);

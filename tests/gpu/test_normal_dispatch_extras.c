@@ -155,11 +155,12 @@ static int setup_make(epx_test_rank_t *t, const world_spec_t *spec, uint64_t *rn
   return world_dev_make(&s->w, t->rank, (size_t)t->num_ranks * s->w.M, &s->d);
 }
 
-/* A copy of s's world (sharing its arrays), its reference repointed at the copy's ranks. */
-static world_t setup_world(const setup_t *s) {
-  world_t w = s->w;
-  w.ref.ranks = w.ranks;
-  return w;
+/* *w = a copy of s's world (sharing its arrays), its reference repointed at the copy's ranks.
+ * NOTE: an out parameter, not a return value: a returned copy's ref.ranks would point into the
+ * callee's frame. */
+static void setup_world(const setup_t *s, world_t *w) {
+  *w = s->w;
+  w->ref.ranks = w->ranks;
 }
 
 /* No async error on record, then everything of s released. */
@@ -202,7 +203,8 @@ static int run_mask_case(epx_test_rank_t *t, const mask_case_t *c, uint64_t *rng
   const int R = t->num_ranks, me = t->rank;
   setup_t su;
   if (setup_make(t, &c->world, rng, &su) != TEST_PASS) return TEST_FAIL;
-  world_t w = setup_world(&su);
+  world_t w;
+  setup_world(&su, &w);
   const epx_group_t g = su.g;
   const epx_handle_t h = su.h;
   const world_dev_t d = su.d;
@@ -322,7 +324,8 @@ EPX_GPU_TEST(normal_dispatch_worst_tokens, 300) {
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
     setup_t su;
     if (setup_make(t, &specs[i], &rng, &su) != TEST_PASS) return TEST_FAIL;
-    world_t w = setup_world(&su);
+    world_t w;
+    setup_world(&su, &w);
     const epx_group_t g = su.g;
     const epx_handle_t h = su.h;
     const world_dev_t d = su.d;
@@ -393,7 +396,8 @@ EPX_GPU_TEST(normal_dispatch_scale_formats, 300) {
         192, 640, 8 * R, 4, f == 2 ? ROUTE_HOLES : ROUTE_UNIFORM, -1, f == 1 ? 0 : -1};
     setup_t su;
     if (setup_make(t, &spec, &rng, &su) != TEST_PASS) return TEST_FAIL;
-    world_t w = setup_world(&su); /* x8, sc changes reach the shared arrays */
+    world_t w; /* x8, sc changes reach the shared arrays */
+    setup_world(&su, &w);
     const epx_group_t g = su.g;
     const epx_handle_t h = su.h;
     const world_dev_t d = su.d;
