@@ -155,14 +155,6 @@ static int setup_make(epx_test_rank_t *t, const world_spec_t *spec, uint64_t *rn
   return world_dev_make(&s->w, t->rank, (size_t)t->num_ranks * s->w.M, &s->d);
 }
 
-/* *w = a copy of s's world (sharing its arrays), its reference repointed at the copy's ranks.
- * NOTE: an out parameter, not a return value: a returned copy's ref.ranks would point into the
- * callee's frame. */
-static void setup_world(const setup_t *s, world_t *w) {
-  *w = s->w;
-  w->ref.ranks = w->ranks;
-}
-
 /* No async error on record, then everything of s released. */
 static int setup_free(setup_t *s, const char *label) {
   EXPECT_NO_ASYNC_ERROR(s->g, label);
@@ -203,16 +195,15 @@ static int run_mask_case(epx_test_rank_t *t, const mask_case_t *c, uint64_t *rng
   const int R = t->num_ranks, me = t->rank;
   setup_t su;
   if (setup_make(t, &c->world, rng, &su) != TEST_PASS) return TEST_FAIL;
-  world_t w;
-  setup_world(&su, &w);
+  world_t *const w = &su.w; /* in place: its ref.ranks points at su.w.ranks */
   const epx_group_t g = su.g;
   const epx_handle_t h = su.h;
   const world_dev_t d = su.d;
   masks_t m;
-  masks_make(&w, c->one, &m);
-  const int T = w.ranks[me].num_tokens, align = 1 + 3 * (c->fp8 != 0);
+  masks_make(w, c->one, &m);
+  const int T = w->ranks[me].num_tokens, align = 1 + 3 * (c->fp8 != 0);
   uint8_t *d_mask = (uint8_t *)upload_ints(m.mask[me], (size_t)T * R);
-  int *d_tpe = upload_ints(m.tpe[me], sizeof(int) * w.E);
+  int *d_tpe = upload_ints(m.tpe[me], sizeof(int) * w->E);
   EXPECT(d_mask && d_tpe);
   if (poison_recv(g, t->stream) != TEST_PASS) return TEST_FAIL;
 
@@ -233,21 +224,21 @@ static int run_mask_case(epx_test_rank_t *t, const mask_case_t *c, uint64_t *rng
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
 
   epx_ref_recv_t ref;
-  EXPECT(epx_ref_dispatch_mask(&w.ref, (const uint8_t *const *)m.mask, (const int *const *)m.tpe,
+  EXPECT(epx_ref_dispatch_mask(&w->ref, (const uint8_t *const *)m.mask, (const int *const *)m.tpe,
                                me, c->fp8 ? EPX_REF_PAYLOAD_FP8 : EPX_REF_PAYLOAD_BF16, align,
                                &ref) == 0);
   EXPECT_EQ_INT(res.num_recv, ref.num_recv);
-  for (int j = 0; j < w.L; j++)
+  for (int j = 0; j < w->L; j++)
     EXPECTF(per_expert[j] == ref.num_recv_per_expert_aligned[j], "%s: per-expert[%d] = %d, ref %d",
             c->name, j, per_expert[j], ref.num_recv_per_expert_aligned[j]);
-  if (normal_check_recv(&w, me, &res, c->fp8, 0, &ref, c->name) != TEST_PASS) return TEST_FAIL;
-  if (check_meta(&w, &res, ref.num_recv, ref.topk_idx, NULL, &ref, c->name) != TEST_PASS)
+  if (normal_check_recv(w, me, &res, c->fp8, 0, &ref, c->name) != TEST_PASS) return TEST_FAIL;
+  if (check_meta(w, &res, ref.num_recv, ref.topk_idx, NULL, &ref, c->name) != TEST_PASS)
     return TEST_FAIL;
-  if (check_prefix_matrix(&w, &res, (const uint8_t *const *)m.mask, c->name) != TEST_PASS)
+  if (check_prefix_matrix(w, &res, (const uint8_t *const *)m.mask, c->name) != TEST_PASS)
     return TEST_FAIL;
   char label[96];
   snprintf(label, sizeof label, "%s (combine after a rank-mask dispatch)", c->name);
-  if (!c->fp8 && combine_and_check(t, &w, g, h, &d, label) != TEST_PASS) return TEST_FAIL;
+  if (!c->fp8 && combine_and_check(t, w, g, h, &d, label) != TEST_PASS) return TEST_FAIL;
 
   /* Cached dispatch of the same payload through epx_dispatch_cached_args. */
   if (poison_recv(g, t->stream) != TEST_PASS) return TEST_FAIL;
@@ -256,7 +247,7 @@ static int run_mask_case(epx_test_rank_t *t, const mask_case_t *c, uint64_t *rng
   EXPECT_OK(epx_dispatch_cached_args(g, h, &ca, &res, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   snprintf(label, sizeof label, "%s (cached)", c->name);
-  if (normal_check_recv(&w, me, &res, c->fp8, 0, &ref, label) != TEST_PASS) return TEST_FAIL;
+  if (normal_check_recv(w, me, &res, c->fp8, 0, &ref, label) != TEST_PASS) return TEST_FAIL;
   epx_ref_recv_free(&ref);
 
   cudaFree(d_mask), cudaFree(d_tpe);
@@ -324,24 +315,23 @@ EPX_GPU_TEST(normal_dispatch_worst_tokens, 300) {
   for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
     setup_t su;
     if (setup_make(t, &specs[i], &rng, &su) != TEST_PASS) return TEST_FAIL;
-    world_t w;
-    setup_world(&su, &w);
+    world_t *const w = &su.w;
     const epx_group_t g = su.g;
     const epx_handle_t h = su.h;
     const world_dev_t d = su.d;
     epx_ref_recv_t ref;
-    EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
-    const int cap = R * w.M, n = ref.num_recv;
+    EXPECT(epx_ref_dispatch(&w->ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+    const int cap = R * w->M, n = ref.num_recv;
     const int worsts[3] = {cap, n > 0 ? n : 1,
                            n + (cap - n) / 3 + 1 > cap ? cap : n + (cap - n) / 3 + 1};
     for (int k = 0; k < 3; k++) {
       char label[96];
       snprintf(label, sizeof label, "worst case %zu, num_worst_tokens %d (received %d)", i,
                worsts[k], n);
-      if (run_worst(t, &w, g, h, &d, worsts[k], k % 2, &ref, label) != TEST_PASS) return TEST_FAIL;
+      if (run_worst(t, w, g, h, &d, worsts[k], k % 2, &ref, label) != TEST_PASS) return TEST_FAIL;
     }
     /* Too few worst rows on ranks that receive 2 or more: reported, nothing out of bounds. */
-    if (run_worst(t, &w, g, h, &d, n >= 2 ? n - 1 : cap, 0, &ref, "too few rows") != TEST_PASS)
+    if (run_worst(t, w, g, h, &d, n >= 2 ? n - 1 : cap, 0, &ref, "too few rows") != TEST_PASS)
       return TEST_FAIL;
     epx_async_error_t err;
     EXPECT_OK(epx_group_get_async_error(g, &err));
@@ -353,9 +343,9 @@ EPX_GPU_TEST(normal_dispatch_worst_tokens, 300) {
     } else {
       EXPECTF(err.status == EPX_OK, "case %zu: async error %s", i, err.message);
     }
-    if (run_worst(t, &w, g, h, &d, cap, 1, &ref, "after too few rows") != TEST_PASS)
+    if (run_worst(t, w, g, h, &d, cap, 1, &ref, "after too few rows") != TEST_PASS)
       return TEST_FAIL;
-    if (combine_and_check(t, &w, g, h, &d, "combine after a worst-case dispatch") != TEST_PASS)
+    if (combine_and_check(t, w, g, h, &d, "combine after a worst-case dispatch") != TEST_PASS)
       return TEST_FAIL;
     epx_ref_recv_free(&ref);
     if (setup_free(&su, "worst tokens") != TEST_PASS) return TEST_FAIL;
@@ -396,21 +386,20 @@ EPX_GPU_TEST(normal_dispatch_scale_formats, 300) {
         192, 640, 8 * R, 4, f == 2 ? ROUTE_HOLES : ROUTE_UNIFORM, -1, f == 1 ? 0 : -1};
     setup_t su;
     if (setup_make(t, &spec, &rng, &su) != TEST_PASS) return TEST_FAIL;
-    world_t w; /* x8, sc changes reach the shared arrays */
-    setup_world(&su, &w);
+    world_t *const w = &su.w;
     const epx_group_t g = su.g;
     const epx_handle_t h = su.h;
     const world_dev_t d = su.d;
     for (int pass = 0; pass < 2; pass++) { /* 0: epx_dispatch, 1: cached with new payload */
       if (pass == 1) {
         for (int s = 0; s < R; s++)
-          for (int i = 0; i < w.ranks[s].num_tokens * w.H; i++)
-            w.x8[s][i] = (uint8_t)epx_test_rand_int(&rng, 256);
-        EXPECT_CUDA(cudaMemcpy(d.x8, w.x8[me], (size_t)w.ranks[me].num_tokens * w.H,
+          for (int i = 0; i < w->ranks[s].num_tokens * w->H; i++)
+            w->x8[s][i] = (uint8_t)epx_test_rand_int(&rng, 256);
+        EXPECT_CUDA(cudaMemcpy(d.x8, w->x8[me], (size_t)w->ranks[me].num_tokens * w->H,
                                cudaMemcpyHostToDevice));
       }
       int st = 0, sg = 0;
-      void *dsc = scales_in_format(&w, me, packed, colmajor, &st, &sg);
+      void *dsc = scales_in_format(w, me, packed, colmajor, &st, &sg);
       EXPECT(dsc != NULL);
       EXPECT_CUDA(cudaDeviceSynchronize()); /* legacy-stream copies before the test stream */
       if (poison_recv(g, t->stream) != TEST_PASS) return TEST_FAIL;
@@ -421,7 +410,7 @@ EPX_GPU_TEST(normal_dispatch_scale_formats, 300) {
       a.x_scales_dtype = packed ? EPX_DTYPE_INT32 : EPX_DTYPE_FLOAT32;
       a.x_scales_stride_token = st;
       a.x_scales_stride_group = sg;
-      a.num_tokens = w.ranks[me].num_tokens;
+      a.num_tokens = w->ranks[me].num_tokens;
       epx_dispatch_result_t res;
       if (pass == 0) {
         a.topk_idx = d.idx;
@@ -432,11 +421,11 @@ EPX_GPU_TEST(normal_dispatch_scale_formats, 300) {
       }
       EXPECT_CUDA(cudaStreamSynchronize(t->stream));
       epx_ref_recv_t ref;
-      EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_FP8, 1, &ref) == 0);
+      EXPECT(epx_ref_dispatch(&w->ref, me, EPX_REF_PAYLOAD_FP8, 1, &ref) == 0);
       char label[96];
       snprintf(label, sizeof label, "%s%s scales, %s", packed ? "packed UE8M0" : "float32",
                colmajor ? " column-major" : "", pass ? "cached" : "dispatch");
-      if (check_fp8_recv(&w, &res, packed, &ref, label) != TEST_PASS) return TEST_FAIL;
+      if (check_fp8_recv(w, &res, packed, &ref, label) != TEST_PASS) return TEST_FAIL;
       epx_ref_recv_free(&ref);
       cudaFree(dsc);
     }
