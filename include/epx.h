@@ -389,7 +389,9 @@ epx_status_t epx_dispatch(epx_group_t group, epx_handle_t handle, const epx_disp
                           epx_dispatch_result_t *result, cudaStream_t stream);
 
 /* epx_dispatch_cached - dispatch new payload with the routing recorded in handle: no layout, no
- * count exchange, no host synchronization; capturable in a CUDA graph. COLLECTIVE.
+ * count exchange, no host synchronization; capturable in a CUDA graph. COLLECTIVE. It starts
+ * with a device barrier of the group (a few us), so no peer writes this rank's receive rows
+ * before this rank's stream has reached the call (the previous outputs stay valid until then).
  * recv_topk_idx / weights / src_token keep the values of the dispatch that filled the handle.
  *   x, x_scales, x_dtype - as in epx_dispatch_args_t (the token count is the handle's). */
 epx_status_t epx_dispatch_cached(epx_group_t group, epx_handle_t handle, const void *x,

@@ -75,6 +75,12 @@ static int run_rank(int rank, int num_ranks, const ncclUniqueId *id, void *arg) 
   int code = t->gpu_fn(&ctx);
   if (code != TEST_PASS)
     fprintf(stderr, "  rank %d: %s\n", rank, code == TEST_SKIP ? "skipped" : "failed");
+  if (code == TEST_FAIL) {
+    /* Peers may be waiting for this rank in a collective: leave without waiting for them
+     * (ncclCommDestroy or a stream sync could hang until the test's timeout). */
+    ncclCommAbort(ctx.comm);
+    return code;
+  }
   cudaStreamSynchronize(ctx.stream);
   cudaStreamDestroy(ctx.stream);
   ncclCommDestroy(ctx.comm);
@@ -84,7 +90,8 @@ static int run_rank(int rank, int num_ranks, const ncclUniqueId *id, void *arg) 
 /* The leader: forks the ranks, relays the unique id (tests/common/ranks.c), folds their exit
  * codes. No deadline of its own: the runner kills the whole process group at the timeout. */
 static int run_leader(const test_entry_t *t, int num_ranks) {
-  const ranks_config_t config = {"epx_test", 0, 0, TEST_SKIP, NULL};
+  /* Once a rank has failed, the others get 20 s (they may wait for it in a collective). */
+  const ranks_config_t config = {"epx_test", 0, 20, TEST_SKIP, NULL};
   int codes[EPX_MAX_RANKS];
   if (ranks_run(&config, num_ranks, run_rank, (void *)t, codes) != 0) return TEST_FAIL;
   for (int r = 0; r < num_ranks; r++)
