@@ -65,6 +65,14 @@ typedef enum epx_status {
  * Returns EPX_OK, or EPX_ERR_INVALID_ARGUMENT if version is NULL. Not collective. */
 epx_status_t epx_get_version(int *version);
 
+/* epx_get_nccl_version - the NCCL this library was compiled against and the one the process has
+ * loaded (ncclGetVersion), as NCCL_VERSION_CODE values (e.g. 22809 for 2.28.9). They must be
+ * equal for epx_group_create to accept a communicator; a binding can check at import.
+ *   built  - [OUT] optional: NCCL_VERSION_CODE of the headers EPX was built with.
+ *   loaded - [OUT] optional: the loaded runtime's version.
+ * Returns EPX_OK, EPX_ERR_INVALID_ARGUMENT (both NULL) or EPX_ERR_NCCL. Not collective. */
+epx_status_t epx_get_nccl_version(int *built, int *loaded);
+
 /* epx_status_string - a static, human-readable string for a status (never NULL). */
 const char *epx_status_string(epx_status_t status);
 

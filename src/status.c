@@ -34,6 +34,20 @@ EPX_EXPORT epx_status_t epx_get_version(int *version) {
   return EPX_OK;
 }
 
+EPX_EXPORT epx_status_t epx_get_nccl_version(int *built, int *loaded) {
+  if (!built && !loaded)
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_get_nccl_version: built and loaded are NULL");
+  if (built) *built = NCCL_VERSION_CODE;
+  if (loaded) {
+    *loaded = 0;
+    const ncclResult_t r = ncclGetVersion(loaded);
+    if (r != ncclSuccess)
+      return epx__set_error(EPX_ERR_NCCL, "epx_get_nccl_version: ncclGetVersion: %s",
+                            ncclGetErrorString(r));
+  }
+  return EPX_OK;
+}
+
 epx_status_t epx__set_error(epx_status_t status, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
