@@ -26,6 +26,7 @@ EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   epx_handle_t h = (epx_handle_t)calloc(1, sizeof *h);
   if (!h) return epx__set_error(EPX_ERR_SYSTEM, "epx_handle_create: out of host memory");
   h->group = g;
+  h->group_serial = epx__registry_serial(g);
   h->num_tokens = -1;
   epx_status_t res = EPX_OK;
   CUDA_CHECK_GOTO(

@@ -12,17 +12,20 @@
 
 typedef struct live_node {
   const void *object; /* a live group or handle */
+  unsigned long long serial;
   struct live_node *next;
 } live_node_t;
 
 static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static live_node_t *live_objects;
+static unsigned long long last_serial; /* under live_lock */
 
 epx_status_t epx__registry_add(const void *object) {
   live_node_t *node = (live_node_t *)calloc(1, sizeof *node);
   if (!node) return epx__set_error(EPX_ERR_SYSTEM, "out of host memory");
   pthread_mutex_lock(&live_lock);
   node->object = object;
+  node->serial = ++last_serial;
   node->next = live_objects;
   live_objects = node;
   pthread_mutex_unlock(&live_lock);
@@ -41,12 +44,17 @@ void epx__registry_remove(const void *object) {
   free(found);
 }
 
-int epx__registry_contains(const void *object) {
+unsigned long long epx__registry_serial(const void *object) {
   pthread_mutex_lock(&live_lock);
   live_node_t *n = live_objects;
   while (n && n->object != object) n = n->next;
+  const unsigned long long serial = n ? n->serial : 0;
   pthread_mutex_unlock(&live_lock);
-  return n != NULL;
+  return serial;
+}
+
+int epx__registry_contains(const void *object) {
+  return epx__registry_serial(object) != 0;
 }
 
 epx_status_t epx__group_check(epx_group_t g) {
@@ -68,5 +76,10 @@ epx_status_t epx__handle_check(epx_group_t g, epx_handle_t h) {
   if (h->group != g)
     return epx__set_error(EPX_ERR_INVALID_USAGE, "handle %p belongs to another group (%p, not %p)",
                           (void *)h, (void *)h->group, (void *)g);
+  if (h->group_serial != epx__registry_serial(g))
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "handle %p belongs to a destroyed group that lived at this group's "
+                          "address %p; create handles from the live group",
+                          (void *)h, (void *)g);
   return EPX_OK;
 }

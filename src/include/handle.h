@@ -12,7 +12,8 @@
 
 struct epx_handle {
   epx_group_t group;
-  void *device_block; /* one allocation behind the routing arrays and meta */
+  unsigned long long group_serial; /* the group's registry serial at creation (registry.h) */
+  void *device_block;              /* one allocation behind the routing arrays and meta */
   uint8_t *is_token_in_rank;
   int *token_pos_in_rank;
   int *num_tokens_per_rank;

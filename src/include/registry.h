@@ -13,6 +13,9 @@ extern "C" {
 epx_status_t epx__registry_add(const void *object);
 void epx__registry_remove(const void *object);
 int epx__registry_contains(const void *object);
+/* A number unique to this registration of object (never reused, never 0); 0 if not live. A
+ * handle keeps its group's serial, so a new group at a destroyed group's address is told apart. */
+unsigned long long epx__registry_serial(const void *object);
 /* EPX_OK if g is a live group; EPX_ERR_INVALID_ARGUMENT if NULL; EPX_ERR_INVALID_USAGE if
  * destroyed or never created. */
 epx_status_t epx__group_check(epx_group_t g);

@@ -10,6 +10,8 @@
  *   barrier_orders_peer_writes         64, 512, 2R, 2             500 rounds write-barrier-check
  *   barrier_times_out_on_missing_peer  timeout 500 ms             TIMEOUT names the peer, <
  * budget+1s
+ *   stale_handle_refused_by_new_group  64, 512, 2R, 2             a destroyed group's handle is
+ *                                                                  refused by its successor
  */
 #include <stdio.h>
 #include <string.h>
@@ -144,5 +146,36 @@ EPX_GPU_TEST(barrier_times_out_on_missing_peer, 120) {
   /* Everyone meets again on the host (NCCL) before destroying; the work queue stays usable. */
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/* A handle outliving its group is refused by the group that replaces it, whether or not the new
+ * group reuses the old one's address (it often does: same size, freed just before), and the new
+ * group's own handle works. */
+EPX_GPU_TEST(stale_handle_refused_by_new_group, 120) {
+  const epx_group_config_t c = gpu_test_config(64, 512, 2 * t->num_ranks, 2);
+  int same_address = 0;
+  for (int round = 0; round < 4; round++) {
+    epx_group_t old_group = NULL, g = NULL;
+    epx_handle_t stale = NULL, fresh = NULL;
+    EXPECT_OK(epx_group_create(t->comm, &c, &old_group));
+    EXPECT_OK(epx_handle_create(old_group, &stale));
+    EXPECT_OK(epx_group_destroy(old_group)); /* the handle is left behind on purpose */
+    EXPECT_OK(epx_group_create(t->comm, &c, &g));
+    same_address += g == old_group;
+    epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+    EXPECT_STATUS(epx_combine(g, stale, &ca, t->stream), EPX_ERR_INVALID_USAGE);
+    EXPECTF(strstr(epx_last_error(), "handle") != NULL, "message: %s", epx_last_error());
+    epx_dispatch_result_t res;
+    EXPECT_STATUS(epx_dispatch_cached(g, stale, NULL, EPX_DTYPE_BF16, NULL, &res, t->stream),
+                  EPX_ERR_INVALID_USAGE);
+    EXPECT_OK(epx_handle_create(g, &fresh));
+    EXPECT_OK(epx_group_barrier(g, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    EXPECT_OK(epx_handle_destroy(fresh));
+    EXPECT_OK(epx_group_destroy(g));
+  }
+  printf("  rank %d: the new group reused the old address in %d of 4 rounds\n", t->rank,
+         same_address);
   return TEST_PASS;
 }
