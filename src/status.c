@@ -36,7 +36,8 @@ EPX_EXPORT epx_status_t epx_get_version(int *version) {
 
 EPX_EXPORT epx_status_t epx_get_nccl_version(int *built, int *loaded) {
   if (!built && !loaded)
-    return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_get_nccl_version: built and loaded are NULL");
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
+                          "epx_get_nccl_version: built and loaded are NULL");
   if (built) *built = NCCL_VERSION_CODE;
   if (loaded) {
     *loaded = 0;
