@@ -1,15 +1,17 @@
 # EPX - expert-parallel exchange for MoE. GNU make.
 #
 #   make            build/lib/libepx.so and libepx.a (sm_90)
-#   make test       build and run every test (host tests always; GPU tests on visible GPUs)
+#   make test       build and run every test (host tests always; GPU tests on visible GPUs),
+#                   then the Python package's CPU tests (make test-python: python/tests, pytest)
 #   make bench      build and run the benchmark on every visible GPU (BENCH_ARGS=... to pass flags)
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
 # Knobs: CUDA_HOME, NCCL_HOME, PYTHON (the one whose nvidia-nccl-cu13 wheel to use), NVCC_GENCODE,
 # DEBUG=1, ASAN=1 (host code only), TRACE=0 (compile in-kernel tracing out; build it in its own
 # BUILD=dir, docs/profiling.md).
-# Every object depends on the headers it includes (-MMD -MP, build/obj/**/*.d) and on
-# mk/toolchain.mk. Only tests/ and bench/ objects see tests/ (-Itests); the library never does.
+# Every object depends on the headers it includes (-MMD -MP, build/obj/**/*.d), on
+# mk/toolchain.mk and on the toolchain stamp (below). Only tests/ and bench/ objects see tests/
+# (-Itests); the library never does.
 
 include mk/toolchain.mk
 
@@ -32,6 +34,14 @@ TRACE_FLAGS :=
 ifeq ($(TRACE),0)
   TRACE_FLAGS := -DEPX_TRACE_COMPILED=0
 endif
+
+# The CUDA and NCCL the objects were compiled against; the stamp is rewritten only when they
+# change (e.g. `pip install` running make with another environment's nvidia-nccl-cu13 wheel),
+# and then every object is rebuilt against the new headers.
+TOOLCHAIN_STAMP := $(BUILD)/toolchain.stamp
+TOOLCHAIN_ID := CUDA_HOME=$(CUDA_HOME) NCCL_HOME=$(NCCL_HOME)
+$(shell mkdir -p $(BUILD) && (echo '$(TOOLCHAIN_ID)' | cmp -s - $(TOOLCHAIN_STAMP) || \
+  echo '$(TOOLCHAIN_ID)' > $(TOOLCHAIN_STAMP)))
 
 INCLUDES := -Iinclude -Isrc/include -Isrc -I$(NCCL_INCDIR) -I$(CUDA_HOME)/include
 CC ?= gcc
@@ -61,7 +71,7 @@ STATIC_LIB := $(BUILD)/lib/libepx.a
 TEST_BIN := $(BUILD)/bin/epx_test
 BENCH_BIN := $(BUILD)/bin/epx_bench
 
-.PHONY: all lib test bench format format-check install clean header-check
+.PHONY: all lib test test-python bench format format-check install clean header-check
 all: lib
 lib: $(SHARED_LIB) $(STATIC_LIB)
 
@@ -69,11 +79,11 @@ lib: $(SHARED_LIB) $(STATIC_LIB)
 EXTRA_INCLUDES :=
 $(TEST_OBJ) $(BENCH_OBJ): EXTRA_INCLUDES := -Itests
 
-$(BUILD)/obj/%.o: %.c mk/toolchain.mk
+$(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(EXTRA_INCLUDES) -MMD -MP -c $< -o $@
 
-$(BUILD)/obj/%.o: %.cu mk/toolchain.mk
+$(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
@@ -103,8 +113,37 @@ header-check:
 	printf '#include <epx.h>\nint main(void){epx_group_config_t c = EPX_GROUP_CONFIG_INIT; (void)c; return 0;}\n' > $(BUILD)/header_check.c
 	$(CC) -std=c11 -Wall -Wextra -pedantic -Werror -Iinclude -I$(NCCL_INCDIR) -I$(CUDA_HOME)/include -c $(BUILD)/header_check.c -o $(BUILD)/header_check.o
 
+# `make test`: the C tests (epx_test), then the Python package's CPU tests, both always; then
+# each suite's summary line and their sum in the runner's "N passed, N failed, N skipped" form.
+# Fails if either suite failed.
+test: SHELL := /bin/bash
 test: lib header-check $(TEST_BIN)
-	$(TEST_BIN) $(TEST_ARGS)
+	@$(TEST_BIN) $(TEST_ARGS) | tee $(BUILD)/test-c.log; c_rc=$${PIPESTATUS[0]}; \
+	$(MAKE) --no-print-directory test-python | tee $(BUILD)/test-python.log; \
+	py_rc=$${PIPESTATUS[0]}; \
+	c_line=$$(tail -n 1 $(BUILD)/test-c.log); py_line=$$(tail -n 1 $(BUILD)/test-python.log); \
+	read cp cf cs < <(echo "$$c_line" | $(COUNT_RESULTS)); \
+	read pp pf ps < <(echo "$$py_line" | $(COUNT_RESULTS)); \
+	echo; echo "C tests (epx_test):          $$c_line"; \
+	echo "Python tests (python/tests): $$py_line"; \
+	echo "$$((cp + pp)) passed, $$((cf + pf)) failed, $$((cs + ps)) skipped"; \
+	test $$c_rc -eq 0 && test $$py_rc -eq 0
+
+# "N passed", "N failed" / "N error(s)", "N skipped" of a summary line (runner's or pytest's)
+# -> "P F S".
+COUNT_RESULTS = awk '{ for (i = 1; i < NF; i++) { w = $$(i + 1); sub(/,$$/, "", w); \
+  if (w == "passed") p += $$i; else if (w == "failed" || w ~ /^errors?$$/) f += $$i; \
+  else if (w == "skipped") s += $$i } } END { print p + 0, f + 0, s + 0 }'
+
+# The Python package's CPU tests with $(PYTHON) (they load build/lib/libepx.so); skipped when
+# it has no pytest, unless REQUIRE_PYTHON_TESTS=1 (CI).
+PYTEST_ARGS ?= -q
+test-python: lib
+	@if $(PYTHON) -c 'import pytest' 2>/dev/null; then \
+	  $(PYTHON) -m pytest python/tests $(PYTEST_ARGS); \
+	elif [ "$(REQUIRE_PYTHON_TESTS)" = 1 ]; then \
+	  echo "python tests: $(PYTHON) has no pytest ($(PYTHON) -m pip install pytest)"; exit 1; \
+	else echo "python tests skipped: pip install pytest"; fi
 
 bench: $(BENCH_BIN)
 	$(BENCH_BIN) $(BENCH_ARGS)
