@@ -496,8 +496,10 @@ class Buffer:
             raise ValueError(f"Buffer.{fn}: num_rdma_bytes = {self.num_rdma_bytes} is too small for the low-latency "
                              f"workspace: {max_tokens} tokens per rank at hidden {hidden}, {num_experts} experts, "
                              f"top-{top_k} need {need} bytes (Buffer.get_low_latency_rdma_size_hint)")
+        # DeepEP's outputs are the packed layout, which needs a by-rank dispatch route: name it,
+        # so EPX_LL_ROUTE=direct in the environment cannot make every packed dispatch fail.
         group = epx.Group(max_tokens, hidden, num_experts, top_k, group=self.group, modes=("low_latency",),
-                          ll_max_tokens_per_rank=max_tokens)
+                          ll_max_tokens_per_rank=max_tokens, ll_route="dispatch_by_rank")
         self._ll = _GroupState(group, id(self), "low_latency", hidden, num_experts, top_k, max_tokens)
         return self._ll
 
