@@ -5,6 +5,11 @@
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (default: $OUT, else ./out)
 # Env:   TEST_ARGS (e.g. "--filter layout"), BENCH_ARGS (extra epx_bench flags), SKIP_BENCH=1,
 #        SKIP_TESTS=1, SKIP_CLEAN=1 (keep earlier build outputs), RANKS (default "2,4"),
+#        PYTHON_TESTS=1: pip-install the Python package (the README's command) into python3 and
+#        run pytest python/tests (GPU tests included; PYTEST_ARGS, e.g. "-k native");
+#        DEEPEP=DIR: a DeepEP V1 source tree (carried, e.g. deepep-v1): DeepEP's own
+#        test_intranode.py / test_low_latency.py on epx.deep_ep (scripts/run-deepep-tests.sh),
+#        and with DEEPEP_BUILD=1 also DeepEP V1 built there, unmodified, for the comparison;
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
 #        its benchmark is built beside this one and both run COMPARE_ROUNDS times (default 2)
 #        alternately with COMPARE_ARGS (default: the README's benchmark), then
@@ -55,6 +60,38 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   [ $test_rc -eq 124 ] && test_line="TIMED OUT after 900 s; $test_line"
 fi
 
+py_line="(not run)"
+if [ -n "${PYTHON_TESTS:-}" ]; then
+  if python3 -m pip install --no-build-isolation --no-deps --force-reinstall -q . \
+    >"$out/pip.log" 2>&1; then
+    timeout "${PY_TIMEOUT:-900}" python3 -m pytest python/tests -q -rs ${PYTEST_ARGS:-} \
+      >"$out/pytest.log" 2>&1
+    py_line="$(tail -1 "$out/pytest.log")"
+    grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -30
+  else
+    tail -20 "$out/pip.log"
+    py_line="PIP INSTALL FAILED (pip.log)"
+  fi
+fi
+
+deepep_line=
+if [ -n "${DEEPEP:-}" ]; then
+  export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  OUT="$out/deepep-epx" TIMEOUT="${DEEPEP_TIMEOUT:-600}" scripts/run-deepep-tests.sh "$DEEPEP" \
+    >"$out/deepep-epx.log" 2>&1
+  deepep_line="deepep tests on epx: exit $?"
+  if [ -n "${DEEPEP_BUILD:-}" ]; then
+    if (cd "$DEEPEP" && CPATH=/usr/local/cuda/include/cccl python3 setup.py build_ext --inplace) \
+      >"$out/deepep-build.log" 2>&1; then
+      OUT="$out/deepep-v1" TIMEOUT="${DEEPEP_TIMEOUT:-600}" scripts/run-deepep-tests.sh --deepep \
+        "$DEEPEP" >"$out/deepep-v1.log" 2>&1
+      deepep_line="$deepep_line; on DeepEP V1: exit $?"
+    else
+      deepep_line="$deepep_line; DeepEP V1 BUILD FAILED (deepep-build.log)"
+    fi
+  fi
+fi
+
 bench_rc="(not run)"
 if [ -z "${SKIP_BENCH:-}" ]; then
   timeout 600 build/bin/epx_bench --json "$out/bench.json" ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
@@ -82,6 +119,13 @@ echo
 echo "==================== summary ($commit) ===================="
 echo "build: ${build_s}s"
 echo "tests: $test_line"
+echo "python tests: $py_line"
+if [ -n "$deepep_line" ]; then
+  echo "$deepep_line"
+  for log in "$out/deepep-epx.log" "$out/deepep-v1.log"; do
+    [ -f "$log" ] && { echo "--- $(basename "$log")"; tail -25 "$log"; }
+  done
+fi
 [ -n "$compare_line" ] && cat "$out/compare.txt"
 if [ -f "$out/bench.log" ]; then
   echo "bench: exit $bench_rc"
