@@ -105,6 +105,8 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
         EPX_ERR_INVALID_USAGE,
         "%s: args->sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs", fn);
 
+  /* Whether an async error was on record before this call (see the count check below). */
+  const int error_before = ((volatile epx__error_record_t *)g->error_host)->status;
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   h->num_tokens = a->num_tokens;
@@ -132,6 +134,17 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   if (a->sync_counts) {
     /* The one host synchronization of EPX: wait for the count exchange, not for the data. */
     CUDA_CHECK(cudaEventSynchronize(h->counts_ready));
+    /* A count exchange that timed out leaves the counts it never received at 0: return the
+     * timeout instead of a num_recv that looks valid (when the record was clean before). */
+    epx_async_error_t err;
+    if (!error_before && epx_group_get_async_error(g, &err) == EPX_OK &&
+        err.status == EPX_ERR_TIMEOUT && err.stage == EPX_STAGE_NOTIFY) {
+      fill_result(g, h, d.x_is_fp8, d.scales_packed, -1, out);
+      return epx__set_error(EPX_ERR_TIMEOUT,
+                            "epx_dispatch: %s; the receive counts are unknown (result->num_recv "
+                            "= -1); see epx_group_get_async_error",
+                            err.message);
+    }
     num_recv = ((volatile int *)h->host_counts)[0];
     if (a->num_recv_per_expert)
       for (int j = 0; j < g->config.num_experts / g->num_ranks; j++)

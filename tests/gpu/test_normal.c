@@ -15,6 +15,8 @@
  *   normal_bad_id_then_combine        an id outside [-1, E): async INVALID_ARGUMENT, empty slot;
  *                                     three combines after it (error on record) still right
  *   normal_combine_times_out          one rank skips a combine: TIMEOUT naming it, < budget+1s
+ *   normal_dispatch_count_timeout_is_returned  one rank skips a dispatch: the others' sync_counts
+ *                                     dispatch returns EPX_ERR_TIMEOUT and num_recv = -1
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -436,6 +438,49 @@ EPX_GPU_TEST(normal_combine_times_out, 120) {
     EXPECT_EQ_INT(err.stage, EPX_STAGE_COMBINE);
     EXPECT_EQ_INT(err.peer, missing);
     EXPECTF(waited < 1.5, "took %.3f s with a 0.5 s budget", waited);
+  }
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  world_dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/* The last rank skips a dispatch with sync_counts = 1: the others' epx_dispatch returns
+ * EPX_ERR_TIMEOUT (not EPX_OK with num_recv = 0) with num_recv = -1, and the record names the
+ * stage NOTIFY and the missing rank. */
+EPX_GPU_TEST(normal_dispatch_count_timeout_is_returned, 120) {
+  const int R = t->num_ranks, me = t->rank;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"timeout", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
+  world_t w;
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
+  epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
+  cfg.timeout_ms = 500;
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
+  const int missing = R - 1;
+  if (me != missing) {
+    epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+    a.x = d.x;
+    a.topk_idx = d.idx;
+    a.num_tokens = 64;
+    epx_dispatch_result_t res;
+    res.num_recv = 12345;
+    EXPECT_STATUS(epx_dispatch(g, h, &a, &res, t->stream), EPX_ERR_TIMEOUT);
+    printf("  rank %d: %s\n", me, epx_last_error());
+    EXPECT_EQ_INT(res.num_recv, -1);
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    epx_async_error_t err;
+    EXPECT_OK(epx_group_get_async_error(g, &err));
+    EXPECT_EQ_INT(err.status, EPX_ERR_TIMEOUT);
+    EXPECT_EQ_INT(err.stage, EPX_STAGE_NOTIFY);
+    EXPECT_EQ_INT(err.peer, missing);
   }
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   world_dev_free(&d);
