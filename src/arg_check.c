@@ -59,5 +59,14 @@ epx_status_t epx__check_device_ptr(const char *fn, const char *arg, const void *
     return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
                           "%s: %s = %p: must be GPU memory, not host memory the GPU cannot access",
                           fn, arg, p);
+  /* Device memory of another GPU would be read over P2P (or fault): always a caller's mistake
+   * (e.g. a tensor on cuda:1 given to rank 0's group). */
+  int current = -1;
+  if (attr.type == cudaMemoryTypeDevice && cudaGetDevice(&current) == cudaSuccess &&
+      attr.device != current)
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
+                          "%s: %s = %p: must be memory of the current GPU (device %d), not of "
+                          "device %d",
+                          fn, arg, p, current, attr.device);
   return EPX_OK;
 }

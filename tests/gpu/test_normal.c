@@ -320,6 +320,19 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   EXPECT_STATUS(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream),
                 EPX_ERR_INVALID_USAGE);
 
+  /* A payload on another GPU (the next rank's) is refused by name, nothing sent. */
+  void *other_gpu_x = NULL;
+  EXPECT_CUDA(cudaSetDevice((t->rank + 1) % t->num_ranks));
+  const cudaError_t other_alloc = cudaMalloc(&other_gpu_x, (size_t)w.M * w.H * 2);
+  EXPECT_CUDA(cudaSetDevice(t->rank));
+  EXPECT_CUDA(other_alloc);
+  epx_dispatch_args_t elsewhere = a;
+  elsewhere.x = other_gpu_x;
+  EXPECT_STATUS(epx_dispatch(g, h, &elsewhere, &res, t->stream), EPX_ERR_INVALID_ARGUMENT);
+  EXPECTF(strstr(epx_last_error(), "args->x") && strstr(epx_last_error(), "current GPU"),
+          "message: %s", epx_last_error());
+  EXPECT_CUDA(cudaFree(other_gpu_x));
+
   /* The group still works. */
   EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
