@@ -570,6 +570,16 @@ def test_buffer_normal_plumbing(fake):
         buf.destroy()
 
 
+def test_async_layout_records_every_output(fake):
+    """An async layout runs on the comm stream and writes four tensors, token_pos_in_rank too (not
+    returned, so dropped when the call returns): each must be recorded there, with topk_idx."""
+    buf = deep_ep.Buffer(_Group2(), _per_token_budget(256, 100), explicitly_destroy=True)
+    topk_idx = torch.tensor([[0, 5], [1, -1]], dtype=torch.int64)
+    ntpr, _, ntpe, in_rank, ev = buf.get_dispatch_layout(topk_idx, 8, async_finish=True)
+    assert ev.event.event == ("event-on", "comm")
+    assert [e for e in fake.log if e[0] == "record"] == [("record", "comm")] * 5
+
+
 def test_buffer_budget_too_small(fake):
     buf = deep_ep.Buffer(_Group2(), 2000)
     topk_idx = torch.zeros(4, 2, dtype=torch.int64)

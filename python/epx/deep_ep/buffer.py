@@ -559,7 +559,11 @@ class Buffer:
         call = _CommCall(fn, self._comm_stream, previous_event, async_finish, allocate_on_comm_stream)
         with stream_ctx(call.alloc_stream):
             layout = state.group.layout(topk_idx, stream=call.comm)
-        call.tensors += [topk_idx, layout.num_tokens_per_rank, layout.num_tokens_per_expert, layout.is_token_in_rank]
+        # Every output is written on the communication stream, token_pos_in_rank too (not returned: dropped when
+        # this call returns, so it must be recorded as well, or the caching allocator could hand its memory to the
+        # current stream while the layout kernel still writes it).
+        call.tensors += [topk_idx, layout.num_tokens_per_rank, layout.num_tokens_per_expert, layout.is_token_in_rank,
+                         layout.token_pos_in_rank]
         return (layout.num_tokens_per_rank, None, layout.num_tokens_per_expert, layout.is_token_in_rank,
                 call.finish())
 
