@@ -307,7 +307,11 @@ class Group:
         a.topk_weights = data_ptr(topk_weights)
         if recv_topk_weights is not None:
             a.recv_topk_weights = recv_topk_weights.data_ptr() or h._recv_weights_ptr
-        a.out_topk_weights = data_ptr(out_w)
+        if out_w is not None:
+            # Both or neither, on every rank: a rank with no tokens gets an empty out_w, whose
+            # data_ptr() is 0; C never writes it then, but NULL would refuse the call on that rank
+            # alone and leave its peers waiting in the collective.
+            a.out_topk_weights = out_w.data_ptr() or h._recv_weights_ptr
         a.bias[0], a.bias[1] = data_ptr(bias[0]), data_ptr(bias[1])
         self._call(lib.epx_combine(self._ptr(fn), hptr, ctypes.byref(a), _stream_ptr(stream)))
         return out, out_w
@@ -380,7 +384,12 @@ class Group:
         if out is None:
             out = torch.empty((T, self._dims.hidden), dtype=torch.bfloat16, device=self.device)
         a = _capi.EPX_LL_COMBINE_ARGS_INIT()
-        a.x, a.out, a.topk_weights = data_ptr(x), out.data_ptr(), data_ptr(topk_weights)
+        a.x, a.out = data_ptr(x), out.data_ptr()
+        if topk_weights is not None:
+            # Given weights stay given on a rank with no tokens (empty tensor, data_ptr() 0): with
+            # route BY_RANK they choose the combine every rank must run alike; C reads none for
+            # T = 0, so any valid device address stands in for NULL.
+            a.topk_weights = topk_weights.data_ptr() or d._c.combine_input
         a.dispatch = ctypes.pointer(d._c)
         hook = None
         if split:

@@ -263,6 +263,29 @@ def test_normal_round_trip(fake):
     h.destroy()
 
 
+def test_a_rank_without_tokens_keeps_its_weight_choices(fake):
+    """T = 0: empty tensors have data_ptr() 0, but weights the caller gave must not turn into
+    NULL (normal combine: out_topk_weights pairs with recv_topk_weights; low-latency combine:
+    given weights choose route BY_RANK's combine on every rank alike)."""
+    g = make_group()
+    h = g.handle()
+    x = torch.empty((0, H), dtype=torch.bfloat16)
+    r = g.dispatch(h, x, torch.empty((0, K), dtype=torch.int32))
+    out, out_w = g.combine(h, r.recv_x, recv_topk_weights=r.recv_topk_weights)
+    _, _, c, _ = fake.calls[-1]
+    assert out.shape == (0, H) and out_w.shape == (0, K)
+    assert c.recv_topk_weights and c.out_topk_weights == h._recv_weights_ptr
+
+    d = g.ll_dispatch(x, torch.empty((0, K), dtype=torch.int64))
+    g.ll_combine(d, topk_weights=torch.empty((0, K)))
+    _, c, _, _ = fake.calls[-1]
+    assert c.topk_weights == d._c.combine_input and c.topk_weights
+    g.ll_combine(d)
+    _, c, _, _ = fake.calls[-1]
+    assert c.topk_weights is None
+    g.destroy()
+
+
 def test_fp8_dispatch_with_strided_scales_and_int64_ids(fake):
     g = make_group()
     h = g.handle()
