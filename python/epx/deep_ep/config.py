@@ -82,7 +82,7 @@ class Config:
         expert count EPX supports, so a Buffer given this many bytes serves at least that many
         tokens per rank for any routing. Needs the EPX library, not a GPU.
 
-        Raises NotImplementedError (an epx.errors.EpxUnsupported) above 8 ranks (one host)."""
+        Raises NotImplementedError above 8 ranks (one host)."""
         num_ranks = _check_ranks("Config.get_nvl_buffer_size_hint", num_ranks)
         hidden_bytes = int(hidden_bytes)
         if hidden_bytes <= 0:
