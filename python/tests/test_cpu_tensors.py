@@ -165,3 +165,39 @@ def test_group_needs_torch_distributed():
         pytest.skip("a process group exists in this process")
     with pytest.raises(epx.EpxInvalidUsage, match="init_process_group"):
         epx.Group(128, 1024, 16, 4)
+
+
+def test_device_views_are_cached_fresh_objects_and_bounded(monkeypatch):
+    """device_view over host memory (torch.as_tensor of a CUDA array interface needs CUDA: the
+    stand-in reads the same pointer on the host). Typed views are cached per (pointer, region,
+    dtype, shape) but every call gets its own tensor object; the cache stays bounded and keeps
+    working after it is emptied."""
+    import ctypes
+    host = (ctypes.c_char * 4096)()
+    made = []
+
+    def as_tensor(buf, device=None):
+        made.append(buf.ptr)
+        raw = (ctypes.c_char * buf.nbytes).from_address(buf.ptr)
+        return torch.frombuffer(raw, dtype=torch.uint8)
+
+    class Shim:
+        def __getattr__(self, name):
+            return as_tensor if name == "as_tensor" else getattr(torch, name)
+
+    monkeypatch.setattr(_tensors, "_torch", lambda: Shim())
+    ptr, cache, keep = ctypes.addressof(host), {}, object()
+    a = _tensors.device_view(cache, keep, ptr, torch.int32, (4, 8), "cpu", region_bytes=4096)
+    a.fill_(7)
+    b = _tensors.device_view(cache, keep, ptr, torch.int32, (4, 8), "cpu", region_bytes=4096)
+    assert a is not b and torch.equal(a, b) and a.data_ptr() == b.data_ptr() == ptr
+    b.unsqueeze_(0)  # a caller's metadata change does not reach the next call
+    c = _tensors.device_view(cache, keep, ptr, torch.int32, (4, 8), "cpu", region_bytes=4096)
+    assert c.shape == (4, 8) and len(made) == 1
+    for rows in range(1, 600):  # varying row counts, as normal-mode receive arrays have
+        v = _tensors.device_view(cache, keep, ptr, torch.uint8, (rows % 4000 + 1,), "cpu",
+                                 region_bytes=4096)
+        assert v.shape == (rows % 4000 + 1,) and v.data_ptr() == ptr
+    assert len(cache) <= _tensors._MAX_CACHED_VIEWS and len(made) == 1  # the base survived
+    d = _tensors.device_view(cache, keep, ptr, torch.int32, (4, 8), "cpu", region_bytes=4096)
+    assert int(d[3, 7]) == 7
