@@ -70,7 +70,12 @@ typedef struct epx__control {
   /* combine_abort: n + 1 once a wait of combine call n timed out, so that the call's other waits
    * give up at once (an older, unrelated async error must not make them stop waiting). */
   unsigned int combine_abort;
-  int reserved[25];
+  /* notify_abort[s]: the last notify epoch in which rank s gave up its count exchange (written
+   * by s into every peer; 0 = never). Rank s then sends no rows in that call, so a rank whose
+   * own exchange of that epoch completed (it was late, or s gave up just before its counts
+   * landed) must fail the call too instead of returning rows placed with counts s never had. */
+  unsigned int notify_abort[EPX_MAX_RANKS];
+  int reserved[17];
   /* dispatch_done[s]: blocks of rank s that finished writing to this rank (added by s with
    * release semantics; monotonic). dispatch_expected[s]: what this rank has consumed. */
   unsigned long long dispatch_done[EPX_MAX_RANKS];
@@ -129,6 +134,9 @@ typedef struct epx__recv_meta {
   int per_expert[EPX_MAX_EXPERTS];         /* rows per local expert (aligned if asked) */
   /* rank_prefix_matrix[i * R + j]: tokens ranks 0..i send to rank j (inclusive over sources) */
   int rank_prefix_matrix[EPX_MAX_RANKS * EPX_MAX_RANKS];
+  unsigned int epoch; /* the notify epoch of the dispatch that filled this meta */
+  int aborted;        /* 1: that count exchange failed: the dispatch sends nothing, waits for
+                         nothing, and the counts above are 0 */
 } epx__recv_meta_t;
 
 EPX_HD size_t epx__align_up(size_t x, size_t a) {

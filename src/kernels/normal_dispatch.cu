@@ -119,8 +119,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const epx__ws_layout_t &L = ctx.layout;
   const int elem = kFp8 ? 1 : 2, n16 = H * elem / 16;
   const IdxT *topk = (const IdxT *)a.topk_idx;
+  /* A failed count exchange (meta->aborted): send nothing, only the done signals that keep
+   * the per-peer counters in step, and wait for nothing (one timeout budget per call, not two). */
+  const bool aborted = meta->aborted != 0;
   int begin, end;
-  block_share(a.routing.num_tokens, &begin, &end);
+  block_share(aborted ? 0 : a.routing.num_tokens, &begin, &end);
   for (int t = begin + warp; t < end; t += kWarps) {
     const uint64_t t_token = epx::trace_begin(ctx);
     const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
@@ -170,8 +173,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid < R) {
       epx__control_t *ctrl = epx::control_of(ctx, me);
       const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
-      epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected, EPX_STAGE_DISPATCH,
-                    tid);
+      if (!aborted &&
+          epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected,
+                        EPX_STAGE_DISPATCH, tid) &&
+          tid != me && *(volatile unsigned int *)&ctrl->notify_abort[tid] == meta->epoch)
+        /* tid gave up this call's exchange after ours completed: it sent us nothing. Its abort
+         * word was written before its done signals, which we have seen. */
+        epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, tid, -1, meta->epoch);
       ctrl->dispatch_expected[tid] = expected;
     }
     epx::trace_end_last(ctx, t_wait, EPX_TRACE_DISPATCH_WAIT, tid < R ? tid : -1);

@@ -81,6 +81,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       atomicAdd(&expert_sum[w - R], value);
   }
   __syncthreads();
+  /* A peer that gave up on this epoch (this rank was late) sends no rows in it: fail here too.
+   * The dispatch kernel checks again after its wait, for a peer that gave up only now. */
+  if (!timed_out && tid < R && tid != me &&
+      *(volatile unsigned int *)&ctrl->notify_abort[tid] == epoch) {
+    epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_NOTIFY, tid, -1, epoch);
+    timed_out = 1; /* every writer writes 1 */
+  }
+  __syncthreads();
+  if (timed_out && tid < R && tid != me) { /* tell every peer this rank sends nothing */
+    *(volatile unsigned int *)&epx::control_of(ctx, tid)->notify_abort[me] = epoch;
+    __threadfence_system();
+  }
   if (tid == 0) epx::trace_end(ctx, t_wait, EPX_TRACE_NOTIFY_WAIT, (int)epoch);
 
   epx__recv_meta_t *meta = a.routing.meta;
@@ -92,6 +104,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     meta->rank_prefix[R] = prefix;
     meta->num_recv = prefix;
+    meta->epoch = epoch;
+    meta->aborted = timed_out;
     if (a.host_counts) a.host_counts[0] = prefix;
     epx::trace_end(ctx, t_start, EPX_TRACE_NOTIFY, prefix);
   }

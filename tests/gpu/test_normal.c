@@ -17,10 +17,13 @@
  *   normal_combine_times_out          one rank skips a combine: TIMEOUT naming it, < budget+1s
  *   normal_dispatch_count_timeout_is_returned  one rank skips a dispatch: the others' sync_counts
  *                                     dispatch returns EPX_ERR_TIMEOUT and num_recv = -1
+ *   normal_late_rank_gets_an_error    one rank 1.5 s late (budget 0.5 s): every rank gets
+ *                                     EPX_ERR_TIMEOUT, none wrong rows; then clear and recover
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gpu/normal_checks.h"
 
@@ -495,6 +498,80 @@ EPX_GPU_TEST(normal_dispatch_count_timeout_is_returned, 120) {
     EXPECT_EQ_INT(err.stage, EPX_STAGE_NOTIFY);
     EXPECT_EQ_INT(err.peer, missing);
   }
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  world_dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/* The last rank arrives 1.5 s late (budget 0.5 s) at a dispatch the others already gave up on.
+ * Every rank's epx_dispatch returns EPX_ERR_TIMEOUT (num_recv -1): the others' count exchange
+ * timed out; the late one's completed, but its peers had announced that they send nothing in
+ * that call (control notify_abort), so it fails too instead of returning rows its peers placed
+ * with counts they never had (85 of 158 rows wrong, EPX_OK, before). Then every rank clears the
+ * error and the next dispatch and combine are right. */
+EPX_GPU_TEST(normal_late_rank_gets_an_error, 120) {
+  const int R = t->num_ranks, me = t->rank, late = R - 1;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"late", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
+  world_t w;
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
+  epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
+  cfg.timeout_ms = 500;
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = d.x;
+  a.topk_idx = d.idx;
+  a.topk_weights = (const float *)d.w;
+  a.num_tokens = w.ranks[me].num_tokens;
+  epx_dispatch_result_t res;
+  if (me == late) usleep(1500 * 1000);
+  const epx_status_t st = epx_dispatch(g, h, &a, &res, t->stream);
+  printf("  rank %d%s: epx_dispatch: %s: %s\n", me, me == late ? " (late)" : "",
+         epx_status_string(st), epx_last_error());
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  EXPECT_EQ_INT(st, EPX_ERR_TIMEOUT);
+  EXPECT_EQ_INT(res.num_recv, -1);
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  EXPECT_EQ_INT(err.status, EPX_ERR_TIMEOUT);
+  EXPECT_EQ_INT(err.stage, EPX_STAGE_NOTIFY);
+  EXPECTF(me == late ? err.peer != late : err.peer == late, "rank %d: the record names peer %d", me,
+          err.peer);
+
+  /* Recovery: clear on every rank, then a dispatch everyone makes in time is right. */
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  EXPECT_OK(epx_group_clear_async_error(g));
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  epx_ref_recv_t ref;
+  memset(&ref, 0, sizeof ref);
+  EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+  EXPECT_EQ_INT(res.num_recv, ref.num_recv);
+  if (normal_check_recv(&w, me, &res, 0, 1, &ref, "after the late rank") != TEST_PASS)
+    return TEST_FAIL;
+  epx_ref_recv_free(&ref);
+  int nrecv = 0;
+  uint16_t *y = normal_expert_output(&w, me, &nrecv);
+  EXPECT_CUDA(cudaMemcpy(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice));
+  free(y);
+  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+  ca.x = d.y;
+  ca.out = d.out;
+  EXPECT_OK(epx_combine(g, h, &ca, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  if (normal_check_combine(&w, me, d.out, NULL, "after the late rank") != TEST_PASS)
+    return TEST_FAIL;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  EXPECTF(err.status == EPX_OK, "rank %d: after recovery: %s", me, err.message);
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   world_dev_free(&d);
   world_free(&w);
