@@ -50,7 +50,12 @@ epx_status_t epx__check_device_ptr(const char *fn, const char *arg, const void *
   struct cudaPointerAttributes attr;
   cudaError_t e = cudaPointerGetAttributes(&attr, p);
   if (e != cudaSuccess) {
-    (void)cudaGetLastError(); /* do not leave the query's error behind for the caller */
+    (void)cudaGetLastError();       /* do not leave the query's error behind for the caller */
+    if (e != cudaErrorInvalidValue) /* the context, not the pointer (e.g. a sticky error) */
+      return epx__set_error(EPX_ERR_CUDA,
+                            "%s: %s = %p: CUDA cannot tell what memory this is (%s); the CUDA "
+                            "context is probably unusable after an earlier error",
+                            fn, arg, p, cudaGetErrorString(e));
     return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s: %s = %p: must be GPU memory (%s)", fn, arg,
                           p, cudaGetErrorString(e));
   }

@@ -32,6 +32,18 @@ epx__control_t *epx__group_control(epx_group_t g) {
 }
 
 void epx__group_kernel_ctx(epx_group_t g, epx__kernel_ctx_t *ctx) {
+  /* Every launching call comes here before its first launch. A CUDA error the application left
+   * pending (e.g. a failed cudaMalloc) could otherwise come back from one of this call's
+   * launches after the kernel was queued, and a rank that returns an error for a collective its
+   * kernel still runs desynchronizes the group (issue 14). The application got that error from
+   * its own call; it is logged here. A sticky error is not cleared by this and fails the
+   * launch, as it should. */
+  const cudaError_t stale = cudaGetLastError();
+  if (stale != cudaSuccess)
+    EPX_WARN(
+        "a CUDA error from before this EPX call was pending (%s); it was cleared so that "
+        "it is not taken for this call's",
+        cudaGetErrorString(stale));
   memset(ctx, 0, sizeof *ctx);
   memcpy(ctx->peer_base, g->peer_base, sizeof ctx->peer_base);
   ctx->rank = g->rank;

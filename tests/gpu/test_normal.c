@@ -336,7 +336,10 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
           "message: %s", epx_last_error());
   EXPECT_CUDA(cudaFree(other_gpu_x));
 
-  /* The group still works. */
+  /* The group still works, even with a CUDA error the application left pending (a failed
+   * allocation): EPX must not take it for its own after queuing its kernels (issue 14). */
+  void *too_big = NULL;
+  EXPECT(cudaMalloc(&too_big, (size_t)1 << 50) != cudaSuccess);
   EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   epx_ref_recv_t ref;
