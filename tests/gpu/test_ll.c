@@ -484,14 +484,15 @@ EPX_GPU_TEST(ll_refuses_bad_arguments, 300) {
   ca.dispatch = &never;
   EXPECT_STATUS(epx_ll_combine(g, &ca, t->stream), EPX_ERR_INVALID_USAGE); /* never dispatched */
 
-  /* The group still works: a full, checked cycle, with a CUDA error the application left
-   * pending (a failed allocation) that EPX must not take for its own (issue 14: the retry of a
-   * call that had returned EPX_ERR_CUDA after queuing its kernel desynchronized the group). */
-  void *too_big = NULL;
-  EXPECT(cudaMalloc(&too_big, (size_t)1 << 50) != cudaSuccess);
+  /* The group still works: a full, checked cycle. */
   if (run_cycle(t, g, &w, &c, &d, "after bad arguments") != TEST_PASS) return TEST_FAIL;
 
-  /* Combine argument checks against a real dispatch. */
+  /* Combine argument checks against a real dispatch, made with a CUDA error the application
+   * left pending (a failed allocation) that EPX must not take for its own (issue 14: the retry
+   * of a call that had returned EPX_ERR_CUDA after queuing its kernel desynchronized the
+   * group; the checked cycles after this test's refusals show the group is still in step). */
+  void *too_big = NULL;
+  EXPECT(cudaMalloc(&too_big, (size_t)1 << 50) != cudaSuccess);
   EXPECT_OK(epx_ll_dispatch(g, &a, &res, t->stream));
   ca.dispatch = &res;
   ca.out = NULL;
