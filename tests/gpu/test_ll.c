@@ -490,7 +490,7 @@ EPX_GPU_TEST(ll_refuses_bad_arguments, 300) {
   /* Combine argument checks against a real dispatch, made with a CUDA error the application
    * left pending (a failed allocation) that EPX must not take for its own (issue 14: the retry
    * of a call that had returned EPX_ERR_CUDA after queuing its kernel desynchronized the
-   * group; the checked cycles after this test's refusals show the group is still in step). */
+   * group, and its peer was masked: the EXPECT_NO_ASYNC_ERROR below sees no masking). */
   void *too_big = NULL;
   EXPECT(cudaMalloc(&too_big, (size_t)1 << 50) != cudaSuccess);
   EXPECT_OK(epx_ll_dispatch(g, &a, &res, t->stream));
