@@ -165,6 +165,39 @@ static epx_status_t local_checks(ncclComm_t comm, int num_ranks, const epx_group
   return EPX_OK;
 }
 
+/* Undo group_prepare (any part of it may be missing). */
+static void group_release_prepared(epx_group_t g) {
+  if (!g) return;
+  epx__registry_remove(g);
+  if (g->error_host) cudaFreeHost((void *)g->error_host);
+  if (g->setup_stream) cudaStreamDestroy(g->setup_stream);
+  free(g);
+}
+
+/* The parts of a group that can fail on one rank alone (host memory, a stream, the mapped error
+ * record, the registry entry), made BEFORE the agreement so that such a failure is one of the
+ * agreed statuses and every rank returns, instead of the others waiting forever in the
+ * collective transport open (issue 14). *out is set as soon as it is allocated. */
+static epx_status_t group_prepare(ncclComm_t comm, int rank, int num_ranks,
+                                  const epx_group_config_t *cfg, int num_device_sms,
+                                  epx_group_t *out) {
+  epx_group_t g = (epx_group_t)calloc(1, sizeof *g);
+  *out = g;
+  if (!g) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
+  g->rank = rank;
+  g->num_ranks = num_ranks;
+  g->comm = comm;
+  g->config = *cfg;
+  g->num_device_sms = num_device_sms;
+  CUDA_CHECK(cudaGetDevice(&g->cuda_device));
+  epx__config_layout(cfg, num_ranks, &g->layout);
+  CUDA_CHECK(cudaStreamCreateWithFlags(&g->setup_stream, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaHostAlloc((void **)&g->error_host, sizeof *g->error_host, cudaHostAllocMapped));
+  memset((void *)g->error_host, 0, sizeof *g->error_host);
+  CUDA_CHECK(cudaHostGetDevicePointer((void **)&g->error_dev, (void *)g->error_host, 0));
+  return epx__registry_add(g);
+}
+
 EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config,
                                          epx_group_t *group) {
   EPX_CHECK(epx__check_not_null("epx_group_create", "comm", comm));
@@ -180,6 +213,8 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   epx_status_t local =
       group ? local_checks(comm, num_ranks, config, &cfg, &lsa_size, &num_device_sms)
             : epx__set_error(EPX_ERR_INVALID_ARGUMENT, "epx_group_create: group is NULL");
+  epx_group_t g = NULL;
+  if (local == EPX_OK) local = group_prepare(comm, rank, num_ranks, &cfg, num_device_sms, &g);
   char local_msg[512];
   snprintf(local_msg, sizeof local_msg, "%s", epx_last_error());
 
@@ -190,8 +225,15 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
                               cfg.timeout_ms, cfg.ll_num_sms,    cfg.ll_route};
   mine[FP_LL_MAX_TOKENS] = cfg.ll_max_tokens_per_rank;
   mine[FP_TRACE] = epx__trace_env_requested();
-  long long *all = (long long *)calloc((size_t)num_ranks * FP_COUNT, sizeof(long long));
-  if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
+  /* On the stack for every supported rank count: no allocation that could fail here alone. */
+  long long all_small[EPX_MAX_RANKS * FP_COUNT];
+  long long *all = num_ranks <= EPX_MAX_RANKS
+                       ? all_small
+                       : (long long *)calloc((size_t)num_ranks * FP_COUNT, sizeof(long long));
+  if (!all) { /* more ranks than supported: every rank fails here alike (local_checks) */
+    group_release_prepared(g);
+    return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
+  }
   epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all);
   int trace_ranks = 0; /* ranks whose EPX_TRACE asks for tracing */
   if (res == EPX_OK) {
@@ -199,28 +241,14 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
     res = decide(rank, num_ranks, local, all);
     for (int q = 0; q < num_ranks; q++) trace_ranks += all[q * FP_COUNT + FP_TRACE] != 0;
   }
-  free(all);
-  if (res != EPX_OK) return res;
+  if (all != all_small) free(all);
+  if (res != EPX_OK) {
+    group_release_prepared(g);
+    return res;
+  }
 
-  epx_group_t g = (epx_group_t)calloc(1, sizeof *g);
-  if (!g) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
-  g->rank = rank;
-  g->num_ranks = num_ranks;
-  g->comm = comm;
-  g->config = cfg;
-  g->num_device_sms = num_device_sms;
-  CUDA_CHECK_GOTO(cudaGetDevice(&g->cuda_device), res, fail);
-  epx__config_layout(&cfg, num_ranks, &g->layout);
-  CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&g->setup_stream, cudaStreamNonBlocking), res, fail);
-  CUDA_CHECK_GOTO(
-      cudaHostAlloc((void **)&g->error_host, sizeof *g->error_host, cudaHostAllocMapped), res,
-      fail);
-  memset((void *)g->error_host, 0, sizeof *g->error_host);
-  CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&g->error_dev, (void *)g->error_host, 0), res,
-                  fail);
-  /* Registered before the transport opens: nothing that can fail on one rank alone comes
-   * after the collective open. */
-  EPX_CHECK_GOTO(epx__registry_add(g), res, fail);
+  /* From here on every step is collective or agreed: the transport open agrees on its
+   * allocation; nothing that can fail on one rank alone comes after it. */
   g->transport = &epx__transport_nvlink;
   EPX_CHECK_GOTO(g->transport->open(g), res, fail);
   /* Collective; a failure is logged and the group works untraced. */
@@ -230,11 +258,8 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   *group = g;
   return EPX_OK;
 fail:
-  epx__registry_remove(g);
-  if (g->transport) g->transport->close(g);
-  if (g->error_host) cudaFreeHost((void *)g->error_host);
-  if (g->setup_stream) cudaStreamDestroy(g->setup_stream);
-  free(g);
+  g->transport->close(g); /* releases whatever part of the transport was opened */
+  group_release_prepared(g);
   return res;
 }
 
