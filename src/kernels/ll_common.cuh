@@ -73,7 +73,9 @@ __device__ __forceinline__ uint32_t call_epoch(const epx__kernel_ctx_t &ctx, int
                                                int phases) {
   uint32_t *slot = epoch_slot(ctx, kind, parity, blockIdx.x);
   uint32_t epoch = *slot;
-  if (phases & EPX_LL_PHASE_SEND) *slot = ++epoch;
+  /* 0 is skipped when the counter wraps (after 2^32 calls of this kind and buffer: a day at
+   * 20 us per call): zeroed words that were never written must never match a call's epoch. */
+  if (phases & EPX_LL_PHASE_SEND) *slot = epoch = epoch + 1 == 0 ? 1 : epoch + 1;
   return epoch;
 }
 

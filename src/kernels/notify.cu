@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int timed_out;
   epx__control_t *ctrl = epx::control_of(ctx, me);
   if (tid == 0) {
-    epoch = ctrl->notify_epoch + 1;
+    epoch = ctrl->notify_epoch + 1 == 0 ? 1 : ctrl->notify_epoch + 1; /* 0: "never" (wrap) */
     ctrl->notify_epoch = epoch;
     timed_out = 0;
   }
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ctx.timeout_ns,
         [&] {
           v = epx::ld_acquire_sys(inbox + i);
-          return (uint32_t)(v >> 32) >= epoch;
+          return (int32_t)((uint32_t)(v >> 32) - epoch) >= 0; /* this call's or newer, wrap-safe */
         },
         epx::NeverAbandon());
     if (waited != epx::WaitResult::kReady) {

@@ -19,6 +19,7 @@
  *                                     dispatch returns EPX_ERR_TIMEOUT and num_recv = -1
  *   normal_late_rank_gets_an_error    one rank 1.5 s late (budget 0.5 s): every rank gets
  *                                     EPX_ERR_TIMEOUT, none wrong rows; then clear and recover
+ *   normal_epoch_wraps                4 dispatches and combines across the notify epoch's wrap
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -576,6 +577,73 @@ EPX_GPU_TEST(normal_late_rank_gets_an_error, 120) {
   EXPECT_OK(epx_group_get_async_error(g, &err));
   EXPECTF(err.status == EPX_OK, "rank %d: after recovery: %s", me, err.message);
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  world_dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/* The notify epoch is 32 bits and wraps after 2^32 count exchanges (days at 100 us per call).
+ * Started just before the wrap (the counter and the inbox words as the previous call left
+ * them), four dispatches and combines across it are right: the epoch skips 0 ("never" for the
+ * abort words) and the inbox compare is wrap-safe. */
+EPX_GPU_TEST(normal_epoch_wraps, 120) {
+  const int R = t->num_ranks, me = t->rank;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"wrap", {64, 512, 4 * R, 2, ROUTE_UNIFORM, -1, -1}, 0};
+  world_t w;
+  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
+  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
+  const unsigned int before_wrap = 0xFFFFFFFEu;
+  epx__control_t *ctrl = (epx__control_t *)(g->workspace + g->layout.control_offset);
+  EXPECT_CUDA(
+      cudaMemcpy(&ctrl->notify_epoch, &before_wrap, sizeof before_wrap, cudaMemcpyHostToDevice));
+  const size_t words = g->layout.notify_bytes / 8;
+  uint64_t *inbox = malloc(words * 8 + 8);
+  for (size_t i = 0; i < words; i++) inbox[i] = (uint64_t)before_wrap << 32;
+  EXPECT_CUDA(
+      cudaMemcpy(g->workspace + g->layout.notify_offset, inbox, words * 8, cudaMemcpyHostToDevice));
+  free(inbox);
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  epx_ref_recv_t ref;
+  memset(&ref, 0, sizeof ref);
+  EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+  int nrecv = 0;
+  uint16_t *y = normal_expert_output(&w, me, &nrecv);
+  EXPECT_CUDA(cudaMemcpy(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice));
+  free(y);
+  for (int call = 0; call < 4; call++) { /* epochs 0xFFFFFFFF, 1, 2, 3 */
+    char label[64];
+    snprintf(label, sizeof label, "call %d across the epoch wrap", call);
+    epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+    a.x = d.x;
+    a.topk_idx = d.idx;
+    a.topk_weights = (const float *)d.w;
+    a.num_tokens = w.ranks[me].num_tokens;
+    epx_dispatch_result_t res;
+    EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    EXPECT_EQ_INT(res.num_recv, ref.num_recv);
+    if (normal_check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
+    epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+    ca.x = d.y;
+    ca.out = d.out;
+    EXPECT_OK(epx_combine(g, h, &ca, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    if (normal_check_combine(&w, me, d.out, NULL, label) != TEST_PASS) return TEST_FAIL;
+  }
+  unsigned int now = 0;
+  EXPECT_CUDA(cudaMemcpy(&now, &ctrl->notify_epoch, sizeof now, cudaMemcpyDeviceToHost));
+  EXPECT_EQ_INT(now, 3);
+  EXPECT_NO_ASYNC_ERROR(g, "epoch wrap");
+  epx_ref_recv_free(&ref);
   world_dev_free(&d);
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
