@@ -57,7 +57,8 @@ LIB_C  := $(wildcard src/*.c src/*/*.c)
 LIB_CU := $(wildcard src/*/*.cu)
 LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(LIB_CU))
 
-TEST_C  := $(wildcard tests/common/*.c tests/ref/*.c tests/host/*.c tests/gpu/*.c)
+# tests/soak/plan.c: the soak's plan, pure CPU, checked by a host test (tests/host/).
+TEST_C  := $(wildcard tests/common/*.c tests/ref/*.c tests/host/*.c tests/gpu/*.c) tests/soak/plan.c
 TEST_CU := $(wildcard tests/gpu/*.cu)
 TEST_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(TEST_CU))
 
