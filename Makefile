@@ -4,6 +4,7 @@
 #   make test       build and run every test (host tests always; GPU tests on visible GPUs),
 #                   then the Python package's CPU tests (make test-python: python/tests, pytest)
 #   make bench      build and run the benchmark on every visible GPU (BENCH_ARGS=... to pass flags)
+#   make soak-bin   build/bin/epx_soak, the long mixed run (docs/testing.md, "Soak")
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
 # Knobs: CUDA_HOME, NCCL_HOME, PYTHON (the one whose nvidia-nccl-cu13 wheel to use), NVCC_GENCODE,
@@ -67,18 +68,28 @@ BENCH_C  := $(wildcard bench/*.c) tests/common/ranks.c
 BENCH_CU := $(wildcard bench/*.cu)
 BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(BENCH_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(BENCH_CU))
 
+# The soak (docs/testing.md, "Soak"): its own files and the test harness it reuses (rank
+# processes, reference, worlds, checks, test kernels). Built by `make soak-bin`, run by hand or
+# by scripts/gpu-check.sh (SOAK_ITERS=N); not part of `make test`.
+SOAK_C := $(wildcard tests/soak/*.c)
+SOAK_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(SOAK_C))
+SOAK_LINK := $(SOAK_OBJ) $(addprefix $(BUILD)/obj/tests/,common/ranks.o ref/epx_ref.o \
+             gpu/world.o gpu/normal_checks.o gpu/ll_checks.o gpu/test_kernels.o)
+
 SHARED_LIB := $(BUILD)/lib/libepx.so
 STATIC_LIB := $(BUILD)/lib/libepx.a
 TEST_BIN := $(BUILD)/bin/epx_test
 BENCH_BIN := $(BUILD)/bin/epx_bench
+SOAK_BIN := $(BUILD)/bin/epx_soak
 
-.PHONY: all lib test test-python bench format format-check install clean header-check
+.PHONY: all lib test test-python bench soak-bin format format-check install clean header-check
 all: lib
 lib: $(SHARED_LIB) $(STATIC_LIB)
 
-# Test and benchmark objects may include tests/ headers (common/, ref/, gpu/); nothing else.
+# Test, benchmark and soak objects may include tests/ headers (common/, ref/, gpu/, soak/);
+# nothing else.
 EXTRA_INCLUDES :=
-$(TEST_OBJ) $(BENCH_OBJ): EXTRA_INCLUDES := -Itests
+$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ): EXTRA_INCLUDES := -Itests
 
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
@@ -88,7 +99,7 @@ $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
--include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d))
+-include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d))
 
 # Only epx_* symbols leave the shared library (src/epx.map).
 $(SHARED_LIB): $(LIB_OBJ) src/epx.map
@@ -107,6 +118,11 @@ $(TEST_BIN): $(TEST_OBJ) $(STATIC_LIB)
 $(BENCH_BIN): $(BENCH_OBJ) $(STATIC_LIB)
 	@mkdir -p $(dir $@)
 	$(CXX) -o $@ $(BENCH_OBJ) $(STATIC_LIB) $(SAN) $(LDLIBS)
+
+soak-bin: $(SOAK_BIN)
+$(SOAK_BIN): $(SOAK_LINK) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $(SOAK_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
 
 # The public header must stand alone as strict C11.
 header-check:
