@@ -5,6 +5,9 @@
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (default: $OUT, else ./out)
 # Env:   TEST_ARGS (e.g. "--filter layout"), BENCH_ARGS (extra epx_bench flags), SKIP_BENCH=1,
 #        SKIP_TESTS=1, SKIP_CLEAN=1 (keep earlier build outputs), RANKS (default "2,4"),
+#        SOAK_ITERS=N: after the tests, build/bin/epx_soak --iters N at each rank count of RANKS
+#        (docs/testing.md, "Soak"; SOAK_ARGS: extra flags, SOAK_TIMEOUT: seconds per run,
+#        default 600 + N/20),
 #        PYTHON_TESTS=1: pip-install the Python package (the README's command) into python3 and
 #        run pytest python/tests (GPU tests included; PYTEST_ARGS, e.g. "-k native");
 #        DEEPEP=DIR: a DeepEP V1 source tree (carried, e.g. deepep-v1): DeepEP's own
@@ -32,7 +35,7 @@ export EPX_COMMIT="$commit"
 
 t0=$(date +%s)
 [ -z "${SKIP_CLEAN:-}" ] && make clean >/dev/null
-targets="lib build/bin/epx_test build/bin/epx_bench"
+targets="lib build/bin/epx_test build/bin/epx_bench build/bin/epx_soak"
 baseline_pid=
 if [ -n "${BASELINE:-}" ]; then
   (make -C "$BASELINE" -j"$(nproc)" build/bin/epx_bench >"$out/baseline-build.log" 2>&1) &
@@ -58,6 +61,23 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   grep -E "^\[ (FAIL|SKIP) \]|FAILED|rank [0-9]+:" "$out/tests.log" | head -60
   test_line=$(tail -1 "$out/tests.log")
   [ $test_rc -eq 124 ] && test_line="TIMED OUT after 900 s; $test_line"
+fi
+
+soak_lines=
+if [ -n "${SOAK_ITERS:-}" ]; then
+  for ranks in $(echo "${RANKS:-2,4}" | tr ',' ' '); do
+    log="$out/soak-$ranks.log"
+    timeout "${SOAK_TIMEOUT:-$((600 + SOAK_ITERS / 20))}" build/bin/epx_soak --iters "$SOAK_ITERS" \
+      --ranks "$ranks" ${SOAK_ARGS:-} >"$log" 2>&1
+    soak_rc=$?
+    grep -E "WRONG|unexpected async error|epx_soak" "$log" | head -20
+    last=$(grep -E "^soak: " "$log" | tail -2)
+    [ $soak_rc -eq 124 ] && last="$last
+soak: TIMED OUT after ${SOAK_TIMEOUT:-$((600 + SOAK_ITERS / 20))} s"
+    soak_lines="$soak_lines
+--- soak at $ranks ranks (exit $soak_rc, soak-$ranks.log):
+$last"
+  done
 fi
 
 py_line="(not run)"
@@ -119,6 +139,7 @@ echo
 echo "==================== summary ($commit) ===================="
 echo "build: ${build_s}s"
 echo "tests: $test_line"
+[ -n "$soak_lines" ] && echo "soak:$soak_lines"
 echo "python tests: $py_line"
 if [ -n "$deepep_line" ]; then
   echo "$deepep_line"
