@@ -133,3 +133,41 @@ int normal_check_combine_unchanged(const world_t *w, int me, const void *out_dev
   EXPECTF(ok, "%s: reference combine or copy-back failed", label);
   return bad < 0 ? TEST_PASS : TEST_FAIL;
 }
+
+int normal_fixture_make(epx_test_rank_t *t, const world_spec_t *spec, int timeout_ms, uint64_t *rng,
+                        normal_fixture_t *f) {
+  memset(f, 0, sizeof *f);
+  world_make(&f->w, t->num_ranks, spec, WORLD_NORMAL, rng);
+  epx_group_config_t cfg = gpu_test_config(f->w.M, f->w.H, f->w.E, f->w.K);
+  if (timeout_ms > 0) cfg.timeout_ms = timeout_ms;
+  const epx_status_t st = epx_group_create(t->comm, &cfg, &f->g);
+  EXPECTF(st == EPX_OK && epx_handle_create(f->g, &f->h) == EPX_OK, "group or handle: %s",
+          epx_last_error());
+  return world_dev_make(&f->w, t->rank, (size_t)t->num_ranks * f->w.M, &f->d);
+}
+
+int normal_fixture_free(normal_fixture_t *f, const char *label) {
+  world_dev_free(&f->d);
+  world_free(&f->w);
+  const epx_status_t st = epx_handle_destroy(f->h);
+  EXPECTF(st == EPX_OK && epx_group_destroy(f->g) == EPX_OK, "%s: destroy: %s", label,
+          epx_last_error());
+  return TEST_PASS;
+}
+
+int normal_combine_and_check(epx_test_rank_t *t, const normal_fixture_t *f, const char *label) {
+  const world_t *w = &f->w;
+  int nrecv = 0;
+  uint16_t *y = normal_expert_output(w, t->rank, &nrecv);
+  EXPECT_CUDA(
+      cudaMemcpyAsync(f->d.y, y, (size_t)nrecv * w->H * 2, cudaMemcpyHostToDevice, t->stream));
+  EXPECT_CUDA(
+      cudaMemsetAsync(f->d.out, 0xFF, (size_t)w->ranks[t->rank].num_tokens * w->H * 2, t->stream));
+  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+  ca.x = f->d.y;
+  ca.out = f->d.out;
+  EXPECT_OK(epx_combine(f->g, f->h, &ca, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  free(y);
+  return normal_check_combine(w, t->rank, f->d.out, NULL, label);
+}

@@ -425,16 +425,11 @@ EPX_GPU_TEST(normal_combine_times_out, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"timeout", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
-  world_t w;
-  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
-  epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
-  cfg.timeout_ms = 500;
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
-  world_dev_t d;
-  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
+  normal_fixture_t f;
+  if (normal_fixture_make(t, &c.world, 500, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  const epx_group_t g = f.g;
+  const epx_handle_t h = f.h;
+  const world_dev_t d = f.d;
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
@@ -460,11 +455,7 @@ EPX_GPU_TEST(normal_combine_times_out, 120) {
     EXPECTF(waited < 1.5, "took %.3f s with a 0.5 s budget", waited);
   }
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
-  world_dev_free(&d);
-  world_free(&w);
-  EXPECT_OK(epx_handle_destroy(h));
-  EXPECT_OK(epx_group_destroy(g));
-  return TEST_PASS;
+  return normal_fixture_free(&f, c.name);
 }
 
 /* The last rank skips a dispatch with sync_counts = 1: the others' epx_dispatch returns
@@ -474,16 +465,11 @@ EPX_GPU_TEST(normal_dispatch_count_timeout_is_returned, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"timeout", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
-  world_t w;
-  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
-  epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
-  cfg.timeout_ms = 500;
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
-  world_dev_t d;
-  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
+  normal_fixture_t f;
+  if (normal_fixture_make(t, &c.world, 500, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  const epx_group_t g = f.g;
+  const epx_handle_t h = f.h;
+  const world_dev_t d = f.d;
   const int missing = R - 1;
   if (me != missing) {
     epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
@@ -503,11 +489,7 @@ EPX_GPU_TEST(normal_dispatch_count_timeout_is_returned, 120) {
     EXPECT_EQ_INT(err.peer, missing);
   }
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
-  world_dev_free(&d);
-  world_free(&w);
-  EXPECT_OK(epx_handle_destroy(h));
-  EXPECT_OK(epx_group_destroy(g));
-  return TEST_PASS;
+  return normal_fixture_free(&f, c.name);
 }
 
 /* The last rank arrives 1.5 s late (budget 0.5 s) at a dispatch the others already gave up on.
@@ -520,21 +502,17 @@ EPX_GPU_TEST(normal_late_rank_gets_an_error, 120) {
   const int R = t->num_ranks, me = t->rank, late = R - 1;
   uint64_t rng = t->seed;
   const normal_case_t c = {"late", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
-  world_t w;
-  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
-  epx_group_config_t cfg = gpu_test_config(64, 512, 4 * R, 2);
-  cfg.timeout_ms = 500;
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
-  world_dev_t d;
-  if (world_dev_make(&w, me, (size_t)R * 64, &d) != TEST_PASS) return TEST_FAIL;
+  normal_fixture_t f;
+  if (normal_fixture_make(t, &c.world, 500, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  const world_t *const w = &f.w;
+  const epx_group_t g = f.g;
+  const epx_handle_t h = f.h;
+  const world_dev_t d = f.d;
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = d.x;
   a.topk_idx = d.idx;
   a.topk_weights = (const float *)d.w;
-  a.num_tokens = w.ranks[me].num_tokens;
+  a.num_tokens = w->ranks[me].num_tokens;
   epx_dispatch_result_t res;
   if (me == late) usleep(1500 * 1000);
   const epx_status_t st = epx_dispatch(g, h, &a, &res, t->stream);
@@ -558,30 +536,16 @@ EPX_GPU_TEST(normal_late_rank_gets_an_error, 120) {
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   epx_ref_recv_t ref;
   memset(&ref, 0, sizeof ref);
-  EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+  EXPECT(epx_ref_dispatch(&w->ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
   EXPECT_EQ_INT(res.num_recv, ref.num_recv);
-  if (normal_check_recv(&w, me, &res, 0, 1, &ref, "after the late rank") != TEST_PASS)
+  if (normal_check_recv(w, me, &res, 0, 1, &ref, "after the late rank") != TEST_PASS)
     return TEST_FAIL;
   epx_ref_recv_free(&ref);
-  int nrecv = 0;
-  uint16_t *y = normal_expert_output(&w, me, &nrecv);
-  EXPECT_CUDA(cudaMemcpy(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice));
-  free(y);
-  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
-  ca.x = d.y;
-  ca.out = d.out;
-  EXPECT_OK(epx_combine(g, h, &ca, t->stream));
-  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-  if (normal_check_combine(&w, me, d.out, NULL, "after the late rank") != TEST_PASS)
-    return TEST_FAIL;
+  if (normal_combine_and_check(t, &f, "after the late rank") != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_group_get_async_error(g, &err));
   EXPECTF(err.status == EPX_OK, "rank %d: after recovery: %s", me, err.message);
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
-  world_dev_free(&d);
-  world_free(&w);
-  EXPECT_OK(epx_handle_destroy(h));
-  EXPECT_OK(epx_group_destroy(g));
-  return TEST_PASS;
+  return normal_fixture_free(&f, c.name);
 }
 
 /* The notify epoch is 32 bits and wraps after 2^32 count exchanges (days at 100 us per call).
@@ -592,15 +556,12 @@ EPX_GPU_TEST(normal_epoch_wraps, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"wrap", {64, 512, 4 * R, 2, ROUTE_UNIFORM, -1, -1}, 0};
-  world_t w;
-  world_make(&w, R, &c.world, WORLD_NORMAL, &rng);
-  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
-  world_dev_t d;
-  if (world_dev_make(&w, me, (size_t)R * w.M, &d) != TEST_PASS) return TEST_FAIL;
+  normal_fixture_t f;
+  if (normal_fixture_make(t, &c.world, 0, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  const world_t *const w = &f.w;
+  const epx_group_t g = f.g;
+  const epx_handle_t h = f.h;
+  const world_dev_t d = f.d;
   const unsigned int before_wrap = 0xFFFFFFFEu;
   epx__control_t *ctrl = (epx__control_t *)(g->workspace + g->layout.control_offset);
   EXPECT_CUDA(
@@ -614,11 +575,7 @@ EPX_GPU_TEST(normal_epoch_wraps, 120) {
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   epx_ref_recv_t ref;
   memset(&ref, 0, sizeof ref);
-  EXPECT(epx_ref_dispatch(&w.ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
-  int nrecv = 0;
-  uint16_t *y = normal_expert_output(&w, me, &nrecv);
-  EXPECT_CUDA(cudaMemcpy(d.y, y, (size_t)nrecv * w.H * 2, cudaMemcpyHostToDevice));
-  free(y);
+  EXPECT(epx_ref_dispatch(&w->ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
   for (int call = 0; call < 4; call++) { /* epochs 0xFFFFFFFF, 1, 2, 3 */
     char label[64];
     snprintf(label, sizeof label, "call %d across the epoch wrap", call);
@@ -626,27 +583,18 @@ EPX_GPU_TEST(normal_epoch_wraps, 120) {
     a.x = d.x;
     a.topk_idx = d.idx;
     a.topk_weights = (const float *)d.w;
-    a.num_tokens = w.ranks[me].num_tokens;
+    a.num_tokens = w->ranks[me].num_tokens;
     epx_dispatch_result_t res;
     EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
     EXPECT_EQ_INT(res.num_recv, ref.num_recv);
-    if (normal_check_recv(&w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
-    epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
-    ca.x = d.y;
-    ca.out = d.out;
-    EXPECT_OK(epx_combine(g, h, &ca, t->stream));
-    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-    if (normal_check_combine(&w, me, d.out, NULL, label) != TEST_PASS) return TEST_FAIL;
+    if (normal_check_recv(w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
+    if (normal_combine_and_check(t, &f, label) != TEST_PASS) return TEST_FAIL;
   }
   unsigned int now = 0;
   EXPECT_CUDA(cudaMemcpy(&now, &ctrl->notify_epoch, sizeof now, cudaMemcpyDeviceToHost));
   EXPECT_EQ_INT(now, 3);
   EXPECT_NO_ASYNC_ERROR(g, "epoch wrap");
   epx_ref_recv_free(&ref);
-  world_dev_free(&d);
-  world_free(&w);
-  EXPECT_OK(epx_handle_destroy(h));
-  EXPECT_OK(epx_group_destroy(g));
-  return TEST_PASS;
+  return normal_fixture_free(&f, c.name);
 }

@@ -137,33 +137,16 @@ static int *upload_ints(const void *host, size_t bytes) {
   return d;
 }
 
-/* A world with its group, handle and device inputs (WORLD_NORMAL). */
-typedef struct {
-  world_t w;
-  epx_group_t g;
-  epx_handle_t h;
-  world_dev_t d;
-} setup_t;
+/* The shared fixture (normal_checks.h), with no async error on record at the end. */
+typedef normal_fixture_t setup_t;
 
 static int setup_make(epx_test_rank_t *t, const world_spec_t *spec, uint64_t *rng, setup_t *s) {
-  memset(s, 0, sizeof *s);
-  world_make(&s->w, t->num_ranks, spec, WORLD_NORMAL, rng);
-  const epx_group_config_t cfg = gpu_test_config(s->w.M, s->w.H, s->w.E, s->w.K);
-  const epx_status_t st = epx_group_create(t->comm, &cfg, &s->g);
-  EXPECTF(st == EPX_OK && epx_handle_create(s->g, &s->h) == EPX_OK, "group or handle: %s",
-          epx_last_error());
-  return world_dev_make(&s->w, t->rank, (size_t)t->num_ranks * s->w.M, &s->d);
+  return normal_fixture_make(t, spec, 0, rng, s);
 }
 
-/* No async error on record, then everything of s released. */
 static int setup_free(setup_t *s, const char *label) {
   EXPECT_NO_ASYNC_ERROR(s->g, label);
-  world_dev_free(&s->d);
-  world_free(&s->w);
-  const epx_status_t st = epx_handle_destroy(s->h);
-  EXPECTF(st == EPX_OK && epx_group_destroy(s->g) == EPX_OK, "%s: destroy: %s", label,
-          epx_last_error());
-  return TEST_PASS;
+  return normal_fixture_free(s, label);
 }
 
 typedef struct {
@@ -172,24 +155,6 @@ typedef struct {
   int fp8, idx64;
   uint8_t one; /* mask value for "sent" */
 } mask_case_t;
-
-/* Combine the received rows (expert output y) unweighted and check against the reference. */
-static int combine_and_check(epx_test_rank_t *t, const world_t *w, epx_group_t g, epx_handle_t h,
-                             const world_dev_t *d, const char *label) {
-  int nrecv = 0;
-  uint16_t *y = normal_expert_output(w, t->rank, &nrecv);
-  EXPECT_CUDA(
-      cudaMemcpyAsync(d->y, y, (size_t)nrecv * w->H * 2, cudaMemcpyHostToDevice, t->stream));
-  EXPECT_CUDA(
-      cudaMemsetAsync(d->out, 0xFF, (size_t)w->ranks[t->rank].num_tokens * w->H * 2, t->stream));
-  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
-  ca.x = d->y;
-  ca.out = d->out;
-  EXPECT_OK(epx_combine(g, h, &ca, t->stream));
-  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
-  free(y);
-  return normal_check_combine(w, t->rank, d->out, NULL, label);
-}
 
 static int run_mask_case(epx_test_rank_t *t, const mask_case_t *c, uint64_t *rng) {
   const int R = t->num_ranks, me = t->rank;
@@ -238,7 +203,7 @@ static int run_mask_case(epx_test_rank_t *t, const mask_case_t *c, uint64_t *rng
     return TEST_FAIL;
   char label[96];
   snprintf(label, sizeof label, "%s (combine after a rank-mask dispatch)", c->name);
-  if (!c->fp8 && combine_and_check(t, w, g, h, &d, label) != TEST_PASS) return TEST_FAIL;
+  if (!c->fp8 && normal_combine_and_check(t, &su, label) != TEST_PASS) return TEST_FAIL;
 
   /* Cached dispatch of the same payload through epx_dispatch_cached_args. */
   if (poison_recv(g, t->stream) != TEST_PASS) return TEST_FAIL;
@@ -345,7 +310,7 @@ EPX_GPU_TEST(normal_dispatch_worst_tokens, 300) {
     }
     if (run_worst(t, w, g, h, &d, cap, 1, &ref, "after too few rows") != TEST_PASS)
       return TEST_FAIL;
-    if (combine_and_check(t, w, g, h, &d, "combine after a worst-case dispatch") != TEST_PASS)
+    if (normal_combine_and_check(t, &su, "combine after a worst-case dispatch") != TEST_PASS)
       return TEST_FAIL;
     epx_ref_recv_free(&ref);
     if (setup_free(&su, "worst tokens") != TEST_PASS) return TEST_FAIL;
