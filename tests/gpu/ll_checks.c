@@ -422,3 +422,13 @@ int ll_check_dispatch_layout(const world_t *w, int me, const epx_ll_dispatch_res
 int ll_upload_outputs_packed(const world_t *w, int me, uint16_t *const *y, void *dst) {
   return upload_rows(w, me, y, dst, 1);
 }
+
+float *ll_draw_combine_weights(const world_t *w, int s, uint64_t *rng) {
+  const size_t n = (size_t)w->ranks[s].num_tokens * w->K;
+  float *cw = malloc(sizeof(float) * (n + 1));
+  for (size_t i = 0; i < n; i++) {
+    const float v = 2.5f * epx_test_rand_unit(rng) - 1.f;
+    cw[i] = epx_test_rand_int(rng, 5) == 0 ? 0.f : v;
+  }
+  return cw;
+}

@@ -71,4 +71,8 @@ int ll_check_dispatch_layout(const world_t *w, int me, const epx_ll_dispatch_res
  * dst in the packed rows; synchronizes the device. */
 int ll_upload_outputs_packed(const world_t *w, int me, uint16_t *const *y, void *dst);
 
+/* Combine-time weights of rank s, [T_s, K]: in [-1, 1.5), a fifth of them 0 (drawn from rng,
+ * so draw every rank's on every rank to keep a shared rng in step). */
+float *ll_draw_combine_weights(const world_t *w, int s, uint64_t *rng);
+
 #endif /* EPX_TESTS_LL_CHECKS_H_ */

@@ -37,18 +37,6 @@ static const char *route_label(int route) {
   return names[route];
 }
 
-/* Combine-time weights of rank s, [T_s, K]: in [-1, 1.5), a fifth of them 0. Drawn for every
- * rank on every rank, so the rng stays shared. */
-static float *draw_combine_weights(const world_t *w, int s, uint64_t *rng) {
-  const size_t n = (size_t)w->ranks[s].num_tokens * w->K;
-  float *cw = malloc(sizeof(float) * (n + 1));
-  for (size_t i = 0; i < n; i++) {
-    const float v = 2.5f * epx_test_rand_unit(rng) - 1.f;
-    cw[i] = epx_test_rand_int(rng, 5) == 0 ? 0.f : v;
-  }
-  return cw;
-}
-
 /* 0xff (NaN in BF16 and float32) over both buffers' receive arrays and returned-rows areas,
  * then a device barrier, so that no peer writes before every rank has poisoned. */
 static int poison_ll(epx_test_rank_t *t, epx_group_t g) {
@@ -163,7 +151,7 @@ static int fixture_make(epx_test_rank_t *t, const world_spec_t *spec, int route,
   const int R = t->num_ranks;
   memset(f, 0, sizeof *f);
   world_make(&f->w, R, spec, WORLD_LL, rng);
-  for (int s = 0; s < R; s++) f->cw[s] = draw_combine_weights(&f->w, s, rng);
+  for (int s = 0; s < R; s++) f->cw[s] = ll_draw_combine_weights(&f->w, s, rng);
   const world_t *w = &f->w;
   epx_group_config_t cfg = gpu_test_config(normal_max > 0 ? normal_max : w->M, w->H, w->E, w->K);
   cfg.modes = EPX_MODE_LOW_LATENCY | (normal_max > 0 ? EPX_MODE_NORMAL : 0);

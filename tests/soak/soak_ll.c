@@ -31,17 +31,6 @@ static int poison_ll(soak_rank_t *s) {
   return 0;
 }
 
-/* Combine-time weights of this rank, [T, K]: in [-1, 1.5), a fifth of them 0 (as the tests'). */
-static float *draw_combine_weights(const world_t *w, int me, uint64_t *rng) {
-  const size_t n = (size_t)w->ranks[me].num_tokens * w->K;
-  float *cw = malloc(sizeof(float) * (n + 1));
-  for (size_t i = 0; i < n; i++) {
-    const float v = 2.5f * epx_test_rand_unit(rng) - 1.f;
-    cw[i] = epx_test_rand_int(rng, 5) == 0 ? 0.f : v;
-  }
-  return cw;
-}
-
 int soak_ll_iteration(soak_rank_t *s, const soak_iter_t *p, int check) {
   const int R = s->R, me = s->rank;
   uint64_t rng = p->rng, local = soak_mix(p->rng ^ (0xC0DEull + (uint64_t)me));
@@ -50,7 +39,7 @@ int soak_ll_iteration(soak_rank_t *s, const soak_iter_t *p, int check) {
   world_make(&w, R, &spec, WORLD_LL, &rng);
   SOAK_TRY(s, world_upload(&w, me, &s->d) == TEST_PASS, "uploading the inputs");
   const int T = w.ranks[me].num_tokens, K = w.K;
-  float *cw = p->combine_weights ? draw_combine_weights(&w, me, &local) : NULL;
+  float *cw = p->combine_weights ? ll_draw_combine_weights(&w, me, &local) : NULL;
   const size_t cw_bytes = (size_t)T * K * sizeof(float);
   cudaStream_t st = s->t.stream;
 
