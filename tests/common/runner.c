@@ -25,24 +25,29 @@ typedef struct {
   epx_host_test_fn host_fn;
   epx_gpu_test_fn gpu_fn;
   int timeout_s;
+  int one_gpu; /* host_fn needs one GPU: run once, in its own process, when one is visible */
 } test_entry_t;
 
 static test_entry_t tests[MAX_TESTS];
 static int num_tests;
 static uint64_t current_seed;
 
-static void add_test(const char *name, epx_host_test_fn h, epx_gpu_test_fn g, int timeout_s) {
+static void add_test(const char *name, epx_host_test_fn h, epx_gpu_test_fn g, int timeout_s,
+                     int one_gpu) {
   if (num_tests == MAX_TESTS) {
     fprintf(stderr, "runner: more than %d tests; raise MAX_TESTS\n", MAX_TESTS);
     exit(2);
   }
-  tests[num_tests++] = (test_entry_t){name, h, g, timeout_s > 0 ? timeout_s : 60};
+  tests[num_tests++] = (test_entry_t){name, h, g, timeout_s > 0 ? timeout_s : 60, one_gpu};
 }
 void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s) {
-  add_test(name, fn, NULL, timeout_s);
+  add_test(name, fn, NULL, timeout_s, 0);
+}
+void epx_test_register_one_gpu(const char *name, epx_host_test_fn fn, int timeout_s) {
+  add_test(name, fn, NULL, timeout_s, 1);
 }
 void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s) {
-  add_test(name, NULL, fn, timeout_s);
+  add_test(name, NULL, fn, timeout_s, 0);
 }
 uint64_t epx_test_seed(void) {
   return current_seed;
@@ -161,7 +166,7 @@ int main(int argc, char **argv) {
       int ranks = t->host_fn ? 0 : rank_list[v];
       char label[160];
       if (t->host_fn)
-        snprintf(label, sizeof label, "%s", t->name);
+        snprintf(label, sizeof label, t->one_gpu ? "%s [1 GPU]" : "%s", t->name);
       else
         snprintf(label, sizeof label, "%s [%d ranks]", t->name, ranks);
       if (list_only) {
@@ -171,7 +176,14 @@ int main(int argc, char **argv) {
       /* Each test gets its own seed derived from the run's seed, printed with the result. */
       uint64_t s = seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(i * 16 + v + 1));
       current_seed = s;
-      if (!t->host_fn) {
+      if (t->one_gpu) {
+        if (num_gpus < 0) num_gpus = ranks_count_gpus("epx_test", 60);
+        if (num_gpus < 1) {
+          printf("[ SKIP ] %s: needs 1 GPU, %d visible\n", label, num_gpus);
+          skipped++;
+          continue;
+        }
+      } else if (!t->host_fn) {
         if (num_gpus < 0) num_gpus = ranks_count_gpus("epx_test", 60);
         if (ranks < 2 || ranks > EPX_MAX_RANKS || ranks > num_gpus) {
           printf("[ SKIP ] %s: needs %d GPUs, %d visible\n", label, ranks, num_gpus);

@@ -1,7 +1,8 @@
 /*
  * runner.h - EPX's test runner: every test runs in its own process tree under a timeout.
  *
- * Host tests are plain functions. GPU tests run once per rank in R forked processes (one per
+ * Host tests are plain functions; one-GPU tests (EPX_ONE_GPU_TEST) are plain functions that
+ * need a GPU but no group. GPU tests run once per rank in R forked processes (one per
  * GPU), each with its own NCCL communicator bootstrapped from a unique id that rank 0 creates
  * and the runner relays through pipes; CUDA is never touched before fork. A GPU test runs at
  * every rank count of --ranks (default 2,4) that the machine has GPUs for; otherwise it is
@@ -35,6 +36,7 @@ typedef int (*epx_gpu_test_fn)(epx_test_rank_t *t);
 
 void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s);
 void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s);
+void epx_test_register_one_gpu(const char *name, epx_host_test_fn fn, int timeout_s);
 /* Seed of the current test (host tests too). */
 uint64_t epx_test_seed(void);
 
@@ -51,6 +53,15 @@ uint64_t epx_test_seed(void);
     epx_test_register_gpu(#name, name, (timeout_s));               \
   }                                                                \
   static int name(epx_test_rank_t *t)
+
+/* A test of one GPU's kernels (no group, no NCCL): runs once, in its own process, when a GPU
+ * is visible, whatever --ranks says; skipped otherwise. */
+#define EPX_ONE_GPU_TEST(name, timeout_s)                          \
+  static int name(void);                                           \
+  __attribute__((constructor)) static void register_##name(void) { \
+    epx_test_register_one_gpu(#name, name, (timeout_s));           \
+  }                                                                \
+  static int name(void)
 
 #define EXPECT(cond)                                                      \
   do {                                                                    \
