@@ -678,6 +678,81 @@ epx_status_t epx_trace_start(epx_group_t group, int capacity, cudaStream_t strea
 epx_status_t epx_trace_dump(epx_group_t group, const char *path, epx_trace_summary_t *summary,
                             cudaStream_t stream);
 
+
+/* ---------------------------------------------------------------------------------------------
+ * Experts' FFN: the SwiGLU feed-forward of the experts one GPU holds, on the rows a dispatch
+ * delivered (docs/moe.md). Needs no group: out = down(silu(gate(x)) * up(x)) per expert, with
+ * each expert's row count read on the device, so it needs no host synchronization and is
+ * capturable in a CUDA graph. Built for decode-sized groups (tens of rows per expert), where
+ * reading the weights is the cost: each CTA streams a tile of one expert's weights once per
+ * 32 rows.
+ * ------------------------------------------------------------------------------------------- */
+
+/* The weights of E experts. Row-major, K contiguous (nn.Linear's [out, in] and vLLM's
+ * w13 / w2): */
+typedef struct epx_experts {
+  size_t size;              /* sizeof(epx_experts_t); set by EPX_EXPERTS_INIT */
+  int num_experts;          /* E >= 1: the experts held here */
+  int hidden;               /* H: multiple of 128 */
+  int intermediate;         /* I: multiple of 128 */
+  epx_dtype_t weight_dtype; /* EPX_DTYPE_BF16, or EPX_DTYPE_FP8_E4M3 with block scales */
+  const void *gate_up;      /* [E, 2I, H]: expert e's gate rows [0, I) then its up rows [I, 2I) */
+  const float *gate_up_scales; /* FP8: [E, 2I/128, H/128] float32; block (n/128, k/128) of
+                                  expert e is float(w) * scale (DeepSeek-V3's weight_scale_inv) */
+  const void *down;            /* [E, H, I] */
+  const float *down_scales;    /* FP8: [E, H/128, I/128] float32 */
+} epx_experts_t;
+
+#define EPX_EXPERTS_INIT \
+  { sizeof(epx_experts_t), 0, 0, 0, EPX_DTYPE_BF16, NULL, NULL, NULL, NULL }
+
+/* Where each expert's rows are, and where the results go. Two layouts:
+ *  - masked (expert_begin NULL): expert e's rows are [e * rows_per_expert, + count[e]), as
+ *    epx_ll_dispatch delivers them (recv_x, recv_count, rows_per_expert; write out to
+ *    combine_input);
+ *  - contiguous (expert_begin set): expert e's rows are [begin[e], begin[e] + count[e]).
+ * Rows outside every expert's range are neither read nor written. */
+typedef struct epx_experts_ffn_args {
+  size_t size;              /* sizeof(epx_experts_ffn_args_t); set by EPX_EXPERTS_FFN_ARGS_INIT */
+  const void *x;            /* [IN] [num_rows, H], 16-byte aligned: BF16, or FP8 E4M3 (FP8
+                               weights only) */
+  epx_dtype_t x_dtype;      /* EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3 */
+  const float *x_scales;    /* [IN] FP8 x: [num_rows, H/128] float32 (per-128-channel, as
+                               epx_ll_dispatch's recv_x_scales) */
+  int num_rows;             /* rows of x and out */
+  const int *expert_count;  /* [IN] device [E]: rows of expert e. A count past the expert's
+                               room (rows_per_expert, or num_rows - begin) is cut to it; a
+                               negative count, or a begin outside [0, num_rows], means none */
+  const int *expert_begin;  /* [IN] device [E] or NULL (masked layout) */
+  int rows_per_expert;      /* masked layout: each expert's stride and room; E * rows_per_expert
+                               <= num_rows. Ignored with expert_begin */
+  void *out;                /* [OUT] [num_rows, H] BF16, 16-byte aligned; may not overlap x */
+  void *workspace;          /* device scratch of epx_experts_ffn_workspace_size bytes,
+                               256-byte aligned; not shared by two calls in flight */
+  size_t workspace_bytes;
+} epx_experts_ffn_args_t;
+
+#define EPX_EXPERTS_FFN_ARGS_INIT \
+  { sizeof(epx_experts_ffn_args_t), NULL, EPX_DTYPE_BF16, NULL, 0, NULL, NULL, 0, NULL, NULL, 0 }
+
+/* epx_experts_ffn_workspace_size - scratch bytes epx_experts_ffn needs for num_rows rows:
+ * the intermediate activations (BF16, or FP8 and scales), and FP8 x when BF16 rows meet FP8
+ * weights. Local; no GPU work.
+ * Returns EPX_OK; EPX_ERR_INVALID_ARGUMENT naming the field. */
+epx_status_t epx_experts_ffn_workspace_size(const epx_experts_t *experts, int num_rows,
+                                            epx_dtype_t x_dtype, size_t *bytes);
+
+/* epx_experts_ffn - out[r] = down_e(silu(gate_e(x[r])) * up_e(x[r])) for every row r of every
+ * expert e. Local (no group, no other rank); ordered on stream; no host synchronization;
+ * capturable in a CUDA graph. Accumulates in float32. BF16 weights: the intermediate is
+ * rounded to BF16. FP8 weights: x (quantized first if BF16) and the intermediate are FP8 with
+ * per-128-channel scales (tests/ref/epx_ref.h's rule), each 128-deep block of products scaled
+ * by the weight block's and the row's scales (DeepSeek-V3's inference recipe).
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the field (nothing queued);
+ * EPX_ERR_UNSUPPORTED (BF16 weights with FP8 x); EPX_ERR_CUDA. */
+epx_status_t epx_experts_ffn(const epx_experts_t *experts, const epx_experts_ffn_args_t *args,
+                             cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

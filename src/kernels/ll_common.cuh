@@ -29,6 +29,7 @@
 #include "workspace.h"
 #include "kernels/api.h"
 #include "kernels/bf16.cuh"
+#include "kernels/fp8.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/wait.cuh"
 #include "kernels/workspace.cuh"
@@ -266,38 +267,8 @@ using epx::acc_bf16x8;
 using epx::bf16x8_to_float;
 using epx::float8_to_bf16x8;
 
-/* FP8 E4M3 of this lane's 16 channels by the per-128 rule of tests/ref/epx_ref.h, bit for bit:
- * a 128-channel group is 8 consecutive lanes. Every lane of the warp must call it (the group
- * max is a shuffle); lanes past the hidden size pass zeros. */
-__device__ __forceinline__ int4 quantize16(const int4 &a, const int4 &b, bool ue8m0,
-                                           float *scale_out) {
-  float f[16];
-  bf16x8_to_float(a, f);
-  bf16x8_to_float(b, f + 8);
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(f[i]));
-  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
-  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 4));
-  amax = fmaxf(amax, 1e-4f);
-  float scale = __fdiv_rn(amax, 448.0f);
-  if (ue8m0) {
-    uint32_t u = __float_as_uint(scale);
-    if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;
-    scale = __uint_as_float(u);
-  }
-  const float inv = __fdiv_rn(1.0f, scale);
-  int4 q;
-  __nv_fp8x2_storage_t *q2 = (__nv_fp8x2_storage_t *)&q;
-#pragma unroll
-  for (int j = 0; j < 8; j++)
-    q2[j] = __nv_cvt_float2_to_fp8x2(
-        make_float2(__fmul_rn(f[2 * j], inv), __fmul_rn(f[2 * j + 1], inv)), __NV_SATFINITE,
-        __NV_E4M3);
-  *scale_out = scale;
-  return q;
-}
+/* FP8 E4M3 of 16 channels (kernels/fp8.cuh). */
+using epx::quantize16;
 
 }  // namespace epx::ll
 

@@ -1,0 +1,355 @@
+/*
+ * experts_ffn.cu - the experts' grouped GEMMs at decode size: y = x W_e^T for the rows of each
+ * expert e, the row counts read on the device (no host synchronization, graph-capturable).
+ *
+ * With tens of rows per expert the cost is reading the weights once, so the kernel is built to
+ * stream them: a CTA owns 256 weight rows of one expert (8 warps x 32 rows) and all the
+ * expert's rows of x, 32 at a time (one pass per 32 rows; a decode expert has one pass). The
+ * weights are the MMA's A operand and x its B ("swap AB": 16 weight rows by 8 tokens), so no
+ * MMA is wasted on padding rows of x beyond a multiple of 8.
+ *
+ * Pipeline: kStages stages of 64 K-bytes per row (32 BF16 or 64 FP8 values). Each thread
+ * copies (cp.async) exactly the 16-byte pieces of its own four weight rows that it later feeds
+ * the MMA, so weight slots are thread-private and need no ldmatrix; x's 32 x 64-byte slice of
+ * the stage is shared by the CTA (one barrier per stage). The K order inside a stage is
+ * permuted identically for both operands (thread t holds bytes [16t, 16t + 16) of a row): a
+ * dot product does not care about order, and every load stays one 16-byte vector.
+ *
+ * FP8 (E4M3 x E4M3, m16n8k32): each 128-deep K block is accumulated on its own and added with
+ * the weight block's scale times the row's scale (two stages per block).
+ *
+ * Epilogues, through shared memory so stores are whole rows:
+ *   store:  out[row][n] (BF16), the down projection;
+ *   swiglu: the CTA's warps 0-3 hold gate rows [n0, n0 + 128) and warps 4-7 the matching up
+ *           rows [I + n0, ...); h = silu(gate) * up, stored BF16, or FP8 with one
+ *           per-128-channel scale per row (kernels/fp8.cuh).
+ * Counts past an expert's room are cut to it (epx.h); nothing outside the experts' rows is
+ * read or written.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "kernels/api.h"
+#include "kernels/bf16.cuh"
+#include "kernels/fp8.cuh"
+#include "kernels/launch.cuh"
+#include "kernels/ptx.cuh"
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kWarpRows = 32;                  /* two m16 tiles */
+constexpr int kCtaRows = kWarps * kWarpRows;   /* 256 weight rows */
+constexpr int kTokens = 32;                    /* rows of x per pass: four n8 tiles */
+constexpr int kStageBytes = 64;                /* K bytes per row per stage */
+constexpr int kStages = 4;
+constexpr int kWStageBytes = kThreads * 4 * 16; /* four 16-byte pieces per thread */
+constexpr int kXStageBytes = kTokens * kStageBytes;
+constexpr int kSmemBytes = kStages * (kWStageBytes + kXStageBytes);
+constexpr int kTileStride = kTokens + 1; /* epilogue tile [kCtaRows][kTokens + 1] floats */
+static_assert(kCtaRows * kTileStride * 4 <= kSmemBytes, "the epilogue tile reuses the stages");
+static_assert(kTokens * 4 <= kThreads, "one 16-byte piece of x per thread and stage");
+
+/* Expert e's rows: [*begin, *begin + return), cut to its room (epx.h). */
+__device__ __forceinline__ int expert_rows(const int *count, const int *begin_arr,
+                                           int rows_per_expert, int num_rows, int e, int *begin) {
+  int c = count[e], room;
+  if (begin_arr) {
+    const int b = begin_arr[e];
+    if (b < 0 || b > num_rows) return 0;
+    *begin = b;
+    room = num_rows - b;
+  } else {
+    *begin = e * rows_per_expert;
+    room = rows_per_expert;
+  }
+  return max(0, min(c, room));
+}
+
+__device__ __forceinline__ void cp_async_cg16(void *smem, const void *gmem) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(epx::smem_addr(smem)),
+               "l"(gmem)
+               : "memory");
+}
+/* 16 bytes, or zeros when src_bytes is 0 (nothing is read then). */
+__device__ __forceinline__ void cp_async_ca16_zfill(void *smem, const void *gmem, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(epx::smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ uint32_t word(const uint4 &v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+/* c += A (16 x K) * B (K x 8); K = 16 BF16 or 32 FP8 E4M3. */
+template <bool kFp8>
+__device__ __forceinline__ void mma(float *c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                    uint32_t b0, uint32_t b1) {
+  if constexpr (kFp8) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  return gate / (1.0f + expf(-gate)) * up;
+}
+
+template <bool kFp8, bool kSwiglu>
+__global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_gemm_args_t a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int e = blockIdx.y;
+  int begin = 0;
+  const int count =
+      expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows, e, &begin);
+  if (count == 0) return; /* an idle expert costs no weight traffic */
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int half_n = a.n / 2;
+  /* This warp's first weight row within expert e, and the CTA's first output column. */
+  int wrow, col0;
+  if constexpr (kSwiglu) {
+    col0 = blockIdx.x * 128;
+    wrow = warp < 4 ? col0 + 32 * warp : half_n + col0 + 32 * (warp - 4);
+  } else {
+    col0 = blockIdx.x * kCtaRows;
+    wrow = col0 + 32 * warp;
+  }
+  const bool warp_active = wrow < a.n; /* n is a multiple of 128: a warp is all in or all out */
+  const size_t k_bytes = (size_t)a.k * (kFp8 ? 1 : 2);
+  const int num_stages = (int)(k_bytes / kStageBytes);
+  const int k_blocks = a.k / 128;
+
+  /* This thread's four weight rows: tile mt (0, 1), half h (row g or g + 8). */
+  const char *w_expert = (const char *)a.w + (size_t)e * a.n * k_bytes;
+  const char *w_row[4];
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+    w_row[j] = w_expert + (size_t)(wrow + (j >> 1) * 16 + (j & 1) * 8 + g) * k_bytes + 16 * t;
+  uint4 *w_s = (uint4 *)smem;                           /* [stage][4][kThreads] */
+  unsigned char *x_s = smem + kStages * kWStageBytes;   /* [stage][kTokens][64] */
+  const char *x = (const char *)a.x;
+
+  for (int p0 = 0; p0 < count; p0 += kTokens) {
+    const int rows = min(kTokens, count - p0);
+    const int tiles = (rows + 7) / 8;
+    const int x_tok = tid / 4, x_piece = tid % 4;
+    const bool x_loader = tid < kTokens * 4;
+    const bool x_valid = x_loader && x_tok < rows;
+    const char *x_src = x_valid ? x + (size_t)(begin + p0 + x_tok) * k_bytes + 16 * x_piece : x;
+
+    auto issue = [&](int s) {
+      if (s < num_stages) {
+        const int slot = s % kStages;
+        if (warp_active) {
+#pragma unroll
+          for (int j = 0; j < 4; j++)
+            cp_async_cg16(&w_s[(slot * 4 + j) * kThreads + tid], w_row[j] + (size_t)s * kStageBytes);
+        }
+        if (x_loader)
+          cp_async_ca16_zfill(x_s + slot * kXStageBytes + x_tok * kStageBytes + 16 * x_piece,
+                              x_valid ? x_src + (size_t)s * kStageBytes : x, x_valid ? 16 : 0);
+      }
+      cp_async_commit(); /* always, so wait_group counts stages */
+    };
+
+    float acc[2][4][4];
+    float part[2][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+      for (int nj = 0; nj < 4; nj++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[mt][nj][i] = part[mt][nj][i] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; s++) issue(s);
+    for (int s = 0; s < num_stages; s++) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads(); /* stage s landed for every thread; slot (s - 1) % kStages is free */
+      issue(s + kStages - 1);
+      if (!warp_active) continue;
+      const int slot = s % kStages;
+      uint4 wv[4], xv[4];
+#pragma unroll
+      for (int j = 0; j < 4; j++) wv[j] = w_s[(slot * 4 + j) * kThreads + tid];
+#pragma unroll
+      for (int nj = 0; nj < 4; nj++)
+        if (nj < tiles)
+          xv[nj] = *(const uint4 *)(x_s + slot * kXStageBytes + (8 * nj + g) * kStageBytes + 16 * t);
+#pragma unroll
+      for (int step = 0; step < 2; step++)
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+          const uint32_t a0 = word(wv[2 * mt], 2 * step), a1 = word(wv[2 * mt + 1], 2 * step);
+          const uint32_t a2 = word(wv[2 * mt], 2 * step + 1),
+                         a3 = word(wv[2 * mt + 1], 2 * step + 1);
+#pragma unroll
+          for (int nj = 0; nj < 4; nj++)
+            if (nj < tiles)
+              mma<kFp8>(kFp8 ? part[mt][nj] : acc[mt][nj], a0, a1, a2, a3, word(xv[nj], 2 * step),
+                        word(xv[nj], 2 * step + 1));
+        }
+      if constexpr (kFp8) {
+        if (s & 1) { /* the end of a 128-deep block: scale it into acc */
+          const int kb = s / 2;
+#pragma unroll
+          for (int mt = 0; mt < 2; mt++) {
+            const float sw =
+                a.w_scales[((size_t)e * (a.n / 128) + (wrow + 16 * mt) / 128) * k_blocks + kb];
+#pragma unroll
+            for (int nj = 0; nj < 4; nj++) {
+              if (nj >= tiles) continue;
+              const int tok = 8 * nj + 2 * t;
+              const float sx0 =
+                  tok < rows ? a.x_scales[(size_t)(begin + p0 + tok) * k_blocks + kb] : 0.f;
+              const float sx1 =
+                  tok + 1 < rows ? a.x_scales[(size_t)(begin + p0 + tok + 1) * k_blocks + kb] : 0.f;
+              acc[mt][nj][0] += part[mt][nj][0] * (sw * sx0);
+              acc[mt][nj][1] += part[mt][nj][1] * (sw * sx1);
+              acc[mt][nj][2] += part[mt][nj][2] * (sw * sx0);
+              acc[mt][nj][3] += part[mt][nj][3] * (sw * sx1);
+#pragma unroll
+              for (int i = 0; i < 4; i++) part[mt][nj][i] = 0.f;
+            }
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads(); /* every stage consumed: the epilogue tile may overwrite them */
+
+    float *tile = (float *)smem; /* [kCtaRows][kTileStride]: weight row (local) x token */
+    if (warp_active) {
+#pragma unroll
+      for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nj = 0; nj < 4; nj++) {
+          if (nj >= tiles) continue;
+          const int r = 32 * warp + 16 * mt + g, c = 8 * nj + 2 * t;
+          tile[r * kTileStride + c] = acc[mt][nj][0];
+          tile[r * kTileStride + c + 1] = acc[mt][nj][1];
+          tile[(r + 8) * kTileStride + c] = acc[mt][nj][2];
+          tile[(r + 8) * kTileStride + c + 1] = acc[mt][nj][3];
+        }
+    }
+    __syncthreads();
+
+    if constexpr (!kSwiglu) {
+      /* out[row][col0 + 8 ch + i] for the CTA's up-to-256 columns */
+      for (int item = tid; item < rows * (kCtaRows / 8); item += kThreads) {
+        const int tok = item / (kCtaRows / 8), ch = item % (kCtaRows / 8);
+        const int col = col0 + 8 * ch;
+        if (col >= a.n) continue;
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) f[i] = tile[(8 * ch + i) * kTileStride + tok];
+        *(int4 *)((__nv_bfloat16 *)a.out + (size_t)(begin + p0 + tok) * a.n + col) =
+            epx::float8_to_bf16x8(f);
+      }
+    } else if constexpr (!kFp8) {
+      for (int item = tid; item < rows * 16; item += kThreads) {
+        const int tok = item / 16, ch = item % 16;
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+          f[i] = silu_mul(tile[(8 * ch + i) * kTileStride + tok],
+                          tile[(128 + 8 * ch + i) * kTileStride + tok]);
+        *(int4 *)((__nv_bfloat16 *)a.out + (size_t)(begin + p0 + tok) * half_n + col0 + 8 * ch) =
+            epx::float8_to_bf16x8(f);
+      }
+    } else {
+      /* Eight lanes per row (16 channels each) make one 128-channel scale group. */
+      for (int base = 4 * warp; base < rows; base += 4 * kWarps) {
+        const int tok = base + lane / 8, c0 = (lane % 8) * 16;
+        float f[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+          f[i] = tok < rows ? silu_mul(tile[(c0 + i) * kTileStride + tok],
+                                       tile[(128 + c0 + i) * kTileStride + tok])
+                            : 0.f;
+        float scale;
+        const int4 q = epx::quantize16_float(f, false, &scale);
+        if (tok < rows) {
+          const size_t row = (size_t)(begin + p0 + tok);
+          *(int4 *)((uint8_t *)a.out + row * half_n + col0 + c0) = q;
+          if (lane % 8 == 0) a.out_scales[row * (half_n / 128) + col0 / 128] = scale;
+        }
+      }
+    }
+    __syncthreads(); /* the next pass's stages overwrite the tile */
+  }
+}
+
+/* BF16 rows of the experts to FP8 with per-128-channel scales: one warp per row, eight lanes
+ * per 128-channel group. Grid: (blocks per expert, E); blocks stride over the expert's rows. */
+__global__ void __launch_bounds__(kThreads) experts_quantize_kernel(epx__experts_quantize_args_t a) {
+  const int e = blockIdx.y;
+  int begin = 0;
+  const int count =
+      expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows, e, &begin);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = a.hidden / 128;
+  for (int r = blockIdx.x * kWarps + warp; r < count; r += gridDim.x * kWarps) {
+    const size_t row = (size_t)(begin + r);
+    const __nv_bfloat16 *src = (const __nv_bfloat16 *)a.x + row * a.hidden;
+    for (int g0 = 0; g0 < groups; g0 += 4) { /* a warp covers four groups per step */
+      const int grp = g0 + lane / 8, c = grp * 128 + (lane % 8) * 16;
+      const bool valid = grp < groups;
+      const int4 zero = make_int4(0, 0, 0, 0);
+      const int4 lo = valid ? *(const int4 *)(src + c) : zero;
+      const int4 hi = valid ? *(const int4 *)(src + c + 8) : zero;
+      float scale;
+      const int4 q = epx::quantize16(lo, hi, false, &scale);
+      if (valid) {
+        *(int4 *)((uint8_t *)a.q + row * a.hidden + c) = q;
+        if (lane % 8 == 0) a.scales[row * groups + grp] = scale;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t *a,
+                                                 cudaStream_t stream) {
+  const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
+  const dim3 grid(col_tiles, a->num_experts);
+  if (a->fp8)
+    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, kThreads, kSmemBytes,
+                                                                    stream, *a)
+                     : epx::launch<experts_gemm_kernel<true, false>>(grid, kThreads, kSmemBytes,
+                                                                     stream, *a);
+  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, kThreads, kSmemBytes,
+                                                                   stream, *a)
+                   : epx::launch<experts_gemm_kernel<false, false>>(grid, kThreads, kSmemBytes,
+                                                                    stream, *a);
+}
+
+extern "C" epx_status_t epx__experts_quantize_launch(const epx__experts_quantize_args_t *a,
+                                                     cudaStream_t stream) {
+  /* Enough blocks per expert for the masked layout's room; a contiguous layout's room is
+   * unknown on the host, so its blocks stride. */
+  const int room = a->expert_begin ? a->num_rows : a->rows_per_expert;
+  const int per_expert = max(1, min(32, (room + kWarps - 1) / kWarps));
+  return epx::launch<experts_quantize_kernel>(dim3(per_expert, a->num_experts), kThreads, 0,
+                                              stream, *a);
+}

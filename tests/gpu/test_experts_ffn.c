@@ -1,0 +1,353 @@
+/*
+ * test_experts_ffn.c - epx_experts_ffn on one GPU against the CPU oracle
+ * (tests/ref/epx_ref_experts.h), on fresh random data from the test's seed.
+ *
+ * Each case fills every row of out with a sentinel, runs the FFN, and checks that (1) every
+ * row of every expert matches the oracle within |gpu - ref| <= 0.02 * rms(ref) + 0.02 |ref|
+ * (the GPU sums in another order, and in FP8 a rounding difference can move one code of the
+ * quantized intermediate; a wrong row, operand or scale is off by about rms(ref) or more),
+ * and (2) no other row was written. Routings: idle experts, one row, rows past a multiple of
+ * 8 and of 32 (several passes), counts past the room (cut), negative counts, begins out of
+ * range, a contiguous layout with gaps and experts out of order. Shapes: small, Qwen3-30B-A3B
+ * (H 2048, I 768) and a long K (H 7168). BF16 and FP8 weights; FP8 x given, and BF16 x with
+ * FP8 weights (quantized by the library). Also: a CUDA graph replayed after the counts changed
+ * on the device, and the argument checks.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/runner.h"
+#include "epx.h"
+#include "ref/epx_ref.h"
+#include "ref/epx_ref_experts.h"
+
+#define SENTINEL 0x7fc1u /* a BF16 NaN no computation produces */
+
+typedef struct {
+  const char *name;
+  int E, H, I, fp8, x_fp8;
+  int num_rows, rows_per_expert; /* masked layout when begin is NULL */
+  const int *count, *begin;      /* host [E] */
+} ffn_case_t;
+
+/* Host and device copies of one case's weights and inputs. */
+typedef struct {
+  epx_ref_experts_t ref;
+  epx_experts_t dev;
+  uint16_t *gu16, *dn16;
+  uint8_t *gu8, *dn8;
+  float *gus, *dns;
+  void *x;        /* host x: BF16, or FP8 codes */
+  float *xs;      /* host FP8 x scales */
+  void *x_dev;
+  float *xs_dev;
+  uint16_t *out_dev;
+  int *count_dev, *begin_dev;
+  void *ws;
+  size_t ws_bytes;
+} ffn_data_t;
+
+static float uniform(uint64_t *s, float lo, float hi) {
+  return lo + (hi - lo) * epx_test_rand_unit(s);
+}
+
+static void fill_bf16(uint16_t *p, size_t n, float amp, uint64_t *s) {
+  for (size_t i = 0; i < n; i++) p[i] = epx_ref_bf16_from_float(uniform(s, -amp, amp));
+}
+
+/* FP8 weights: codes of U(-448, 448), block scales U(0.5, 1.5) / (448 sqrt(K)). */
+static void fill_fp8(uint8_t *p, float *scales, size_t n, size_t num_scales, int k,
+                     uint64_t *s) {
+  for (size_t i = 0; i < n; i++) p[i] = epx_ref_fp8_from_float(uniform(s, -448.f, 448.f));
+  for (size_t i = 0; i < num_scales; i++)
+    scales[i] = uniform(s, 0.5f, 1.5f) / (448.f * sqrtf((float)k));
+}
+
+static int upload(void **dev, const void *host, size_t bytes) {
+  EXPECT_CUDA(cudaMalloc(dev, bytes > 0 ? bytes : 16));
+  if (bytes) EXPECT_CUDA(cudaMemcpy(*dev, host, bytes, cudaMemcpyHostToDevice));
+  return TEST_PASS;
+}
+
+static void data_free(ffn_data_t *d) {
+  free(d->gu16), free(d->dn16), free(d->gu8), free(d->dn8), free(d->gus), free(d->dns);
+  free(d->x), free(d->xs);
+  cudaFree((void *)d->dev.gate_up), cudaFree((void *)d->dev.down);
+  cudaFree((void *)d->dev.gate_up_scales), cudaFree((void *)d->dev.down_scales);
+  cudaFree(d->x_dev), cudaFree(d->xs_dev), cudaFree(d->out_dev);
+  cudaFree(d->count_dev), cudaFree(d->begin_dev), cudaFree(d->ws);
+  memset(d, 0, sizeof *d);
+}
+
+static int data_make(const ffn_case_t *c, uint64_t *s, ffn_data_t *d) {
+  memset(d, 0, sizeof *d);
+  const size_t E = c->E, H = c->H, I = c->I, rows = c->num_rows;
+  const size_t n_gu = E * 2 * I * H, n_dn = E * H * I;
+  d->ref = (epx_ref_experts_t){c->E, c->H, c->I, c->fp8, NULL, NULL, NULL, NULL, NULL, NULL};
+  d->dev = (epx_experts_t)EPX_EXPERTS_INIT;
+  d->dev.num_experts = c->E, d->dev.hidden = c->H, d->dev.intermediate = c->I;
+  d->dev.weight_dtype = c->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  if (!c->fp8) {
+    d->gu16 = malloc(n_gu * 2), d->dn16 = malloc(n_dn * 2);
+    EXPECT(d->gu16 && d->dn16);
+    fill_bf16(d->gu16, n_gu, 1.f / sqrtf((float)H), s);
+    fill_bf16(d->dn16, n_dn, 1.f / sqrtf((float)I), s);
+    d->ref.gate_up_bf16 = d->gu16, d->ref.down_bf16 = d->dn16;
+    EXPECT(upload((void **)&d->dev.gate_up, d->gu16, n_gu * 2) == TEST_PASS);
+    EXPECT(upload((void **)&d->dev.down, d->dn16, n_dn * 2) == TEST_PASS);
+  } else {
+    const size_t s_gu = E * (2 * I / 128) * (H / 128), s_dn = E * (H / 128) * (I / 128);
+    d->gu8 = malloc(n_gu), d->dn8 = malloc(n_dn);
+    d->gus = malloc(s_gu * 4), d->dns = malloc(s_dn * 4);
+    EXPECT(d->gu8 && d->dn8 && d->gus && d->dns);
+    fill_fp8(d->gu8, d->gus, n_gu, s_gu, c->H, s);
+    fill_fp8(d->dn8, d->dns, n_dn, s_dn, c->I, s);
+    d->ref.gate_up_fp8 = d->gu8, d->ref.down_fp8 = d->dn8;
+    d->ref.gate_up_scales = d->gus, d->ref.down_scales = d->dns;
+    EXPECT(upload((void **)&d->dev.gate_up, d->gu8, n_gu) == TEST_PASS);
+    EXPECT(upload((void **)&d->dev.down, d->dn8, n_dn) == TEST_PASS);
+    EXPECT(upload((void **)&d->dev.gate_up_scales, d->gus, s_gu * 4) == TEST_PASS);
+    EXPECT(upload((void **)&d->dev.down_scales, d->dns, s_dn * 4) == TEST_PASS);
+  }
+  uint16_t *x16 = malloc(rows * H * 2 + 2);
+  EXPECT(x16);
+  fill_bf16(x16, rows * H, 2.f, s);
+  if (c->x_fp8) {
+    d->x = malloc(rows * H + 1), d->xs = malloc(rows * (H / 128) * 4 + 4);
+    EXPECT(d->x && d->xs);
+    EXPECT(epx_ref_fp8_quantize(x16, c->num_rows, c->H, 0, d->x, d->xs) == 0);
+    free(x16);
+    EXPECT(upload(&d->x_dev, d->x, rows * H) == TEST_PASS);
+    EXPECT(upload((void **)&d->xs_dev, d->xs, rows * (H / 128) * 4) == TEST_PASS);
+  } else {
+    d->x = x16;
+    EXPECT(upload(&d->x_dev, d->x, rows * H * 2) == TEST_PASS);
+  }
+  EXPECT_CUDA(cudaMalloc((void **)&d->out_dev, rows * H * 2 + 16));
+  EXPECT(upload((void **)&d->count_dev, c->count, E * 4) == TEST_PASS);
+  if (c->begin) EXPECT(upload((void **)&d->begin_dev, c->begin, E * 4) == TEST_PASS);
+  EXPECT_OK(epx_experts_ffn_workspace_size(
+      &d->dev, c->num_rows, c->x_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, &d->ws_bytes));
+  EXPECT_CUDA(cudaMalloc(&d->ws, d->ws_bytes + 256));
+  return TEST_PASS;
+}
+
+static epx_experts_ffn_args_t args_of(const ffn_case_t *c, const ffn_data_t *d) {
+  epx_experts_ffn_args_t a = EPX_EXPERTS_FFN_ARGS_INIT;
+  a.x = d->x_dev;
+  a.x_dtype = c->x_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  a.x_scales = d->xs_dev;
+  a.num_rows = c->num_rows;
+  a.expert_count = d->count_dev;
+  a.expert_begin = c->begin ? d->begin_dev : NULL;
+  a.rows_per_expert = c->rows_per_expert;
+  a.out = d->out_dev;
+  a.workspace = d->ws;
+  a.workspace_bytes = d->ws_bytes;
+  return a;
+}
+
+static int fill_sentinel(const ffn_case_t *c, const ffn_data_t *d) {
+  const size_t n = (size_t)c->num_rows * c->H;
+  uint16_t *h = malloc(n * 2 + 2);
+  EXPECT(h);
+  for (size_t i = 0; i < n; i++) h[i] = SENTINEL;
+  EXPECT_CUDA(cudaMemcpy(d->out_dev, h, n * 2, cudaMemcpyHostToDevice));
+  free(h);
+  return TEST_PASS;
+}
+
+/* out (device) against the oracle for these counts; rows outside the experts untouched. */
+static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count, const char *what) {
+  const size_t n = (size_t)c->num_rows * c->H;
+  uint16_t *got = malloc(n * 2 + 2), *want = malloc(n * 2 + 2);
+  int *first = malloc(sizeof(int) * c->E), *rows = malloc(sizeof(int) * c->E);
+  char *covered = calloc((size_t)c->num_rows + 1, 1);
+  EXPECT(got && want && first && rows && covered);
+  EXPECT_CUDA(cudaMemcpy(got, d->out_dev, n * 2, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; i++) want[i] = SENTINEL;
+  epx_ref_experts_rows(c->E, c->num_rows, count, c->begin, c->rows_per_expert, first, rows);
+  EXPECT(epx_ref_experts_ffn(&d->ref, d->x, c->x_fp8, d->xs, c->num_rows, first, rows, want) ==
+         0);
+  double sq = 0;
+  long long covered_vals = 0;
+  for (int e = 0; e < c->E; e++)
+    for (int r = first[e]; r < first[e] + rows[e]; r++) {
+      covered[r] = 1;
+      for (int k = 0; k < c->H; k++) {
+        const double v = epx_ref_bf16_to_float(want[(size_t)r * c->H + k]);
+        sq += v * v;
+        covered_vals++;
+      }
+    }
+  const double rms = covered_vals ? sqrt(sq / (double)covered_vals) : 0;
+  double worst = 0;
+  int rc = TEST_PASS;
+  for (int r = 0; r < c->num_rows && rc == TEST_PASS; r++)
+    for (int k = 0; k < c->H; k++) {
+      const size_t i = (size_t)r * c->H + k;
+      if (!covered[r]) {
+        if (got[i] != SENTINEL) {
+          fprintf(stderr, "  %s %s: row %d (no expert's) written: col %d = 0x%04x\n", c->name,
+                  what, r, k, got[i]);
+          rc = TEST_FAIL;
+          break;
+        }
+        continue;
+      }
+      const double g = epx_ref_bf16_to_float(got[i]), w = epx_ref_bf16_to_float(want[i]);
+      const double err = fabs(g - w), bound = 0.02 * rms + 0.02 * fabs(w);
+      if (err > worst) worst = err;
+      if (!(err <= bound)) {
+        fprintf(stderr, "  %s %s: row %d col %d = %g, want %g (bound %g, rms %g)\n", c->name, what,
+                r, k, g, w, bound, rms);
+        rc = TEST_FAIL;
+        break;
+      }
+    }
+  if (rc == TEST_PASS)
+    printf("  %s %s: ok, max |err| %.3g (rms of out %.3g)\n", c->name, what, worst, rms);
+  free(got), free(want), free(first), free(rows), free(covered);
+  return rc;
+}
+
+static int run_case(const ffn_case_t *c) {
+  uint64_t s = epx_test_seed() ^ (uint64_t)(c->E * 131 + c->H * 7 + c->I + c->fp8 * 3 + c->x_fp8);
+  ffn_data_t d;
+  int rc = data_make(c, &s, &d);
+  if (rc == TEST_PASS) rc = fill_sentinel(c, &d);
+  if (rc == TEST_PASS) {
+    epx_experts_ffn_args_t a = args_of(c, &d);
+    epx_status_t st = epx_experts_ffn(&d.dev, &a, 0);
+    if (st != EPX_OK) {
+      fprintf(stderr, "  %s: epx_experts_ffn: %s\n", c->name, epx_last_error());
+      rc = TEST_FAIL;
+    } else if (cudaDeviceSynchronize() != cudaSuccess) {
+      fprintf(stderr, "  %s: kernel failed: %s\n", c->name, cudaGetErrorString(cudaGetLastError()));
+      rc = TEST_FAIL;
+    }
+  }
+  if (rc == TEST_PASS) rc = check_out(c, &d, c->count, "");
+  data_free(&d);
+  return rc;
+}
+
+/* Counts of the masked-layout cases, with idle, 1, 8, 9 (past a multiple of 8), 33 and 70
+ * rows (several passes), one past the room and one negative. */
+EPX_ONE_GPU_TEST(experts_ffn_masked_matches_reference, 300) {
+  static const int count6[6] = {0, 1, 9, 33, 70, 8};
+  static const int count_cut[6] = {80, -3, 8, 1, 0, 72}; /* room 72: 80 is cut to 72 */
+  static const int count3[3] = {8, 32, 5};
+  const ffn_case_t cases[] = {
+      {"bf16 small", 6, 256, 256, 0, 0, 6 * 72, 72, count6, NULL},
+      {"bf16 cut", 6, 256, 128, 0, 0, 6 * 72, 72, count_cut, NULL},
+      {"fp8 small (x bf16)", 6, 256, 256, 1, 0, 6 * 72, 72, count6, NULL},
+      {"fp8 small (x fp8)", 6, 384, 128, 1, 1, 6 * 72 + 5, 72, count6, NULL},
+      {"fp8 cut", 6, 256, 256, 1, 1, 6 * 72, 72, count_cut, NULL},
+      {"bf16 qwen3", 3, 2048, 768, 0, 0, 3 * 40, 40, count3, NULL},
+      {"fp8 qwen3", 3, 2048, 768, 1, 1, 3 * 40, 40, count3, NULL},
+      {"bf16 long K", 3, 7168, 256, 0, 0, 3 * 32, 32, count3, NULL},
+      {"fp8 long K", 3, 7168, 256, 1, 0, 3 * 32, 32, count3, NULL},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    if (run_case(&cases[i]) != TEST_PASS) return TEST_FAIL;
+  return TEST_PASS;
+}
+
+/* Contiguous layout: experts out of order with gaps between them, an expert whose begin is
+ * num_rows (no rows), one with a begin outside the rows (none), one cut at the end. */
+EPX_ONE_GPU_TEST(experts_ffn_contiguous_matches_reference, 300) {
+  static const int begin[5] = {100, 3, 200, 60, -7};
+  static const int count[5] = {40, 50, 20, 12, 5}; /* 200 + 20 > 210: cut to 10 */
+  static const int begin2[4] = {0, 210, 150, 999};
+  static const int count2[4] = {33, 4, 60, 8};
+  const ffn_case_t cases[] = {
+      {"bf16 contiguous", 5, 256, 256, 0, 0, 210, 0, count, begin},
+      {"fp8 contiguous (x bf16)", 5, 256, 256, 1, 0, 210, 0, count, begin},
+      {"fp8 contiguous (x fp8)", 4, 512, 384, 1, 1, 210, 0, count2, begin2},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    if (run_case(&cases[i]) != TEST_PASS) return TEST_FAIL;
+  return TEST_PASS;
+}
+
+/* Captured once, replayed after the counts changed on the device: the graph reads them. */
+EPX_ONE_GPU_TEST(experts_ffn_graph_reads_counts_on_device, 120) {
+  static const int count_a[4] = {3, 0, 17, 40};
+  static const int count_b[4] = {40, 9, 0, 1};
+  for (int fp8 = 0; fp8 <= 1; fp8++) {
+    const ffn_case_t c = {fp8 ? "fp8 graph" : "bf16 graph", 4, 256, 256, fp8, 0, 4 * 40, 40,
+                          count_a, NULL};
+    uint64_t s = epx_test_seed() + (uint64_t)fp8;
+    ffn_data_t d;
+    EXPECT(data_make(&c, &s, &d) == TEST_PASS);
+    cudaStream_t st;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    EXPECT_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    epx_experts_ffn_args_t a = args_of(&c, &d);
+    EXPECT_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    EXPECT_OK(epx_experts_ffn(&d.dev, &a, st));
+    EXPECT_CUDA(cudaStreamEndCapture(st, &graph));
+    EXPECT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    EXPECT(fill_sentinel(&c, &d) == TEST_PASS);
+    EXPECT_CUDA(cudaGraphLaunch(exec, st));
+    EXPECT_CUDA(cudaStreamSynchronize(st));
+    EXPECT(check_out(&c, &d, count_a, "replay 1") == TEST_PASS);
+    EXPECT_CUDA(cudaMemcpy(d.count_dev, count_b, sizeof count_b, cudaMemcpyHostToDevice));
+    EXPECT(fill_sentinel(&c, &d) == TEST_PASS);
+    EXPECT_CUDA(cudaGraphLaunch(exec, st));
+    EXPECT_CUDA(cudaStreamSynchronize(st));
+    EXPECT(check_out(&c, &d, count_b, "replay 2 (new counts)") == TEST_PASS);
+    cudaGraphExecDestroy(exec), cudaGraphDestroy(graph), cudaStreamDestroy(st);
+    data_free(&d);
+  }
+  return TEST_PASS;
+}
+
+/* Bad arguments are refused by name, nothing queued. */
+EPX_ONE_GPU_TEST(experts_ffn_refuses_bad_arguments, 60) {
+  static const int count[2] = {4, 4};
+  const ffn_case_t c = {"args", 2, 256, 128, 0, 0, 16, 8, count, NULL};
+  uint64_t s = epx_test_seed();
+  ffn_data_t d;
+  EXPECT(data_make(&c, &s, &d) == TEST_PASS);
+  epx_experts_ffn_args_t a = args_of(&c, &d);
+  epx_experts_t w = d.dev;
+  size_t bytes;
+
+  w.hidden = 200;
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "experts->hidden"));
+  w = d.dev, w.size = 8;
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  w = d.dev, w.weight_dtype = EPX_DTYPE_INT32;
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  w = d.dev;
+  a.x_dtype = EPX_DTYPE_FP8_E4M3;
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_UNSUPPORTED);
+  EXPECT_STATUS(epx_experts_ffn_workspace_size(&w, 16, EPX_DTYPE_FP8_E4M3, &bytes),
+                EPX_ERR_UNSUPPORTED);
+  a = args_of(&c, &d), a.rows_per_expert = 9; /* 2 * 9 > 16 rows */
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "rows_per_expert"));
+  a = args_of(&c, &d), a.workspace_bytes = d.ws_bytes - 1;
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "workspace_bytes"));
+  a = args_of(&c, &d), a.out = (char *)d.x_dev + 256; /* overlaps x */
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "overlaps"));
+  a = args_of(&c, &d), a.x = d.x; /* host memory */
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "args->x"));
+  a = args_of(&c, &d), a.expert_count = NULL;
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  a = args_of(&c, &d), a.size = 4;
+  EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
+  a = args_of(&c, &d), a.num_rows = 0; /* nothing to do */
+  EXPECT_OK(epx_experts_ffn(&w, &a, 0));
+  EXPECT_CUDA(cudaDeviceSynchronize());
+  data_free(&d);
+  return TEST_PASS;
+}
