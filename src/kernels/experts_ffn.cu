@@ -43,7 +43,7 @@ constexpr int kWarpRows = 32;                  /* two m16 tiles */
 constexpr int kCtaRows = kWarps * kWarpRows;   /* 256 weight rows */
 constexpr int kTokens = 32;                    /* rows of x per pass: four n8 tiles */
 constexpr int kStageBytes = 64;                /* K bytes per row per stage */
-constexpr int kStages = 4;
+constexpr int kStages = 6; /* 5 in flight: ~80 KB per CTA, 2 CTAs per SM */
 constexpr int kWStageBytes = kThreads * 4 * 16; /* four 16-byte pieces per thread */
 constexpr int kXStageBytes = kTokens * kStageBytes;
 constexpr int kSmemBytes = kStages * (kWStageBytes + kXStageBytes);
@@ -180,6 +180,26 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[mt][nj][i] = part[mt][nj][i] = 0.f;
 
+    /* FP8: the scales of 128-deep block kb, loaded a block ahead of their use so their
+     * latency hides behind the block's MMAs. */
+    float sw[2] = {0.f, 0.f}, sx[4][2] = {};
+    auto load_scales = [&](int kb) {
+      if constexpr (kFp8) {
+        if (!warp_active) return;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+          sw[mt] = a.w_scales[((size_t)e * (a.n / 128) + (wrow + 16 * mt) / 128) * k_blocks + kb];
+#pragma unroll
+        for (int nj = 0; nj < 4; nj++)
+#pragma unroll
+          for (int i = 0; i < 2; i++) {
+            const int tok = 8 * nj + 2 * t + i;
+            sx[nj][i] = tok < rows ? a.x_scales[(size_t)(begin + p0 + tok) * k_blocks + kb] : 0.f;
+          }
+      }
+    };
+    load_scales(0);
+
 #pragma unroll
     for (int s = 0; s < kStages - 1; s++) issue(s);
     for (int s = 0; s < num_stages; s++) {
@@ -188,49 +208,40 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
       issue(s + kStages - 1);
       if (!warp_active) continue;
       const int slot = s % kStages;
-      uint4 wv[4], xv[4];
+      uint4 wv[4];
 #pragma unroll
       for (int j = 0; j < 4; j++) wv[j] = w_s[(slot * 4 + j) * kThreads + tid];
+      /* One n8 tile of x at a time (its 16 bytes are the B fragments of both k-steps); the
+       * weight fragments stay in registers across tiles. */
 #pragma unroll
-      for (int nj = 0; nj < 4; nj++)
-        if (nj < tiles)
-          xv[nj] = *(const uint4 *)(x_s + slot * kXStageBytes + (8 * nj + g) * kStageBytes + 16 * t);
+      for (int nj = 0; nj < 4; nj++) {
+        if (nj >= tiles) continue;
+        const uint4 xv =
+            *(const uint4 *)(x_s + slot * kXStageBytes + (8 * nj + g) * kStageBytes + 16 * t);
 #pragma unroll
-      for (int step = 0; step < 2; step++)
+        for (int step = 0; step < 2; step++)
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-          const uint32_t a0 = word(wv[2 * mt], 2 * step), a1 = word(wv[2 * mt + 1], 2 * step);
-          const uint32_t a2 = word(wv[2 * mt], 2 * step + 1),
-                         a3 = word(wv[2 * mt + 1], 2 * step + 1);
-#pragma unroll
-          for (int nj = 0; nj < 4; nj++)
-            if (nj < tiles)
-              mma<kFp8>(kFp8 ? part[mt][nj] : acc[mt][nj], a0, a1, a2, a3, word(xv[nj], 2 * step),
-                        word(xv[nj], 2 * step + 1));
-        }
+          for (int mt = 0; mt < 2; mt++)
+            mma<kFp8>(kFp8 ? part[mt][nj] : acc[mt][nj], word(wv[2 * mt], 2 * step),
+                      word(wv[2 * mt + 1], 2 * step), word(wv[2 * mt], 2 * step + 1),
+                      word(wv[2 * mt + 1], 2 * step + 1), word(xv, 2 * step),
+                      word(xv, 2 * step + 1));
+      }
       if constexpr (kFp8) {
         if (s & 1) { /* the end of a 128-deep block: scale it into acc */
-          const int kb = s / 2;
 #pragma unroll
-          for (int mt = 0; mt < 2; mt++) {
-            const float sw =
-                a.w_scales[((size_t)e * (a.n / 128) + (wrow + 16 * mt) / 128) * k_blocks + kb];
+          for (int mt = 0; mt < 2; mt++)
 #pragma unroll
             for (int nj = 0; nj < 4; nj++) {
               if (nj >= tiles) continue;
-              const int tok = 8 * nj + 2 * t;
-              const float sx0 =
-                  tok < rows ? a.x_scales[(size_t)(begin + p0 + tok) * k_blocks + kb] : 0.f;
-              const float sx1 =
-                  tok + 1 < rows ? a.x_scales[(size_t)(begin + p0 + tok + 1) * k_blocks + kb] : 0.f;
-              acc[mt][nj][0] += part[mt][nj][0] * (sw * sx0);
-              acc[mt][nj][1] += part[mt][nj][1] * (sw * sx1);
-              acc[mt][nj][2] += part[mt][nj][2] * (sw * sx0);
-              acc[mt][nj][3] += part[mt][nj][3] * (sw * sx1);
+              acc[mt][nj][0] += part[mt][nj][0] * (sw[mt] * sx[nj][0]);
+              acc[mt][nj][1] += part[mt][nj][1] * (sw[mt] * sx[nj][1]);
+              acc[mt][nj][2] += part[mt][nj][2] * (sw[mt] * sx[nj][0]);
+              acc[mt][nj][3] += part[mt][nj][3] * (sw[mt] * sx[nj][1]);
 #pragma unroll
               for (int i = 0; i < 4; i++) part[mt][nj][i] = 0.f;
             }
-          }
+          if (s + 1 < num_stages) load_scales(s / 2 + 1);
         }
       }
     }

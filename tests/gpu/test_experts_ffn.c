@@ -345,7 +345,7 @@ EPX_ONE_GPU_TEST(experts_ffn_refuses_bad_arguments, 60) {
   EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
   a = args_of(&c, &d), a.size = 4;
   EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
-  a = args_of(&c, &d), a.num_rows = 0; /* nothing to do */
+  a = args_of(&c, &d), a.num_rows = 0, a.rows_per_expert = 0; /* nothing to do */
   EXPECT_OK(epx_experts_ffn(&w, &a, 0));
   EXPECT_CUDA(cudaDeviceSynchronize());
   data_free(&d);
