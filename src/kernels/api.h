@@ -155,35 +155,39 @@ epx_status_t epx__peer_mask_launch(const epx__kernel_ctx_t *ctx, unsigned bits,
  * x / out are [begin, begin + count), count read on the device (begin = expert_begin[e], or
  * e * rows_per_expert when expert_begin is NULL), cut to the expert's room. */
 typedef struct epx__experts_gemm_args {
-  const void *x;            /* [num_rows, k] BF16 or FP8 E4M3 */
+  const void *x;            /* [num_rows, k] BF16, or F16 codes of FP8 (fp8) */
   const float *x_scales;    /* FP8: [num_rows, k/128] */
-  const void *w;            /* [E, n, k], same element type as x */
+  const void *w;            /* [E, n, k] BF16 or FP8 E4M3 */
   const float *w_scales;    /* FP8: [E, n/128, k/128] */
   int k, n;                 /* multiples of 128; swiglu: n = 2 I */
   int num_experts, num_rows, rows_per_expert;
   const int *expert_count;  /* [E] device */
   const int *expert_begin;  /* [E] device or NULL */
-  int fp8;                  /* operands FP8 E4M3 with scales, else BF16 */
-  int swiglu;               /* out = silu(gate) * up: [num_rows, n/2] (BF16, or FP8 with
-                               out_scales [num_rows, n/256]); else out = y: [num_rows, n] BF16 */
+  int fp8;                  /* FP8 weights and F16-code x, both with scales; else BF16 */
+  int swiglu;               /* out = silu(gate) * up: [num_rows, n/2] (BF16, or FP8 as F16
+                               codes with out_scales [num_rows, n/256]); else out = y:
+                               [num_rows, n] BF16 */
   void *out;
   float *out_scales;
 } epx__experts_gemm_args_t;
 
 epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t *args, cudaStream_t stream);
 
-/* BF16 rows of the experts to FP8 with per-128-channel scales (tests/ref/epx_ref.h's rule). */
-typedef struct epx__experts_quantize_args {
-  const void *x; /* [num_rows, hidden] BF16 */
-  void *q;       /* [num_rows, hidden] FP8 E4M3 */
-  float *scales; /* [num_rows, hidden/128] */
+/* The FP8 path's x operand: the experts' rows as F16 codes (each E4M3 code's exact value),
+ * from BF16 rows quantized per 128 channels (tests/ref/epx_ref.h's rule; scales written) or
+ * from FP8 rows (converted; scales not touched). */
+typedef struct epx__experts_stage_args {
+  const void *x; /* [num_rows, hidden] BF16 or FP8 E4M3 */
+  int x_fp8;
+  void *codes;   /* [num_rows, hidden] F16 */
+  float *scales; /* BF16 x: [num_rows, hidden/128] */
   int hidden, num_experts, num_rows, rows_per_expert;
   const int *expert_count;
   const int *expert_begin;
-} epx__experts_quantize_args_t;
+} epx__experts_stage_args_t;
 
-epx_status_t epx__experts_quantize_launch(const epx__experts_quantize_args_t *args,
-                                          cudaStream_t stream);
+epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *args,
+                                         cudaStream_t stream);
 
 #ifdef __cplusplus
 }

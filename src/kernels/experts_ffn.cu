@@ -15,14 +15,18 @@
  * permuted identically for both operands (thread t holds bytes [16t, 16t + 16) of a row): a
  * dot product does not care about order, and every load stays one 16-byte vector.
  *
- * FP8 (E4M3 x E4M3, m16n8k32): each 128-deep K block is accumulated on its own and added with
- * the weight block's scale times the row's scale (two stages per block).
+ * FP8 weights: Hopper has no FP8 mma.sync (ptxas emulates it with an E4M3 -> F16 conversion
+ * per operand per MMA), so the kernel converts each weight piece once per stage and runs F16
+ * MMAs; x arrives as F16 holding the E4M3 codes exactly ("codes", written by the staging kernel
+ * below and by the SwiGLU epilogue), so products are the FP8 products, summed in float32. Each
+ * 128-deep K block is accumulated on its own and added with the weight block's scale times the
+ * row's scale (two stages per block).
  *
  * Epilogues, through shared memory so stores are whole rows:
  *   store:  out[row][n] (BF16), the down projection;
  *   swiglu: the CTA's warps 0-3 hold gate rows [n0, n0 + 128) and warps 4-7 the matching up
  *           rows [I + n0, ...); h = silu(gate) * up, stored BF16, or FP8 with one
- *           per-128-channel scale per row (kernels/fp8.cuh).
+ *           per-128-channel scale per row (kernels/fp8.cuh), its codes stored as F16.
  * Counts past an expert's room are cut to it (epx.h); nothing outside the experts' rows is
  * read or written.
  */
@@ -42,14 +46,22 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kWarpRows = 32;                  /* two m16 tiles */
 constexpr int kCtaRows = kWarps * kWarpRows;   /* 256 weight rows */
 constexpr int kTokens = 32;                    /* rows of x per pass: four n8 tiles */
-constexpr int kStageBytes = 64;                /* K bytes per row per stage */
-constexpr int kStages = 6; /* 5 in flight: ~80 KB per CTA, 2 CTAs per SM */
+constexpr int kStageBytes = 64;                /* weight K bytes per row per stage */
+/* Stages in flight (BF16, FP8): ~80 KB of weights per CTA, two CTAs per SM. */
+constexpr int kStagesOf[2] = {6, 5};
 constexpr int kWStageBytes = kThreads * 4 * 16; /* four 16-byte pieces per thread */
-constexpr int kXStageBytes = kTokens * kStageBytes;
-constexpr int kSmemBytes = kStages * (kWStageBytes + kXStageBytes);
+/* x in shared memory, per stage: the 16-bit values of the stage's K range per token: 64 bytes
+ * (BF16: 32 values) or 128 bytes (F16 codes: 64 values) padded to 144 so the two rows a
+ * quarter-warp reads fall in different banks. */
+constexpr int kXPitch[2] = {64, 144};
+constexpr int kXStageBytes[2] = {kTokens * kXPitch[0], kTokens * kXPitch[1]};
+constexpr int kSmemBytes[2] = {kStagesOf[0] * (kWStageBytes + kXStageBytes[0]),
+                               kStagesOf[1] * (kWStageBytes + kXStageBytes[1])};
+static_assert(2 * kSmemBytes[1] <= 227 * 1024 && 2 * kSmemBytes[0] <= 227 * 1024,
+              "two CTAs per SM");
 constexpr int kTileStride = kTokens + 1; /* epilogue tile [kCtaRows][kTokens + 1] floats */
-static_assert(kCtaRows * kTileStride * 4 <= kSmemBytes, "the epilogue tile reuses the stages");
-static_assert(kTokens * 4 <= kThreads, "one 16-byte piece of x per thread and stage");
+static_assert(kCtaRows * kTileStride * 4 <= kSmemBytes[0], "the epilogue tile reuses the stages");
+static_assert(kTokens * 8 <= kThreads, "at most one 16-byte piece of x per thread and stage");
 
 /* Expert e's rows: [*begin, *begin + return), cut to its room (epx.h). */
 __device__ __forceinline__ int expert_rows(const int *count, const int *begin_arr,
@@ -90,13 +102,13 @@ __device__ __forceinline__ uint32_t word(const uint4 &v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-/* c += A (16 x K) * B (K x 8); K = 16 BF16 or 32 FP8 E4M3. */
-template <bool kFp8>
+/* c += A (16 x 16) * B (16 x 8): BF16, or F16 (FP8 codes). */
+template <bool kF16>
 __device__ __forceinline__ void mma(float *c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                     uint32_t b0, uint32_t b1) {
-  if constexpr (kFp8) {
+  if constexpr (kF16) {
     asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -106,6 +118,18 @@ __device__ __forceinline__ void mma(float *c, uint32_t a0, uint32_t a1, uint32_t
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+/* 16 E4M3 codes -> 8 F16 pairs, in order (exact: every E4M3 value is an F16 value). */
+__device__ __forceinline__ void fp8x16_to_f16(const uint4 &v, uint32_t *h) {
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const uint32_t w = word(v, i);
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
+    h[2 * i] = (uint32_t)lo.x | ((uint32_t)lo.y << 16);
+    h[2 * i + 1] = (uint32_t)hi.x | ((uint32_t)hi.y << 16);
   }
 }
 
@@ -134,7 +158,11 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
     wrow = col0 + 32 * warp;
   }
   const bool warp_active = wrow < a.n; /* n is a multiple of 128: a warp is all in or all out */
-  const size_t k_bytes = (size_t)a.k * (kFp8 ? 1 : 2);
+  const size_t k_bytes = (size_t)a.k * (kFp8 ? 1 : 2); /* a weight row */
+  const size_t x_row_bytes = (size_t)a.k * 2;            /* a row of x: BF16 or F16 codes */
+  constexpr int kXRow = kFp8 ? 128 : 64;                 /* x bytes per token per stage */
+  constexpr int kXPieces = kXRow / 16;
+  constexpr int kXP = kXPitch[kFp8], kXS = kXStageBytes[kFp8], kStages = kStagesOf[kFp8];
   const int num_stages = (int)(k_bytes / kStageBytes);
   const int k_blocks = a.k / 128;
 
@@ -145,16 +173,16 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
   for (int j = 0; j < 4; j++)
     w_row[j] = w_expert + (size_t)(wrow + (j >> 1) * 16 + (j & 1) * 8 + g) * k_bytes + 16 * t;
   uint4 *w_s = (uint4 *)smem;                           /* [stage][4][kThreads] */
-  unsigned char *x_s = smem + kStages * kWStageBytes;   /* [stage][kTokens][64] */
+  unsigned char *x_s = smem + kStages * kWStageBytes;   /* [stage][kTokens][kXP] */
   const char *x = (const char *)a.x;
 
   for (int p0 = 0; p0 < count; p0 += kTokens) {
     const int rows = min(kTokens, count - p0);
     const int tiles = (rows + 7) / 8;
-    const int x_tok = tid / 4, x_piece = tid % 4;
-    const bool x_loader = tid < kTokens * 4;
+    const int x_tok = tid / kXPieces, x_piece = tid % kXPieces;
+    const bool x_loader = tid < kTokens * kXPieces;
     const bool x_valid = x_loader && x_tok < rows;
-    const char *x_src = x_valid ? x + (size_t)(begin + p0 + x_tok) * k_bytes + 16 * x_piece : x;
+    const char *x_src = x_valid ? x + (size_t)(begin + p0 + x_tok) * x_row_bytes + 16 * x_piece : x;
 
     auto issue = [&](int s) {
       if (s < num_stages) {
@@ -165,8 +193,8 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
             cp_async_cg16(&w_s[(slot * 4 + j) * kThreads + tid], w_row[j] + (size_t)s * kStageBytes);
         }
         if (x_loader)
-          cp_async_ca16_zfill(x_s + slot * kXStageBytes + x_tok * kStageBytes + 16 * x_piece,
-                              x_valid ? x_src + (size_t)s * kStageBytes : x, x_valid ? 16 : 0);
+          cp_async_ca16_zfill(x_s + slot * kXS + x_tok * kXP + 16 * x_piece,
+                              x_valid ? x_src + (size_t)s * kXRow : x, x_valid ? 16 : 0);
       }
       cp_async_commit(); /* always, so wait_group counts stages */
     };
@@ -211,21 +239,43 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
       uint4 wv[4];
 #pragma unroll
       for (int j = 0; j < 4; j++) wv[j] = w_s[(slot * 4 + j) * kThreads + tid];
-      /* One n8 tile of x at a time (its 16 bytes are the B fragments of both k-steps); the
-       * weight fragments stay in registers across tiles. */
+      if constexpr (!kFp8) {
+        /* One n8 tile of x at a time (its 16 bytes are the B fragments of both k-steps); the
+         * weight fragments stay in registers across tiles. */
 #pragma unroll
-      for (int nj = 0; nj < 4; nj++) {
-        if (nj >= tiles) continue;
-        const uint4 xv =
-            *(const uint4 *)(x_s + slot * kXStageBytes + (8 * nj + g) * kStageBytes + 16 * t);
+        for (int nj = 0; nj < 4; nj++) {
+          if (nj >= tiles) continue;
+          const uint4 xv = *(const uint4 *)(x_s + slot * kXS + (8 * nj + g) * kXP + 16 * t);
 #pragma unroll
-        for (int step = 0; step < 2; step++)
+          for (int step = 0; step < 2; step++)
 #pragma unroll
-          for (int mt = 0; mt < 2; mt++)
-            mma<kFp8>(kFp8 ? part[mt][nj] : acc[mt][nj], word(wv[2 * mt], 2 * step),
-                      word(wv[2 * mt + 1], 2 * step), word(wv[2 * mt], 2 * step + 1),
-                      word(wv[2 * mt + 1], 2 * step + 1), word(xv, 2 * step),
-                      word(xv, 2 * step + 1));
+            for (int mt = 0; mt < 2; mt++)
+              mma<false>(acc[mt][nj], word(wv[2 * mt], 2 * step), word(wv[2 * mt + 1], 2 * step),
+                         word(wv[2 * mt], 2 * step + 1), word(wv[2 * mt + 1], 2 * step + 1),
+                         word(xv, 2 * step), word(xv, 2 * step + 1));
+        }
+      } else {
+        /* Each weight piece converted once (16 codes -> 8 F16 pairs, K = 16t .. 16t + 15 of
+         * the stage), then four k-steps; x's 32 bytes per token are the same K range. */
+        uint32_t wh[4][8];
+#pragma unroll
+        for (int j = 0; j < 4; j++) fp8x16_to_f16(wv[j], wh[j]);
+#pragma unroll
+        for (int nj = 0; nj < 4; nj++) {
+          if (nj >= tiles) continue;
+          const unsigned char *xr = x_s + slot * kXS + (8 * nj + g) * kXP + 32 * t;
+          const uint4 xa = *(const uint4 *)xr, xb = *(const uint4 *)(xr + 16);
+#pragma unroll
+          for (int step = 0; step < 4; step++) {
+            const uint4 &xv = step < 2 ? xa : xb;
+            const int i = 2 * (step & 1);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+              mma<true>(part[mt][nj], wh[2 * mt][2 * step], wh[2 * mt + 1][2 * step],
+                        wh[2 * mt][2 * step + 1], wh[2 * mt + 1][2 * step + 1], word(xv, i),
+                        word(xv, i + 1));
+          }
+        }
       }
       if constexpr (kFp8) {
         if (s & 1) { /* the end of a 128-deep block: scale it into acc */
@@ -301,7 +351,11 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
         const int4 q = epx::quantize16_float(f, false, &scale);
         if (tok < rows) {
           const size_t row = (size_t)(begin + p0 + tok);
-          *(int4 *)((uint8_t *)a.out + row * half_n + col0 + c0) = q;
+          uint32_t h[8];
+          fp8x16_to_f16(make_uint4(q.x, q.y, q.z, q.w), h);
+          uint4 *dst = (uint4 *)((__half *)a.out + row * half_n + col0 + c0);
+          dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+          dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
           if (lane % 8 == 0) a.out_scales[row * (half_n / 128) + col0 / 128] = scale;
         }
       }
@@ -310,9 +364,12 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
   }
 }
 
-/* BF16 rows of the experts to FP8 with per-128-channel scales: one warp per row, eight lanes
- * per 128-channel group. Grid: (blocks per expert, E); blocks stride over the expert's rows. */
-__global__ void __launch_bounds__(kThreads) experts_quantize_kernel(epx__experts_quantize_args_t a) {
+/* The x operand of the FP8 path: each expert row's E4M3 codes as F16 (exact), from BF16 rows
+ * (quantized per 128 channels; the scales written) or from FP8 rows (converted; the caller's
+ * scales are used as they are). One warp per row, eight lanes per 128-channel group; grid
+ * (blocks per expert, E), blocks striding over the expert's rows. */
+template <bool kFromFp8>
+__global__ void __launch_bounds__(kThreads) experts_stage_x_kernel(epx__experts_stage_args_t a) {
   const int e = blockIdx.y;
   int begin = 0;
   const int count =
@@ -321,18 +378,26 @@ __global__ void __launch_bounds__(kThreads) experts_quantize_kernel(epx__experts
   const int groups = a.hidden / 128;
   for (int r = blockIdx.x * kWarps + warp; r < count; r += gridDim.x * kWarps) {
     const size_t row = (size_t)(begin + r);
-    const __nv_bfloat16 *src = (const __nv_bfloat16 *)a.x + row * a.hidden;
     for (int g0 = 0; g0 < groups; g0 += 4) { /* a warp covers four groups per step */
       const int grp = g0 + lane / 8, c = grp * 128 + (lane % 8) * 16;
       const bool valid = grp < groups;
-      const int4 zero = make_int4(0, 0, 0, 0);
-      const int4 lo = valid ? *(const int4 *)(src + c) : zero;
-      const int4 hi = valid ? *(const int4 *)(src + c + 8) : zero;
-      float scale;
-      const int4 q = epx::quantize16(lo, hi, false, &scale);
+      int4 q = make_int4(0, 0, 0, 0);
+      if constexpr (kFromFp8) {
+        if (valid) q = *(const int4 *)((const uint8_t *)a.x + row * a.hidden + c);
+      } else {
+        const __nv_bfloat16 *src = (const __nv_bfloat16 *)a.x + row * a.hidden;
+        const int4 lo = valid ? *(const int4 *)(src + c) : q;
+        const int4 hi = valid ? *(const int4 *)(src + c + 8) : q;
+        float scale;
+        q = epx::quantize16(lo, hi, false, &scale); /* every lane: the max is a shuffle */
+        if (valid && lane % 8 == 0) a.scales[row * groups + grp] = scale;
+      }
       if (valid) {
-        *(int4 *)((uint8_t *)a.q + row * a.hidden + c) = q;
-        if (lane % 8 == 0) a.scales[row * groups + grp] = scale;
+        uint32_t h[8];
+        fp8x16_to_f16(make_uint4(q.x, q.y, q.z, q.w), h);
+        uint4 *dst = (uint4 *)((__half *)a.codes + row * a.hidden + c);
+        dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+        dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
       }
     }
   }
@@ -345,22 +410,22 @@ extern "C" epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t 
   const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
   const dim3 grid(col_tiles, a->num_experts);
   if (a->fp8)
-    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, kThreads, kSmemBytes,
+    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, kThreads, kSmemBytes[1],
                                                                     stream, *a)
-                     : epx::launch<experts_gemm_kernel<true, false>>(grid, kThreads, kSmemBytes,
-                                                                     stream, *a);
-  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, kThreads, kSmemBytes,
+                     : epx::launch<experts_gemm_kernel<true, false>>(grid, kThreads,
+                                                                     kSmemBytes[1], stream, *a);
+  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, kThreads, kSmemBytes[0],
                                                                    stream, *a)
-                   : epx::launch<experts_gemm_kernel<false, false>>(grid, kThreads, kSmemBytes,
-                                                                    stream, *a);
+                   : epx::launch<experts_gemm_kernel<false, false>>(grid, kThreads,
+                                                                    kSmemBytes[0], stream, *a);
 }
 
-extern "C" epx_status_t epx__experts_quantize_launch(const epx__experts_quantize_args_t *a,
-                                                     cudaStream_t stream) {
+extern "C" epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *a,
+                                                    cudaStream_t stream) {
   /* Enough blocks per expert for the masked layout's room; a contiguous layout's room is
    * unknown on the host, so its blocks stride. */
   const int room = a->expert_begin ? a->num_rows : a->rows_per_expert;
-  const int per_expert = max(1, min(32, (room + kWarps - 1) / kWarps));
-  return epx::launch<experts_quantize_kernel>(dim3(per_expert, a->num_experts), kThreads, 0,
-                                              stream, *a);
+  const dim3 grid(max(1, min(32, (room + kWarps - 1) / kWarps)), a->num_experts);
+  return a->x_fp8 ? epx::launch<experts_stage_x_kernel<true>>(grid, kThreads, 0, stream, *a)
+                  : epx::launch<experts_stage_x_kernel<false>>(grid, kThreads, 0, stream, *a);
 }
