@@ -5,6 +5,8 @@
 #                   then the Python package's CPU tests (make test-python: python/tests, pytest)
 #   make bench      build and run the benchmark on every visible GPU (BENCH_ARGS=... to pass flags)
 #   make soak-bin   build/bin/epx_soak, the long mixed run (docs/testing.md, "Soak")
+#   make layout-bench-bin  build/bin/epx_layout_bench, the layout kernel alone on one GPU
+#                   (docs/bench.md)
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
 # Knobs: CUDA_HOME, NCCL_HOME, PYTHON (the one whose nvidia-nccl-cu13 wheel to use), NVCC_GENCODE,
@@ -76,20 +78,29 @@ SOAK_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(SOAK_C))
 SOAK_LINK := $(SOAK_OBJ) $(addprefix $(BUILD)/obj/tests/,common/ranks.o ref/epx_ref.o \
              gpu/world.o gpu/normal_checks.o gpu/ll_checks.o gpu/test_kernels.o)
 
+# The layout kernel alone on one GPU (docs/bench.md): its own file, a group-free kernel context,
+# the reference and the spin kernel of the tests. Built by `make layout-bench-bin`; not part of
+# `make test` or `make bench`.
+LAYOUT_BENCH_C := $(wildcard bench/layout/*.c)
+LAYOUT_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LAYOUT_BENCH_C))
+LAYOUT_BENCH_LINK := $(LAYOUT_BENCH_OBJ) $(addprefix $(BUILD)/obj/tests/,ref/epx_ref.o \
+                     gpu/one_gpu_ctx.o gpu/test_kernels.o)
+
 SHARED_LIB := $(BUILD)/lib/libepx.so
 STATIC_LIB := $(BUILD)/lib/libepx.a
 TEST_BIN := $(BUILD)/bin/epx_test
 BENCH_BIN := $(BUILD)/bin/epx_bench
 SOAK_BIN := $(BUILD)/bin/epx_soak
+LAYOUT_BENCH_BIN := $(BUILD)/bin/epx_layout_bench
 
-.PHONY: all lib test test-python bench soak-bin format format-check install clean header-check
+.PHONY: all lib test test-python bench soak-bin layout-bench-bin format format-check install clean header-check
 all: lib
 lib: $(SHARED_LIB) $(STATIC_LIB)
 
 # Test, benchmark and soak objects may include tests/ headers (common/, ref/, gpu/, soak/);
 # nothing else.
 EXTRA_INCLUDES :=
-$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ): EXTRA_INCLUDES := -Itests
+$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ): EXTRA_INCLUDES := -Itests
 
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
@@ -99,7 +110,8 @@ $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
--include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d))
+-include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d) \
+                $(LAYOUT_BENCH_OBJ:.o=.d))
 
 # Only epx_* symbols leave the shared library (src/epx.map).
 $(SHARED_LIB): $(LIB_OBJ) src/epx.map
@@ -123,6 +135,11 @@ soak-bin: $(SOAK_BIN)
 $(SOAK_BIN): $(SOAK_LINK) $(STATIC_LIB)
 	@mkdir -p $(dir $@)
 	$(CXX) -o $@ $(SOAK_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
+
+layout-bench-bin: $(LAYOUT_BENCH_BIN)
+$(LAYOUT_BENCH_BIN): $(LAYOUT_BENCH_LINK) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $(LAYOUT_BENCH_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
 
 # The public header must stand alone as strict C11.
 header-check:
@@ -166,7 +183,8 @@ bench: $(BENCH_BIN)
 	$(BENCH_BIN) $(BENCH_ARGS)
 
 FORMAT_FILES := $(sort $(wildcard include/*.h src/*.c src/*/*.c src/*/*.cu src/*/*.cuh src/*/*.h \
-                  tests/*/*.c tests/*/*.h tests/*/*.cu bench/*.c bench/*.cu bench/*.h))
+                  tests/*/*.c tests/*/*.h tests/*/*.cu bench/*.c bench/*.cu bench/*.h \
+                  bench/*/*.c))
 format:
 	clang-format -i $(FORMAT_FILES)
 format-check:
