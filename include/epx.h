@@ -263,8 +263,8 @@ typedef struct epx_async_error {
  * Returns EPX_OK (whether or not an error was recorded) or EPX_ERR_INVALID_ARGUMENT/USAGE. */
 epx_status_t epx_group_get_async_error(epx_group_t group, epx_async_error_t *error);
 
-/* epx_group_clear_async_error - forget the recorded error. Synchronizes the device. Not
- * collective. */
+/* epx_group_clear_async_error - forget the recorded error, and restart the layout kernel's
+ * scan state (an error may have left it mid-call). Synchronizes the device. Not collective. */
 epx_status_t epx_group_clear_async_error(epx_group_t group);
 
 /* ---------------------------------------------------------------------------------------------

@@ -57,9 +57,12 @@ cudaError_t one_gpu_ctx_take_error(one_gpu_ctx_t *c, epx__error_record_t *out) {
     out->position = c->error_host->position;
     out->value = c->error_host->value;
   }
-  /* Rearm, as epx_group_clear_async_error does: the claim word, then the record. */
+  /* Rearm, as epx_group_clear_async_error does: the claim word and the layout scan, then the
+   * record. */
   epx__control_t *ctrl = (epx__control_t *)(c->workspace + c->ctx.layout.control_offset);
   e = cudaMemset(&ctrl->error_claim, 0, sizeof ctrl->error_claim);
+  if (e == cudaSuccess)
+    e = cudaMemset(c->workspace + c->ctx.layout.layout_offset, 0, c->ctx.layout.layout_bytes);
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   memset((void *)c->error_host, 0, sizeof *c->error_host);
   return e;
