@@ -22,6 +22,8 @@
  * Then the rank-mask variant (epx_dispatch with is_token_in_rank) on the same shapes with the
  * uniform and holes routings: the mask is the routing's is_token_in_rank with random nonzero
  * bytes for 1, and the caller's per-expert counts (random) must be copied unchanged.
+ * layout_one_gpu_recovers_from_a_broken_scan: a scan state left mid-call gives an async error
+ * within the wait budget, not a hang, and the rearm makes the next calls right.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -274,4 +276,54 @@ EPX_ONE_GPU_TEST(layout_one_gpu_matches_reference, 600) {
   free_buffers(&b);
   one_gpu_ctx_destroy(&ctx);
   return result;
+}
+
+/* A scan state left mid-call (here: the ticket word moved by hand, as a call killed mid-way or two
+ * calls on unordered streams would leave it) makes the next call raise an error within the
+ * wait budget instead of hanging; the rearm (epx_group_clear_async_error's, here
+ * one_gpu_ctx_take_error's) restarts the scan and the call after it is right. */
+EPX_ONE_GPU_TEST(layout_one_gpu_recovers_from_a_broken_scan, 120) {
+  uint64_t rng = epx_test_seed();
+  one_gpu_ctx_t ctx;
+  EXPECT_CUDA(one_gpu_ctx_create(&ctx, MAX_T, 200));
+  buffers_t b;
+  if (alloc_buffers(&b) != TEST_PASS) return TEST_FAIL;
+  const layout_case_t c = {4096, 8, 256, 8, 0, 0, ROUTE_UNIFORM};
+  EXPECT(run_case(&ctx, &b, &c, &rng) == TEST_PASS);
+
+  /* Three tickets already taken: tiles 0-2 never come, tiles 8-10 do not exist. */
+  const uint64_t ticket = 3;
+  EXPECT_CUDA(cudaMemcpy(ctx.workspace + ctx.ctx.layout.layout_offset, &ticket, sizeof ticket,
+                         cudaMemcpyHostToDevice));
+  epx__layout_launch_args_t a;
+  memset(&a, 0, sizeof a);
+  a.topk_idx = b.d_idx;
+  a.idx_is_int64 = 1;
+  a.num_tokens = c.T;
+  a.top_k = c.K;
+  a.num_experts = c.E;
+  a.num_ranks = c.R;
+  a.num_tokens_per_rank = b.d_rank;
+  a.num_tokens_per_expert = b.d_expert;
+  a.is_token_in_rank = b.d_in;
+  a.token_pos_in_rank = b.d_pos;
+  const double t0 = epx_test_now_s();
+  EXPECT_OK(epx__layout_launch(&ctx.ctx, &a, 0));
+  epx__error_record_t err;
+  EXPECT_CUDA(one_gpu_ctx_take_error(&ctx, &err));
+  const double waited = epx_test_now_s() - t0;
+  printf("  broken scan: status %d, stage %d, position %lld, value %lld after %.2f s\n", err.status,
+         err.stage, err.position, err.value, waited);
+  EXPECTF(err.status == EPX_ERR_INTERNAL || err.status == EPX_ERR_TIMEOUT,
+          "async status %d; want INTERNAL or TIMEOUT (seed 0x%llx)", err.status,
+          (unsigned long long)epx_test_seed());
+  EXPECT_EQ_INT(err.stage, EPX_STAGE_LAYOUT);
+  EXPECTF(waited < 10.0, "the broken call took %.2f s with a 0.2 s wait budget", waited);
+
+  /* Rearmed: right again, twice (the second call in the next epoch). */
+  EXPECT(run_case(&ctx, &b, &c, &rng) == TEST_PASS);
+  EXPECT(run_case(&ctx, &b, &c, &rng) == TEST_PASS);
+  free_buffers(&b);
+  one_gpu_ctx_destroy(&ctx);
+  return TEST_PASS;
 }
