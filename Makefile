@@ -6,6 +6,8 @@
 #   make bench      build and run the benchmark on every visible GPU (BENCH_ARGS=... to pass flags)
 #   make soak-bin   build/bin/epx_soak, the long mixed run (docs/testing.md, "Soak")
 #   make experts-bench-bin  build/bin/epx_experts_bench, the experts' FFN on one GPU (docs/bench.md)
+#   make layout-bench-bin  build/bin/epx_layout_bench, the layout kernel alone on one GPU
+#                   (docs/bench.md)
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
 # Knobs: CUDA_HOME, NCCL_HOME, PYTHON (the one whose nvidia-nccl-cu13 wheel to use), NVCC_GENCODE,
@@ -77,11 +79,7 @@ SOAK_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(SOAK_C))
 SOAK_LINK := $(SOAK_OBJ) $(addprefix $(BUILD)/obj/tests/,common/ranks.o ref/epx_ref.o \
              gpu/world.o gpu/normal_checks.o gpu/ll_checks.o gpu/test_kernels.o)
 
-# epx_experts_bench (`make experts-bench-bin`): the experts' FFN on one GPU (bench/experts/).
-EXPERTS_BENCH_C := $(wildcard bench/experts/*.c)
-EXPERTS_BENCH_CU := $(wildcard bench/experts/*.cu)
-EXPERTS_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(EXPERTS_BENCH_C)) \
-                     $(patsubst %.cu,$(BUILD)/obj/%.o,$(EXPERTS_BENCH_CU))
+                  bench/*/*.c bench/*/*.cu bench/*/*.h))
 
 SHARED_LIB := $(BUILD)/lib/libepx.so
 STATIC_LIB := $(BUILD)/lib/libepx.a
@@ -89,15 +87,15 @@ TEST_BIN := $(BUILD)/bin/epx_test
 BENCH_BIN := $(BUILD)/bin/epx_bench
 SOAK_BIN := $(BUILD)/bin/epx_soak
 EXPERTS_BENCH_BIN := $(BUILD)/bin/epx_experts_bench
-
-.PHONY: all lib test test-python bench soak-bin experts-bench-bin format format-check install clean header-check
+LAYOUT_BENCH_BIN := $(BUILD)/bin/epx_layout_bench
+.PHONY: all lib test test-python bench soak-bin experts-bench-bin layout-bench-bin format format-check install clean header-check
 all: lib
 lib: $(SHARED_LIB) $(STATIC_LIB)
 
 # Test, benchmark and soak objects may include tests/ headers (common/, ref/, gpu/, soak/);
 # nothing else.
 EXTRA_INCLUDES :=
-$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ): EXTRA_INCLUDES := -Itests
+$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ): EXTRA_INCLUDES := -Itests
 $(EXPERTS_BENCH_OBJ): EXTRA_INCLUDES := -Ibench
 
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
@@ -109,7 +107,7 @@ $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 -include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d) \
-                $(EXPERTS_BENCH_OBJ:.o=.d))
+                $(EXPERTS_BENCH_OBJ:.o=.d) $(LAYOUT_BENCH_OBJ:.o=.d))
 
 # Only epx_* symbols leave the shared library (src/epx.map).
 $(SHARED_LIB): $(LIB_OBJ) src/epx.map
@@ -138,6 +136,10 @@ experts-bench-bin: $(EXPERTS_BENCH_BIN)
 $(EXPERTS_BENCH_BIN): $(EXPERTS_BENCH_OBJ) $(STATIC_LIB)
 	@mkdir -p $(dir $@)
 	$(CXX) -o $@ $(EXPERTS_BENCH_OBJ) $(STATIC_LIB) $(SAN) $(LDLIBS)
+layout-bench-bin: $(LAYOUT_BENCH_BIN)
+$(LAYOUT_BENCH_BIN): $(LAYOUT_BENCH_LINK) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $(LAYOUT_BENCH_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
 
 # The public header must stand alone as strict C11.
 header-check:
@@ -182,7 +184,7 @@ bench: $(BENCH_BIN)
 
 FORMAT_FILES := $(sort $(wildcard include/*.h src/*.c src/*/*.c src/*/*.cu src/*/*.cuh src/*/*.h \
                   tests/*/*.c tests/*/*.h tests/*/*.cu bench/*.c bench/*.cu bench/*.h \
-                  bench/experts/*.c bench/experts/*.cu bench/experts/*.h))
+                  bench/*/*.c bench/*/*.cu bench/*/*.h))
 format:
 	clang-format -i $(FORMAT_FILES)
 format-check:

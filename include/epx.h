@@ -263,8 +263,8 @@ typedef struct epx_async_error {
  * Returns EPX_OK (whether or not an error was recorded) or EPX_ERR_INVALID_ARGUMENT/USAGE. */
 epx_status_t epx_group_get_async_error(epx_group_t group, epx_async_error_t *error);
 
-/* epx_group_clear_async_error - forget the recorded error. Synchronizes the device. Not
- * collective. */
+/* epx_group_clear_async_error - forget the recorded error, and restart the layout kernel's
+ * scan state (an error may have left it mid-call). Synchronizes the device. Not collective. */
 epx_status_t epx_group_clear_async_error(epx_group_t group);
 
 /* ---------------------------------------------------------------------------------------------
@@ -292,7 +292,8 @@ typedef struct epx_layout_args {
  * empty slots (nothing is written out of bounds) and the first one (lowest t*top_k+k) is
  * recorded as an asynchronous error with status EPX_ERR_INVALID_ARGUMENT, stage
  * EPX_STAGE_LAYOUT, its position and value; epx_group_get_async_error returns it once the
- * stream has been synchronized.
+ * stream has been synchronized. Uses the group's workspace (the layout's scan state): like
+ * every call of a group, order it with the group's other calls (one stream, or events).
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT for bad host-visible arguments (NULL or
  * misaligned pointers, num_tokens out of range, bad dtype), naming the argument; nothing is
  * launched then. */

@@ -1,7 +1,8 @@
 /*
  * async_error.c - errors the kernels report asynchronously: epx_group_get_async_error reads the
  * group's host-mapped error record (kernel_ctx.h) into a message, epx_group_clear_async_error
- * rearms it. Kernels write the record on a timeout or a bad top-k index (docs/api.md).
+ * rearms it (and restarts the layout kernel's tile scan, which an error may have left
+ * mid-call). Kernels write the record on a timeout or a bad top-k index (docs/api.md).
  * Invariant: the record's status is written last, after a system fence, so the host reads the
  * status first and the other fields only when it is nonzero.
  */
@@ -47,6 +48,11 @@ EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error
              "slot was treated as empty",
              g->rank, err->position / k, err->position % k, err->value, g->config.num_experts,
              err->position);
+  } else if (status == EPX_ERR_TIMEOUT && err->stage == EPX_STAGE_LAYOUT) {
+    snprintf(err->message, sizeof err->message,
+             "rank %d: layout timed out after %d ms waiting for the counts of its tile %lld (call "
+             "epoch %lld); were two calls of this group running on unordered streams?",
+             g->rank, g->config.timeout_ms, err->position, err->value);
   } else if (status == EPX_ERR_TIMEOUT) {
     snprintf(err->message, sizeof err->message,
              "rank %d: %s timed out after %d ms waiting for peer %d (waited for value %lld)",
@@ -65,6 +71,9 @@ EPX_EXPORT epx_status_t epx_group_clear_async_error(epx_group_t g) {
   CUDA_CHECK(cudaDeviceSynchronize());
   epx__control_t *ctrl = epx__group_control(g);
   CUDA_CHECK(cudaMemsetAsync(&ctrl->error_claim, 0, sizeof ctrl->error_claim, g->setup_stream));
+  /* The layout scan starts over too: an error may have left it mid-call (workspace.h). */
+  CUDA_CHECK(cudaMemsetAsync(g->workspace + g->layout.layout_offset, 0, g->layout.layout_bytes,
+                             g->setup_stream));
   CUDA_CHECK(cudaStreamSynchronize(g->setup_stream));
   memset((void *)g->error_host, 0, sizeof *g->error_host);
   return EPX_OK;

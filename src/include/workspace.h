@@ -8,6 +8,12 @@
  *
  *   control  epx__control_t: barrier inboxes and epochs, the async-error claim word
  *   notify   count exchange: R sources x (R + E/R) epoch-tagged 64-bit words (sized R x (R + E))
+ *   layout   the layout kernel's tile scan, this rank's own (no peer reads it): the ticket word
+ *            (epoch << 24 | next tile), then [EPX_MAX_RANKS + 1][layout_tiles] epoch-tagged
+ *            64-bit tile words, layout_tiles = ceil(max_tokens / EPX_LAYOUT_TILE_TOKENS); word
+ *            formats in src/kernels/layout.cu. Zeroed at creation and by
+ *            epx_group_clear_async_error; otherwise never reset (the epochs make stale words
+ *            unreadable)
  *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
  *            combine slab 2 x [R, max_tokens, H] BF16 and its per-chunk arrival counters, then
  *            the combine weights 2 x [R, max_tokens, K] float32 (each returned row's top-k
@@ -85,6 +91,10 @@ typedef struct epx__control {
   unsigned long long combine_finished[EPX_MAX_RANKS];
 } epx__control_t;
 
+/* Tokens of one tile of the layout kernel (its block size): the layout region holds one scan
+ * word per tile and column. */
+#define EPX_LAYOUT_TILE_TOKENS 512
+
 /* Combine signals: rank d adds, with release semantics, the number of rows it has delivered to
  * each chunk of EPX_COMBINE_CHUNK_ROWS consecutive rows of its segment in this rank's combine
  * slab. The owner reduces a token once the chunks holding its rows are full. */
@@ -93,6 +103,9 @@ typedef struct epx__control {
 typedef struct epx__ws_layout {
   size_t control_offset, control_bytes;
   size_t notify_offset, notify_bytes;
+  size_t layout_offset, layout_bytes;
+  size_t layout_tiles;        /* tiles of the largest call: ceil(max_tokens / TILE_TOKENS) */
+  size_t layout_words_offset; /* relative to layout_offset: [EPX_MAX_RANKS + 1][layout_tiles] */
   /* normal: sub-arrays of the receive slab (capacity = R x max_tokens rows) and the combine slab */
   size_t normal_offset, normal_bytes;
   size_t recv_capacity;            /* rows: R x max_tokens */
@@ -184,6 +197,15 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->notify_bytes =
       epx__align_up((size_t)num_ranks * (size_t)(num_ranks + num_experts) * 8, EPX_WS_ALIGN);
   off += l->notify_bytes;
+
+  /* layout: the ticket word, then one scan word per (column, tile); columns are the R ranks'
+   * counts and the lowest invalid position (src/kernels/layout.cu). */
+  l->layout_offset = off;
+  l->layout_tiles = ((size_t)max_tokens + EPX_LAYOUT_TILE_TOKENS - 1) / EPX_LAYOUT_TILE_TOKENS;
+  l->layout_words_offset = 256;
+  l->layout_bytes = epx__align_up(
+      l->layout_words_offset + (size_t)(EPX_MAX_RANKS + 1) * l->layout_tiles * 8, EPX_WS_ALIGN);
+  off += l->layout_bytes;
 
   /* normal: a compact receive slab of R x max_tokens rows (the worst case: every source sends
    * every token), split into one array per field so recv_x is a plain [rows, H] matrix; then

@@ -22,6 +22,19 @@ __device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/* Relaxed 64-bit load and store at GPU scope: single-copy atomic, never served from a stale L1
+ * line, no ordering of other memory. For words that carry everything their reader needs (the
+ * layout kernel's epoch-tagged tile words), between blocks of one GPU. */
+__device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_relaxed_gpu(uint64_t *p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 /* *p += v as one release at system scope, without a return value: a monotonic counter that
  * tells a peer how much of this thread's (after a __syncthreads, its block's) writes landed. */
 __device__ __forceinline__ void red_release_sys_add(unsigned long long *p, unsigned long long v) {

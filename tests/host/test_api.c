@@ -136,19 +136,19 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   size_t bytes = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &bytes));
   /* R=4, T=128, H=1024, E=16, K=4, BF16, normal mode:
-   *   control 4096; notify 4*(4+16)*8 = 640 -> 4096;
+   *   control 4096; notify 4*(4+16)*8 = 640 -> 4096; layout 256 + 9 x 1 tile x 8 -> 4096;
    *   normal, capacity 4*128 = 512 rows: recv_x 512*1024*2 = 1048576, topk idx 512*4*8 = 16384
    *   (room for int64 ids), weights 8192, src token 2048, combine slab 2 parities x 1048576,
    *   chunk counters 2 x 4 x 2 x 8 = 128 -> 256, combine weights 2 parities x 512*4*4 = 2 x 8192;
-   *   sum 3188992 -> 779 pages (3190784).  Total 3198976. */
-  EXPECT_EQ_INT(bytes, 3198976);
+   *   sum 3188992 -> 779 pages (3190784).  Total 3203072. */
+  EXPECT_EQ_INT(bytes, 3203072);
   EXPECT_STATUS(epx_workspace_size(&c, 4, NULL), EPX_ERR_INVALID_ARGUMENT);
 
   /* FP8 adds the scales array, 512 rows x 8 scales x 4 bytes = 16384: 3205376 -> 783 pages. */
   c.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
   size_t both = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &both));
-  EXPECT_EQ_INT(both, 4096 + 4096 + 783 * 4096);
+  EXPECT_EQ_INT(both, 4096 + 4096 + 4096 + 783 * 4096);
   bytes = both;
 
   /* Low-latency adds two buffers and the epochs. L = 4 local experts, R*M = 512 rows each:
@@ -162,11 +162,11 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   size_t with_ll = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &with_ll));
   EXPECT_EQ_INT(with_ll, bytes + 23609344);
-  /* ... and only low-latency mode: the control and notify pages plus the same region. */
+  /* ... and only low-latency mode: the control, notify and layout pages plus the same region. */
   c.modes = EPX_MODE_LOW_LATENCY;
   size_t ll_only = 0;
   EXPECT_OK(epx_workspace_size(&c, 4, &ll_only));
-  EXPECT_EQ_INT(ll_only, 4096 + 4096 + 23609344);
+  EXPECT_EQ_INT(ll_only, 4096 + 4096 + 4096 + 23609344);
 
   /* Doubling the tokens grows the normal slab; the size is always a 4 KiB multiple. */
   c.modes = EPX_MODE_NORMAL;
@@ -189,7 +189,15 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   EXPECT_EQ_INT(bytes, l.total_bytes);
   EXPECT_EQ_INT(l.normal_offset % 4096, 0);
   EXPECT_EQ_INT(l.notify_offset % 4096, 0);
+  EXPECT_EQ_INT(l.layout_offset % 4096, 0);
   EXPECT(l.normal_offset + l.normal_bytes <= l.total_bytes);
+  /* The layout scan: 8 tiles of 512 tokens, 9 columns of words after the ticket's 256 bytes. */
+  EXPECT_EQ_INT(l.layout_tiles, 8);
+  EXPECT(l.layout_words_offset + (EPX_MAX_RANKS + 1) * l.layout_tiles * 8 <= l.layout_bytes);
+  epx__ws_layout_init(&l, 8, EPX_MAX_TOKENS_PER_RANK, 7168, 256, 8, EPX_DTYPE_BF16, EPX_MODE_NORMAL,
+                      128);
+  EXPECT_EQ_INT(l.layout_tiles, 128);
+  EXPECT_EQ_INT(l.layout_bytes, 12288); /* 256 + 9 x 128 x 8 = 9472 */
   return TEST_PASS;
 }
 
@@ -302,7 +310,7 @@ EPX_HOST_TEST(workspace_size_by_mode, 10) {
     EXPECT_EQ_INT(s->total_bytes, l.total_bytes);
     EXPECT_EQ_INT(s->normal_bytes, l.normal_bytes);
     EXPECT_EQ_INT(s->low_latency_bytes, l.ll_bytes);
-    EXPECT_EQ_INT(s->common_bytes, l.control_bytes + l.notify_bytes);
+    EXPECT_EQ_INT(s->common_bytes, l.control_bytes + l.notify_bytes + l.layout_bytes);
     printf(
         "  both modes, 8 ranks, normal 4096 / low-latency %d tokens: total %zu bytes (%.2f GiB)"
         " = common %zu + normal %zu (%.2f GiB) + low-latency %zu (%.2f GiB)\n",
