@@ -79,7 +79,18 @@ SOAK_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(SOAK_C))
 SOAK_LINK := $(SOAK_OBJ) $(addprefix $(BUILD)/obj/tests/,common/ranks.o ref/epx_ref.o \
              gpu/world.o gpu/normal_checks.o gpu/ll_checks.o gpu/test_kernels.o)
 
-                  bench/*/*.c bench/*/*.cu bench/*/*.h))
+# epx_experts_bench (`make experts-bench-bin`): the experts' FFN on one GPU (bench/experts/).
+EXPERTS_BENCH_C := $(wildcard bench/experts/*.c)
+EXPERTS_BENCH_CU := $(wildcard bench/experts/*.cu)
+EXPERTS_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(EXPERTS_BENCH_C)) \
+                     $(patsubst %.cu,$(BUILD)/obj/%.o,$(EXPERTS_BENCH_CU))
+# The layout kernel alone on one GPU (docs/bench.md): its own file, a group-free kernel context,
+# the reference and the spin kernel of the tests. Built by `make layout-bench-bin`; not part of
+# `make test` or `make bench`.
+LAYOUT_BENCH_C := $(wildcard bench/layout/*.c)
+LAYOUT_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LAYOUT_BENCH_C))
+LAYOUT_BENCH_LINK := $(LAYOUT_BENCH_OBJ) $(addprefix $(BUILD)/obj/tests/,ref/epx_ref.o \
+                     gpu/one_gpu_ctx.o gpu/test_kernels.o)
 
 SHARED_LIB := $(BUILD)/lib/libepx.so
 STATIC_LIB := $(BUILD)/lib/libepx.a
