@@ -679,7 +679,6 @@ epx_status_t epx_trace_start(epx_group_t group, int capacity, cudaStream_t strea
 epx_status_t epx_trace_dump(epx_group_t group, const char *path, epx_trace_summary_t *summary,
                             cudaStream_t stream);
 
-
 /* ---------------------------------------------------------------------------------------------
  * Experts' FFN: the SwiGLU feed-forward of the experts one GPU holds, on the rows a dispatch
  * delivered (docs/moe.md). Needs no group: out = down(silu(gate(x)) * up(x)) per expert, with
@@ -714,22 +713,22 @@ typedef struct epx_experts {
  *  - contiguous (expert_begin set): expert e's rows are [begin[e], begin[e] + count[e]).
  * Rows outside every expert's range are neither read nor written. */
 typedef struct epx_experts_ffn_args {
-  size_t size;              /* sizeof(epx_experts_ffn_args_t); set by EPX_EXPERTS_FFN_ARGS_INIT */
-  const void *x;            /* [IN] [num_rows, H], 16-byte aligned: BF16, or FP8 E4M3 (FP8
-                               weights only) */
-  epx_dtype_t x_dtype;      /* EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3 */
-  const float *x_scales;    /* [IN] FP8 x: [num_rows, H/128] float32 (per-128-channel, as
-                               epx_ll_dispatch's recv_x_scales) */
-  int num_rows;             /* rows of x and out */
-  const int *expert_count;  /* [IN] device [E]: rows of expert e. A count past the expert's
-                               room (rows_per_expert, or num_rows - begin) is cut to it; a
-                               negative count, or a begin outside [0, num_rows], means none */
-  const int *expert_begin;  /* [IN] device [E] or NULL (masked layout) */
-  int rows_per_expert;      /* masked layout: each expert's stride and room; E * rows_per_expert
-                               <= num_rows. Ignored with expert_begin */
-  void *out;                /* [OUT] [num_rows, H] BF16, 16-byte aligned; may not overlap x */
-  void *workspace;          /* device scratch of epx_experts_ffn_workspace_size bytes,
-                               256-byte aligned; not shared by two calls in flight */
+  size_t size;             /* sizeof(epx_experts_ffn_args_t); set by EPX_EXPERTS_FFN_ARGS_INIT */
+  const void *x;           /* [IN] [num_rows, H], 16-byte aligned: BF16, or FP8 E4M3 (FP8
+                              weights only) */
+  epx_dtype_t x_dtype;     /* EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3 */
+  const float *x_scales;   /* [IN] FP8 x: [num_rows, H/128] float32 (per-128-channel, as
+                              epx_ll_dispatch's recv_x_scales) */
+  int num_rows;            /* rows of x and out */
+  const int *expert_count; /* [IN] device [E]: rows of expert e. A count past the expert's
+                              room (rows_per_expert, or num_rows - begin) is cut to it; a
+                              negative count, or a begin outside [0, num_rows], means none */
+  const int *expert_begin; /* [IN] device [E] or NULL (masked layout) */
+  int rows_per_expert;     /* masked layout: each expert's stride and room; E * rows_per_expert
+                              <= num_rows. Ignored with expert_begin */
+  void *out;               /* [OUT] [num_rows, H] BF16, 16-byte aligned; may not overlap x */
+  void *workspace;         /* device scratch of epx_experts_ffn_workspace_size bytes,
+                              256-byte aligned; not shared by two calls in flight */
   size_t workspace_bytes;
 } epx_experts_ffn_args_t;
 

@@ -46,17 +46,17 @@ static scratch_layout_t scratch_layout(const epx_experts_t *w, int num_rows, epx
 /* The weights' shape and dtype (pointers are checked by the call that reads them). */
 static epx_status_t check_experts_shape(const char *fn, const epx_experts_t *w) {
   EPX_CHECK(epx__check_not_null(fn, "experts", w));
-  EPX_CHECK(epx__check_struct_size(fn, "experts", w->size, sizeof(epx_experts_t),
-                                   "EPX_EXPERTS_INIT"));
+  EPX_CHECK(
+      epx__check_struct_size(fn, "experts", w->size, sizeof(epx_experts_t), "EPX_EXPERTS_INIT"));
   EPX_ARG_CHECK(w->num_experts >= 1, "%s: experts->num_experts = %d: must be at least 1", fn,
                 w->num_experts);
   EPX_ARG_CHECK(w->hidden >= 128 && w->hidden % 128 == 0 && w->hidden <= (1 << 20),
                 "%s: experts->hidden = %d: must be a positive multiple of 128 (at most 2^20)", fn,
                 w->hidden);
-  EPX_ARG_CHECK(w->intermediate >= 128 && w->intermediate % 128 == 0 &&
-                    w->intermediate <= (1 << 20),
-                "%s: experts->intermediate = %d: must be a positive multiple of 128 (at most 2^20)",
-                fn, w->intermediate);
+  EPX_ARG_CHECK(
+      w->intermediate >= 128 && w->intermediate % 128 == 0 && w->intermediate <= (1 << 20),
+      "%s: experts->intermediate = %d: must be a positive multiple of 128 (at most 2^20)", fn,
+      w->intermediate);
   EPX_ARG_CHECK(w->weight_dtype == EPX_DTYPE_BF16 || w->weight_dtype == EPX_DTYPE_FP8_E4M3,
                 "%s: experts->weight_dtype = %d: must be EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3", fn,
                 (int)w->weight_dtype);

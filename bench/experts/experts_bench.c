@@ -24,21 +24,21 @@
 #include "epx.h"
 #include "experts/bench_kernels.h"
 
-#define CHECK_CUDA(call)                                                                  \
-  do {                                                                                    \
-    cudaError_t e_ = (call);                                                              \
-    if (e_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
-#define CHECK_EPX(call)                                                                      \
+#define CHECK_CUDA(call)                                                                     \
   do {                                                                                       \
-    epx_status_t s_ = (call);                                                                \
-    if (s_ != EPX_OK) {                                                                      \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, epx_last_error());       \
+    cudaError_t e_ = (call);                                                                 \
+    if (e_ != cudaSuccess) {                                                                 \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
       exit(1);                                                                               \
     }                                                                                        \
+  } while (0)
+#define CHECK_EPX(call)                                                                \
+  do {                                                                                 \
+    epx_status_t s_ = (call);                                                          \
+    if (s_ != EPX_OK) {                                                                \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, epx_last_error()); \
+      exit(1);                                                                         \
+    }                                                                                  \
   } while (0)
 
 typedef struct {
@@ -97,12 +97,18 @@ int main(int argc, char **argv) {
   const char *shape_sel = "all", *dtype_sel = "all";
   uint64_t seed = 1;
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--ranks") && i + 1 < argc) ranks = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) num_tokens = parse_list(argv[++i], tokens, 16);
-    else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--shape") && i + 1 < argc) shape_sel = argv[++i];
-    else if (!strcmp(argv[i], "--dtype") && i + 1 < argc) dtype_sel = argv[++i];
-    else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
+    if (!strcmp(argv[i], "--ranks") && i + 1 < argc)
+      ranks = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
+      num_tokens = parse_list(argv[++i], tokens, 16);
+    else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
+      iters = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--shape") && i + 1 < argc)
+      shape_sel = argv[++i];
+    else if (!strcmp(argv[i], "--dtype") && i + 1 < argc)
+      dtype_sel = argv[++i];
+    else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
+      seed = strtoull(argv[++i], NULL, 0);
     else {
       fprintf(stderr,
               "usage: %s [--ranks R] [--tokens 1,32,128,512] [--iters N] [--shape "
@@ -222,10 +228,11 @@ int main(int argc, char **argv) {
         const double per_expert = (double)(2 * I * H + H * I) * elem;
         const double bytes = per_expert * active;
         const double gbs = bytes / (med * 1e-3) / 1e9;
-        printf("experts ffn    %-8s %-4s  T %4d  E %3d  rows %6lld  active %3d  median %9.1f us  "
-               "p99 %9.1f us  weights %8.1f MB  %7.0f GB/s  %.2f of hbm\n",
-               sh->name, fp8 ? "fp8" : "bf16", T, local, rows, active, med * 1e3, p99 * 1e3,
-               bytes / 1e6, gbs, gbs / hbm_gbs);
+        printf(
+            "experts ffn    %-8s %-4s  T %4d  E %3d  rows %6lld  active %3d  median %9.1f us  "
+            "p99 %9.1f us  weights %8.1f MB  %7.0f GB/s  %.2f of hbm\n",
+            sh->name, fp8 ? "fp8" : "bf16", T, local, rows, active, med * 1e3, p99 * 1e3,
+            bytes / 1e6, gbs, gbs / hbm_gbs);
         fflush(stdout);
         CHECK_CUDA(cudaFree(x));
         CHECK_CUDA(cudaFree(out));

@@ -150,23 +150,22 @@ epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
 epx_status_t epx__peer_mask_launch(const epx__kernel_ctx_t *ctx, unsigned bits,
                                    cudaStream_t stream);
 
-
 /* Experts' FFN (src/kernels/experts_ffn.cu): group-free, local to one GPU. Expert e's rows of
  * x / out are [begin, begin + count), count read on the device (begin = expert_begin[e], or
  * e * rows_per_expert when expert_begin is NULL), cut to the expert's room. */
 typedef struct epx__experts_gemm_args {
-  const void *x;            /* [num_rows, k] BF16, or F16 codes of FP8 (fp8) */
-  const float *x_scales;    /* FP8: [num_rows, k/128] */
-  const void *w;            /* [E, n, k] BF16 or FP8 E4M3 */
-  const float *w_scales;    /* FP8: [E, n/128, k/128] */
-  int k, n;                 /* multiples of 128; swiglu: n = 2 I */
+  const void *x;         /* [num_rows, k] BF16, or F16 codes of FP8 (fp8) */
+  const float *x_scales; /* FP8: [num_rows, k/128] */
+  const void *w;         /* [E, n, k] BF16 or FP8 E4M3 */
+  const float *w_scales; /* FP8: [E, n/128, k/128] */
+  int k, n;              /* multiples of 128; swiglu: n = 2 I */
   int num_experts, num_rows, rows_per_expert;
-  const int *expert_count;  /* [E] device */
-  const int *expert_begin;  /* [E] device or NULL */
-  int fp8;                  /* FP8 weights and F16-code x, both with scales; else BF16 */
-  int swiglu;               /* out = silu(gate) * up: [num_rows, n/2] (BF16, or FP8 as F16
-                               codes with out_scales [num_rows, n/256]); else out = y:
-                               [num_rows, n] BF16 */
+  const int *expert_count; /* [E] device */
+  const int *expert_begin; /* [E] device or NULL */
+  int fp8;                 /* FP8 weights and F16-code x, both with scales; else BF16 */
+  int swiglu;              /* out = silu(gate) * up: [num_rows, n/2] (BF16, or FP8 as F16
+                              codes with out_scales [num_rows, n/256]); else out = y:
+                              [num_rows, n] BF16 */
   void *out;
   float *out_scales;
 } epx__experts_gemm_args_t;

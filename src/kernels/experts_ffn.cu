@@ -43,10 +43,10 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kWarpRows = 32;                  /* two m16 tiles */
-constexpr int kCtaRows = kWarps * kWarpRows;   /* 256 weight rows */
-constexpr int kTokens = 32;                    /* rows of x per pass: four n8 tiles */
-constexpr int kStageBytes = 64;                /* weight K bytes per row per stage */
+constexpr int kWarpRows = 32;                /* two m16 tiles */
+constexpr int kCtaRows = kWarps * kWarpRows; /* 256 weight rows */
+constexpr int kTokens = 32;                  /* rows of x per pass: four n8 tiles */
+constexpr int kStageBytes = 64;              /* weight K bytes per row per stage */
 /* Stages in flight (BF16, FP8): ~80 KB of weights per CTA, two CTAs per SM. */
 constexpr int kStagesOf[2] = {6, 5};
 constexpr int kWStageBytes = kThreads * 4 * 16; /* four 16-byte pieces per thread */
@@ -54,7 +54,7 @@ constexpr int kWStageBytes = kThreads * 4 * 16; /* four 16-byte pieces per threa
  * (BF16: 32 values) or 128 bytes (F16 codes: 64 values) padded to 144 so the two rows a
  * quarter-warp reads fall in different banks. */
 constexpr int kXPitch[2] = {64, 144};
-constexpr int kXStageBytes[2] = {kTokens * kXPitch[0], kTokens * kXPitch[1]};
+constexpr int kXStageBytes[2] = {kTokens * kXPitch[0], kTokens *kXPitch[1]};
 constexpr int kSmemBytes[2] = {kStagesOf[0] * (kWStageBytes + kXStageBytes[0]),
                                kStagesOf[1] * (kWStageBytes + kXStageBytes[1])};
 static_assert(2 * kSmemBytes[1] <= 227 * 1024 && 2 * kSmemBytes[0] <= 227 * 1024,
@@ -126,7 +126,8 @@ __device__ __forceinline__ void fp8x16_to_f16(const uint4 &v, uint32_t *h) {
 #pragma unroll
   for (int i = 0; i < 4; i++) {
     const uint32_t w = word(v, i);
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+    const __half2_raw lo =
+        __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
     const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
     h[2 * i] = (uint32_t)lo.x | ((uint32_t)lo.y << 16);
     h[2 * i + 1] = (uint32_t)hi.x | ((uint32_t)hi.y << 16);
@@ -159,8 +160,8 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
   }
   const bool warp_active = wrow < a.n; /* n is a multiple of 128: a warp is all in or all out */
   const size_t k_bytes = (size_t)a.k * (kFp8 ? 1 : 2); /* a weight row */
-  const size_t x_row_bytes = (size_t)a.k * 2;            /* a row of x: BF16 or F16 codes */
-  constexpr int kXRow = kFp8 ? 128 : 64;                 /* x bytes per token per stage */
+  const size_t x_row_bytes = (size_t)a.k * 2;          /* a row of x: BF16 or F16 codes */
+  constexpr int kXRow = kFp8 ? 128 : 64;               /* x bytes per token per stage */
   constexpr int kXPieces = kXRow / 16;
   constexpr int kXP = kXPitch[kFp8], kXS = kXStageBytes[kFp8], kStages = kStagesOf[kFp8];
   const int num_stages = (int)(k_bytes / kStageBytes);
@@ -172,8 +173,8 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
 #pragma unroll
   for (int j = 0; j < 4; j++)
     w_row[j] = w_expert + (size_t)(wrow + (j >> 1) * 16 + (j & 1) * 8 + g) * k_bytes + 16 * t;
-  uint4 *w_s = (uint4 *)smem;                           /* [stage][4][kThreads] */
-  unsigned char *x_s = smem + kStages * kWStageBytes;   /* [stage][kTokens][kXP] */
+  uint4 *w_s = (uint4 *)smem;                         /* [stage][4][kThreads] */
+  unsigned char *x_s = smem + kStages * kWStageBytes; /* [stage][kTokens][kXP] */
   const char *x = (const char *)a.x;
 
   for (int p0 = 0; p0 < count; p0 += kTokens) {
@@ -190,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_
         if (warp_active) {
 #pragma unroll
           for (int j = 0; j < 4; j++)
-            cp_async_cg16(&w_s[(slot * 4 + j) * kThreads + tid], w_row[j] + (size_t)s * kStageBytes);
+            cp_async_cg16(&w_s[(slot * 4 + j) * kThreads + tid],
+                          w_row[j] + (size_t)s * kStageBytes);
         }
         if (x_loader)
           cp_async_ca16_zfill(x_s + slot * kXS + x_tok * kXP + 16 * x_piece,
@@ -412,12 +414,12 @@ extern "C" epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t 
   if (a->fp8)
     return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, kThreads, kSmemBytes[1],
                                                                     stream, *a)
-                     : epx::launch<experts_gemm_kernel<true, false>>(grid, kThreads,
-                                                                     kSmemBytes[1], stream, *a);
+                     : epx::launch<experts_gemm_kernel<true, false>>(grid, kThreads, kSmemBytes[1],
+                                                                     stream, *a);
   return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, kThreads, kSmemBytes[0],
                                                                    stream, *a)
-                   : epx::launch<experts_gemm_kernel<false, false>>(grid, kThreads,
-                                                                    kSmemBytes[0], stream, *a);
+                   : epx::launch<experts_gemm_kernel<false, false>>(grid, kThreads, kSmemBytes[0],
+                                                                    stream, *a);
 }
 
 extern "C" epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *a,

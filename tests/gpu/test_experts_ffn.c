@@ -38,8 +38,8 @@ typedef struct {
   uint16_t *gu16, *dn16;
   uint8_t *gu8, *dn8;
   float *gus, *dns;
-  void *x;        /* host x: BF16, or FP8 codes */
-  float *xs;      /* host FP8 x scales */
+  void *x;   /* host x: BF16, or FP8 codes */
+  float *xs; /* host FP8 x scales */
   void *x_dev;
   float *xs_dev;
   uint16_t *out_dev;
@@ -57,8 +57,7 @@ static void fill_bf16(uint16_t *p, size_t n, float amp, uint64_t *s) {
 }
 
 /* FP8 weights: codes of U(-448, 448), block scales U(0.5, 1.5) / (448 sqrt(K)). */
-static void fill_fp8(uint8_t *p, float *scales, size_t n, size_t num_scales, int k,
-                     uint64_t *s) {
+static void fill_fp8(uint8_t *p, float *scales, size_t n, size_t num_scales, int k, uint64_t *s) {
   for (size_t i = 0; i < n; i++) p[i] = epx_ref_fp8_from_float(uniform(s, -448.f, 448.f));
   for (size_t i = 0; i < num_scales; i++)
     scales[i] = uniform(s, 0.5f, 1.5f) / (448.f * sqrtf((float)k));
@@ -168,8 +167,7 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
   EXPECT_CUDA(cudaMemcpy(got, d->out_dev, n * 2, cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < n; i++) want[i] = SENTINEL;
   epx_ref_experts_rows(c->E, c->num_rows, count, c->begin, c->rows_per_expert, first, rows);
-  EXPECT(epx_ref_experts_ffn(&d->ref, d->x, c->x_fp8, d->xs, c->num_rows, first, rows, want) ==
-         0);
+  EXPECT(epx_ref_experts_ffn(&d->ref, d->x, c->x_fp8, d->xs, c->num_rows, first, rows, want) == 0);
   double sq = 0;
   long long covered_vals = 0;
   for (int e = 0; e < c->E; e++)
@@ -189,8 +187,8 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
       const size_t i = (size_t)r * c->H + k;
       if (!covered[r]) {
         if (got[i] != SENTINEL) {
-          fprintf(stderr, "  %s %s: row %d (no expert's) written: col %d = 0x%04x\n", c->name,
-                  what, r, k, got[i]);
+          fprintf(stderr, "  %s %s: row %d (no expert's) written: col %d = 0x%04x\n", c->name, what,
+                  r, k, got[i]);
           rc = TEST_FAIL;
           break;
         }
@@ -277,8 +275,8 @@ EPX_ONE_GPU_TEST(experts_ffn_graph_reads_counts_on_device, 120) {
   static const int count_a[4] = {3, 0, 17, 40};
   static const int count_b[4] = {40, 9, 0, 1};
   for (int fp8 = 0; fp8 <= 1; fp8++) {
-    const ffn_case_t c = {fp8 ? "fp8 graph" : "bf16 graph", 4, 256, 256, fp8, 0, 4 * 40, 40,
-                          count_a, NULL};
+    const ffn_case_t c = {
+        fp8 ? "fp8 graph" : "bf16 graph", 4, 256, 256, fp8, 0, 4 * 40, 40, count_a, NULL};
     uint64_t s = epx_test_seed() + (uint64_t)fp8;
     ffn_data_t d;
     EXPECT(data_make(&c, &s, &d) == TEST_PASS);

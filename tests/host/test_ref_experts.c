@@ -33,7 +33,7 @@ EPX_HOST_TEST(ref_experts_known_answer_bf16, 10) {
   uint16_t *gu = calloc(2 * N * N, 2), *dn = calloc(N * N, 2), x[N] = {0}, out[N];
   EXPECT(gu && dn);
   for (int n = 0; n < N; n++) {
-    gu[(size_t)n * N] = epx_ref_bf16_from_float((float)(n - 64) / 16.f);    /* gate */
+    gu[(size_t)n * N] = epx_ref_bf16_from_float((float)(n - 64) / 16.f);     /* gate */
     gu[(size_t)(N + n) * N] = epx_ref_bf16_from_float((float)(n % 7) - 3.f); /* up */
     dn[(size_t)n * N + n] = epx_ref_bf16_from_float(1.f);
   }
@@ -76,8 +76,8 @@ EPX_HOST_TEST(ref_experts_known_answer_fp8, 10) {
   const float scale = epx_ref_fp8_scale(amax, 0), inv = 1.0f / scale;
   for (int n = 0; n < N; n++) {
     const float want = 2.f * (epx_ref_fp8_to_float(epx_ref_fp8_from_float(h[n] * inv)) * scale);
-    EXPECTF(epx_ref_bf16_to_float(out[n]) == epx_ref_bf16_to_float(epx_ref_bf16_from_float(want)), "channel %d: %g, want %g", n,
-            epx_ref_bf16_to_float(out[n]), want);
+    EXPECTF(epx_ref_bf16_to_float(out[n]) == epx_ref_bf16_to_float(epx_ref_bf16_from_float(want)),
+            "channel %d: %g, want %g", n, epx_ref_bf16_to_float(out[n]), want);
   }
   free(gu), free(dn);
   return TEST_PASS;

@@ -66,13 +66,12 @@ static void quantize_float_row(const float *f, int n, uint8_t *q, float *scales)
   }
 }
 
-int epx_ref_experts_ffn(const epx_ref_experts_t *w, const void *x, int x_fp8,
-                        const float *x_scales, int num_rows, const int *first, const int *rows,
-                        uint16_t *out) {
+int epx_ref_experts_ffn(const epx_ref_experts_t *w, const void *x, int x_fp8, const float *x_scales,
+                        int num_rows, const int *first, const int *rows, uint16_t *out) {
   const int H = w->hidden, I = w->intermediate, E = w->num_experts;
   if (H < 128 || H % 128 || I < 128 || I % 128 || E < 1 || (x_fp8 && !w->fp8)) {
-    fprintf(stderr, "epx_ref_experts_ffn: unsupported shape H %d I %d E %d x_fp8 %d fp8 %d\n", H,
-            I, E, x_fp8, w->fp8);
+    fprintf(stderr, "epx_ref_experts_ffn: unsupported shape H %d I %d E %d x_fp8 %d fp8 %d\n", H, I,
+            E, x_fp8, w->fp8);
     return -1;
   }
   double *a = malloc(sizeof(double) * (size_t)H), *gu = malloc(sizeof(double) * 2 * (size_t)I);

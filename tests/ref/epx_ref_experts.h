@@ -21,13 +21,13 @@ extern "C" {
 
 typedef struct epx_ref_experts {
   int num_experts, hidden, intermediate;
-  int fp8;                        /* 1: the *_fp8 arrays and scales; 0: the *_bf16 arrays */
-  const uint16_t *gate_up_bf16;   /* [E, 2I, H] */
-  const uint16_t *down_bf16;      /* [E, H, I] */
-  const uint8_t *gate_up_fp8;     /* [E, 2I, H] */
-  const float *gate_up_scales;    /* [E, 2I/128, H/128] */
-  const uint8_t *down_fp8;        /* [E, H, I] */
-  const float *down_scales;       /* [E, H/128, I/128] */
+  int fp8;                      /* 1: the *_fp8 arrays and scales; 0: the *_bf16 arrays */
+  const uint16_t *gate_up_bf16; /* [E, 2I, H] */
+  const uint16_t *down_bf16;    /* [E, H, I] */
+  const uint8_t *gate_up_fp8;   /* [E, 2I, H] */
+  const float *gate_up_scales;  /* [E, 2I/128, H/128] */
+  const uint8_t *down_fp8;      /* [E, H, I] */
+  const float *down_scales;     /* [E, H/128, I/128] */
 } epx_ref_experts_t;
 
 /* The rows of expert e the library processes, by epx.h's rule: count cut to the room
@@ -42,9 +42,8 @@ void epx_ref_experts_rows(int num_experts, int num_rows, const int *count, const
  *   x        - [num_rows, H] BF16 (x_fp8 = 0) or FP8 E4M3 with x_scales [num_rows, H/128]
  *   out      - [num_rows, H] BF16
  * Returns 0, or -1 (message on stderr) for shapes the library refuses. */
-int epx_ref_experts_ffn(const epx_ref_experts_t *w, const void *x, int x_fp8,
-                        const float *x_scales, int num_rows, const int *first, const int *rows,
-                        uint16_t *out);
+int epx_ref_experts_ffn(const epx_ref_experts_t *w, const void *x, int x_fp8, const float *x_scales,
+                        int num_rows, const int *first, const int *rows, uint16_t *out);
 
 #ifdef __cplusplus
 }
