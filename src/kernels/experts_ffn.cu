@@ -47,8 +47,13 @@ constexpr int kWarpRows = 32;                /* two m16 tiles */
 constexpr int kCtaRows = kWarps * kWarpRows; /* 256 weight rows */
 constexpr int kTokens = 32;                  /* rows of x per pass: four n8 tiles */
 constexpr int kStageBytes = 64;              /* weight K bytes per row per stage */
-/* Stages in flight (BF16, FP8): ~80 KB of weights per CTA, two CTAs per SM. */
-constexpr int kStagesOf[2] = {6, 5};
+/* Per variant (BF16, FP8): CTAs per SM and pipeline stages. BF16 runs two CTAs of 6 stages
+ * per SM (~80 KB of weights in flight each). FP8 needs more registers (the converted weight
+ * fragments and the per-block partial sums): capped at 128 it spilled to local memory, whose
+ * traffic went through L2 next to the weights (2x the L2 traffic of the BF16 kernel); it runs
+ * one CTA per SM with 8 stages (~112 KB in flight) instead. */
+constexpr int kCtasPerSm[2] = {2, 1};
+constexpr int kStagesOf[2] = {6, 8};
 constexpr int kWStageBytes = kThreads * 4 * 16; /* four 16-byte pieces per thread */
 /* x in shared memory, per stage: the 16-bit values of the stage's K range per token: 64 bytes
  * (BF16: 32 values) or 128 bytes (F16 codes: 64 values) padded to 144 so the two rows a
@@ -57,8 +62,9 @@ constexpr int kXPitch[2] = {64, 144};
 constexpr int kXStageBytes[2] = {kTokens * kXPitch[0], kTokens *kXPitch[1]};
 constexpr int kSmemBytes[2] = {kStagesOf[0] * (kWStageBytes + kXStageBytes[0]),
                                kStagesOf[1] * (kWStageBytes + kXStageBytes[1])};
-static_assert(2 * kSmemBytes[1] <= 227 * 1024 && 2 * kSmemBytes[0] <= 227 * 1024,
-              "two CTAs per SM");
+static_assert(kCtasPerSm[0] * kSmemBytes[0] <= 227 * 1024 &&
+                  kCtasPerSm[1] * kSmemBytes[1] <= 227 * 1024,
+              "the CTAs per SM fit in shared memory");
 constexpr int kTileStride = kTokens + 1; /* epilogue tile [kCtaRows][kTokens + 1] floats */
 static_assert(kCtaRows * kTileStride * 4 <= kSmemBytes[0], "the epilogue tile reuses the stages");
 static_assert(kTokens * 8 <= kThreads, "at most one 16-byte piece of x per thread and stage");
@@ -139,7 +145,8 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 }
 
 template <bool kFp8, bool kSwiglu>
-__global__ void __launch_bounds__(kThreads, 2) experts_gemm_kernel(epx__experts_gemm_args_t a) {
+__global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
+    experts_gemm_kernel(epx__experts_gemm_args_t a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int e = blockIdx.y;
   int begin = 0;
