@@ -85,9 +85,11 @@ int bench_ktime_aggregate(const bench_ktime_activity_t *acts, size_t num_acts,
                           const bench_ktime_link_t *links, size_t num_links, uint64_t first_id,
                           int num_calls, bench_ktime_summary_t *out);
 
-/* The short name of a kernel: the function's own identifier from an Itanium-mangled name
- * ("_ZN12_GLOBAL__N_113layout_kernelILb0ElEEvN..." -> "layout_kernel"), an unmangled name up to
- * its first '(' or '<', else the name as given; cut to len - 1 characters. */
+/* The short name of a kernel, from an Itanium-mangled name its identifier with its enclosing
+ * scope's, anonymous namespaces left out ("_ZN3epx6normal8dispatchIiiLi0EEEv..." ->
+ * "normal::dispatch", "_ZN12_GLOBAL__N_113layout_kernelILb0ElEEvN..." -> "layout_kernel"); an
+ * unmangled name up to its first '(' or '<'; else the name as given; cut to len - 1
+ * characters. */
 void bench_ktime_short_name(const char *name, char *out, size_t len);
 
 /* "layout_kernel 3.1 + notify_kernel 4.9 + dispatch_kernel 205.0 = 213.0 us" then the copies,

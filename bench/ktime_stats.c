@@ -236,51 +236,66 @@ static int source_name(const char **p, const char **id, size_t *id_len) {
     len = len * 10 + (size_t)(*s++ - '0');
     if (len > 4096) return -1;
   }
-  if (strnlen(s, len) < len) return -1;
+  if (strnlen(s, len) < len) return -1; /* past the end of the string */
   *id = s;
   *id_len = len;
   *p = s + len;
   return 0;
 }
 
-/* The last identifier of an Itanium-mangled function name before its template arguments or
- * parameters: enough for kernels, which are plain or namespaced (possibly anonymous)
- * functions, maybe templates. Returns 0, or -1 for anything else. */
-static int mangled_identifier(const char *name, const char **id, size_t *id_len) {
+typedef struct {
+  const char *s;
+  size_t len; /* 0: none */
+} ident_t;
+
+/* nvcc and gcc name an anonymous namespace _GLOBAL__N_1 or _GLOBAL__N__<hash>_<file>_<hash>. */
+static int is_anonymous(const ident_t *id) {
+  return id->len >= 10 && !strncmp(id->s, "_GLOBAL__N", 10);
+}
+
+/* The function's own identifier (last) and its scope's (prev: len 0 when it has none, or only
+ * anonymous namespaces) in an Itanium-mangled name, up to its template arguments or
+ * parameters: enough for kernels, which are plain or namespaced functions, maybe templates.
+ * Returns 0, or -1 for anything else. */
+static int mangled_identifiers(const char *name, ident_t *prev, ident_t *last) {
   const char *p = name + 2; /* past "_Z" */
-  if (*p == 'L') p++;       /* internal linkage */
-  if (*p != 'N') return source_name(&p, id, id_len);
+  prev->len = last->len = 0;
+  if (*p == 'L') p++; /* internal linkage */
+  if (*p != 'N') return source_name(&p, &last->s, &last->len);
   p++;
   while (*p == 'r' || *p == 'V' || *p == 'K') p++; /* qualifiers of a member function */
-  int found = -1;
   while (*p && *p != 'E' && *p != 'I') {
+    ident_t id;
     if (p[0] == 'S' && p[1] == 't') { /* std:: */
       p += 2;
     } else if (p[0] == 'S') { /* a substitution, S_ or S<seq-id>_ */
       const char *end = strchr(p, '_');
       if (!end) return -1;
       p = end + 1;
-    } else if (source_name(&p, id, id_len) == 0) {
-      found = 0;
+    } else if (source_name(&p, &id.s, &id.len) == 0) {
+      if (is_anonymous(&id)) continue;
+      *prev = *last;
+      *last = id;
     } else {
       return -1;
     }
   }
-  return found;
+  return last->len ? 0 : -1;
 }
 
 void bench_ktime_short_name(const char *name, char *out, size_t len) {
   if (!len) return;
-  const char *id = name;
-  size_t id_len = strlen(name);
-  if (strncmp(name, "_Z", 2) != 0 || mangled_identifier(name, &id, &id_len) != 0) {
-    id = name;
-    id_len = strcspn(name, "(<");
-    if (!id_len) id_len = strlen(name);
+  ident_t prev = {name, 0}, last = {name, strlen(name)};
+  if (strncmp(name, "_Z", 2) != 0 || mangled_identifiers(name, &prev, &last) != 0) {
+    prev.len = 0;
+    last.len = strcspn(name, "(<");
+    if (!last.len) last.len = strlen(name);
   }
-  if (id_len > len - 1) id_len = len - 1;
-  memcpy(out, id, id_len);
-  out[id_len] = '\0';
+  /* NOTE: %.*s takes an int; identifiers are at most 4096 long (source_name) */
+  if (prev.len)
+    snprintf(out, len, "%.*s::%.*s", (int)prev.len, prev.s, (int)last.len, last.s);
+  else
+    snprintf(out, len, "%.*s", (int)last.len, last.s);
 }
 
 /* ---------------------------------------------------------------------------------------------

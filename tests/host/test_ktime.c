@@ -4,8 +4,9 @@
  * bench/cupti_lib.c looks for libcupti, on a scratch directory tree.
  *
  *   test                              what
- *   ktime_short_names                 mangled kernels (anonymous namespace, namespaces,
- *                                     templates, std::, substitutions), plain and unmangled
+ *   ktime_short_names                 mangled kernels as nvcc names EPX's (scope::name, no
+ *                                     anonymous namespace), gcc's anonymous namespace,
+ *                                     templates, std::, substitutions, plain and unmangled
  *                                     names, garbage, cutting to the buffer
  *   ktime_aggregate_attributes_calls  3 calls of ids 5..7 in unsorted records: activities of
  *                                     no id, of other ids, and the links of API calls that
@@ -45,14 +46,21 @@ EPX_HOST_TEST(ktime_short_names, 10) {
   static const struct {
     const char *name, *want;
   } cases[] = {
+      /* as nvcc names EPX's kernels */
+      {"_ZN41_GLOBAL__N__e9eaec0a_9_layout_cu_0a9edaaa13layout_kernelIiLb0EEEv15epx__kernel_ctx",
+       "layout_kernel"},
+      {"_ZN48_GLOBAL__N__2fa5603b_15_test_kernels_cu_958812eb11spin_kernelEm", "spin_kernel"},
+      {"_ZN3epx6normal8dispatchIiiLi0EEEv15epx__kernel_ctx25epx__dispatch_launch_args",
+       "normal::dispatch"},
+      {"_ZN3epx2ll7combineILb1EEEv15epx__kernel_ctx", "ll::combine"},
+      /* gcc's anonymous namespace, plain functions, more scopes, qualifiers, std::, S_ */
       {"_ZN12_GLOBAL__N_113layout_kernelILb0ElEEvN4epx3ctxE", "layout_kernel"},
-      {"_ZN12_GLOBAL__N_111spin_kernelEm", "spin_kernel"},
       {"_Z11spin_kernelm", "spin_kernel"},
       {"_ZL11spin_kernelm", "spin_kernel"},
-      {"_ZN3epx6detail15dispatch_kernelILi8ELb1EEEvPv", "dispatch_kernel"},
-      {"_ZNK3epx4Impl3runEv", "run"},
-      {"_ZNSt6thread4joinEv", "join"},
-      {"_ZN3epxS_7combineEv", "combine"},
+      {"_ZN3epx6detail5inner15dispatch_kernelILi8ELb1EEEvPv", "inner::dispatch_kernel"},
+      {"_ZNK3epx4Impl3runEv", "Impl::run"},
+      {"_ZNSt6thread4joinEv", "thread::join"},
+      {"_ZN3epxS_7combineEv", "epx::combine"},
       {"ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "ncclDevKernel_SendRecv"},
       {"plain_c_kernel", "plain_c_kernel"},
       {"_ZN99abc", "_ZN99abc"},       /* a length past the end: as given */
@@ -63,6 +71,7 @@ EPX_HOST_TEST(ktime_short_names, 10) {
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
     if (expect_short(cases[i].name, BENCH_KTIME_NAME_LEN, cases[i].want)) return TEST_FAIL;
   if (expect_short("_ZN12_GLOBAL__N_113layout_kernelEv", 7, "layout")) return TEST_FAIL;
+  if (expect_short("_ZN3epx6normal8dispatchEv", 10, "normal::d")) return TEST_FAIL;
   if (expect_short("a_rather_long_unmangled_kernel_name", 5, "a_ra")) return TEST_FAIL;
   return TEST_PASS;
 }
@@ -243,9 +252,28 @@ static int touch(const char *root, const char *path) {
   return 0;
 }
 
-EPX_HOST_TEST(cupti_candidates_order, 10) {
-  char root[] = "/tmp/epx_test_cupti_XXXXXX";
-  EXPECT(mkdtemp(root) != NULL);
+/* The candidates of s must be root + want[0..num_want), in order. */
+static int expect_candidates(const bench_cupti_search_t *s, int max, const char *root,
+                             const char *const *want, int num_want) {
+  char *got[16];
+  const int n = bench_cupti_candidates(s, got, max);
+  int rc = n == num_want ? TEST_PASS : TEST_FAIL;
+  for (int i = 0; i < n; i++) {
+    char target[1024];
+    snprintf(target, sizeof target, "%s%s", root, i < num_want ? want[i] : "(none)");
+    if (strcmp(got[i], target)) rc = TEST_FAIL;
+  }
+  if (rc != TEST_PASS) {
+    fprintf(stderr, "  FAILED: %d candidates (want %d) under %s:\n", n, num_want, root);
+    for (int i = 0; i < n; i++)
+      fprintf(stderr, "    %s\n    want %s\n", got[i] + strlen(root), i < num_want ? want[i] : "-");
+  }
+  for (int i = 0; i < n; i++) free(got[i]);
+  return rc;
+}
+
+/* The scratch tree's files, and what the search finds in it. */
+static int check_search(const char *root) {
   static const char *const files[] = {
       "/custom/libcupti.so.x",
       "/cudahome/lib64/libcupti.so.13",
@@ -258,18 +286,16 @@ EPX_HOST_TEST(cupti_candidates_order, 10) {
   };
   for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
     EXPECTF(touch(root, files[i]) == 0, "creating %s%s", root, files[i]);
-  char path[1024], target[1024];
-  snprintf(path, sizeof path, "%s/usr/local/cuda/lib64/libcupti.so", root);
-  EXPECT(symlink("libcupti.so.13", path) == 0); /* the same file as libcupti.so.13 */
+  char link[1024];
+  snprintf(link, sizeof link, "%s/usr/local/cuda/lib64/libcupti.so", root);
+  EXPECT(symlink("libcupti.so.13", link) == 0); /* the same file as libcupti.so.13 */
 
   char custom[1024], cuda_home[1024], build_home[1024], venv[1024];
   snprintf(custom, sizeof custom, "%s/custom/libcupti.so.x", root);
   snprintf(cuda_home, sizeof cuda_home, "%s/cudahome", root);
-  snprintf(build_home, sizeof build_home, "%s/usr/local/cuda", root); /* = root's /usr/local/cuda */
+  snprintf(build_home, sizeof build_home, "%s/usr/local/cuda", root); /* = root + /usr/local/cuda */
   snprintf(venv, sizeof venv, "%s/venv", root);
   bench_cupti_search_t s = {custom, cuda_home, build_home, {venv, ""}, root};
-  char *got[16];
-  int n = bench_cupti_candidates(&s, got, 16);
   static const char *const want[] = {
       "/custom/libcupti.so.x",
       "/cudahome/lib64/libcupti.so.13",
@@ -279,35 +305,20 @@ EPX_HOST_TEST(cupti_candidates_order, 10) {
       "/opt/torch/.venv/lib/python3.11/site-packages/nvidia/cuda_cupti/lib/libcupti.so.12",
       "/usr/local/lib/python3.10/dist-packages/nvidia/cu13/lib/libcupti.so.13",
   };
-  const int num_want = (int)(sizeof want / sizeof want[0]);
-  int rc = TEST_PASS;
-  if (n != num_want) {
-    fprintf(stderr, "  FAILED: %d candidates, want %d:\n", n, num_want);
-    for (int i = 0; i < n; i++) fprintf(stderr, "    %s\n", got[i]);
-    rc = TEST_FAIL;
-  }
-  for (int i = 0; rc == TEST_PASS && i < n; i++) {
-    snprintf(target, sizeof target, "%s%s", root, want[i]);
-    if (strcmp(got[i], target)) {
-      fprintf(stderr, "  FAILED: candidate %d: %s, want %s\n", i, got[i], target);
-      rc = TEST_FAIL;
-    }
-  }
-  for (int i = 0; i < n; i++) free(got[i]);
+  if (expect_candidates(&s, 16, root, want, (int)(sizeof want / sizeof want[0]))) return TEST_FAIL;
 
   /* A missing override is still tried first (its dlopen error is the reason given); the cap. */
   snprintf(custom, sizeof custom, "%s/nowhere/libcupti.so", root);
   s.cuda_home = NULL;
-  n = bench_cupti_candidates(&s, got, 2);
-  if (rc == TEST_PASS) {
-    EXPECT_EQ_INT(n, 2);
-    EXPECT(!strcmp(got[0], custom));
-    snprintf(target, sizeof target, "%s/usr/local/cuda/lib64/libcupti.so", root);
-    EXPECTF(!strcmp(got[1], target), "%s", got[1]);
-  }
-  for (int i = 0; i < n; i++) free(got[i]);
+  static const char *const capped[] = {"/nowhere/libcupti.so", "/usr/local/cuda/lib64/libcupti.so"};
+  return expect_candidates(&s, 2, root, capped, 2);
+}
 
-  char cmd[1100];
+EPX_HOST_TEST(cupti_candidates_order, 10) {
+  char root[] = "/tmp/epx_test_cupti_XXXXXX";
+  EXPECT(mkdtemp(root) != NULL);
+  const int rc = check_search(root);
+  char cmd[64];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
   EXPECT(system(cmd) == 0);
   return rc;
