@@ -226,11 +226,16 @@ const char *bench_ktime_library(void) {
   return st.library;
 }
 
-/* Disable kinds[0..st.enabled), newest first; the first failure goes to st.error. */
+/* Disable kinds[0..st.enabled), newest first; the first failure goes to st.error. NOTE: st.mu
+ * must not be held: CUPTI may hand back buffers (buffer_completed) from inside its calls. */
 static void disable_kinds(void) {
   while (st.enabled > 0) {
     const CUptiResult r = st.api->ActivityDisable(kinds[--st.enabled]);
-    if (r != CUPTI_SUCCESS) note_error("cuptiActivityDisable", r);
+    if (r != CUPTI_SUCCESS) {
+      pthread_mutex_lock(&st.mu);
+      note_error("cuptiActivityDisable", r);
+      pthread_mutex_unlock(&st.mu);
+    }
   }
 }
 
@@ -289,14 +294,16 @@ int bench_ktime_stop(char *reason, size_t len) {
     snprintf(reason, len, "CUPTI not loaded");
     return -1;
   }
-  /* NOTE: st.mu must not be held here: the flush runs buffer_completed on this thread. Flush
-   * once with the kinds on (every record of the window is complete, the caller synchronized),
-   * once after disabling them, for anything written in between. */
+  /* NOTE: st.mu must not be held around CUPTI calls: the flush runs buffer_completed on this
+   * thread. Flush once with the kinds on (every record of the window is complete, the caller
+   * synchronized), once after disabling them, for anything written in between. */
   CUptiResult r = st.api->ActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
-  pthread_mutex_lock(&st.mu);
-  if (r != CUPTI_SUCCESS) note_error("cuptiActivityFlushAll", r);
+  if (r != CUPTI_SUCCESS) {
+    pthread_mutex_lock(&st.mu);
+    note_error("cuptiActivityFlushAll", r);
+    pthread_mutex_unlock(&st.mu);
+  }
   disable_kinds();
-  pthread_mutex_unlock(&st.mu);
   r = st.api->ActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
   pthread_mutex_lock(&st.mu);
   if (r != CUPTI_SUCCESS) note_error("cuptiActivityFlushAll", r);

@@ -309,9 +309,11 @@ int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wron
 int bench_emit_row(bench_rank_t *b, const bench_row_t *row) {
   if (b->rank == 0) bench_print_row(stdout, row);
   if (b->rank == 0 && b->opt->list_kernels && row->ktime.num_calls > 0) {
-    char text[1024];
+    char text[1024], tokens[16] = "", sms[16] = "";
     bench_ktime_format(&row->ktime, text, sizeof text);
-    printf("# kernels %s %dt %dsms (rank 0): %s\n", row->op, row->tokens, row->sms, text);
+    if (row->tokens >= 0) snprintf(tokens, sizeof tokens, " %dt", row->tokens);
+    if (row->sms >= 0) snprintf(sms, sizeof sms, " %dsms", row->sms);
+    printf("# kernels %s%s%s (rank 0): %s\n", row->op, tokens, sms, text);
     fflush(stdout);
   }
   return bench_table_add(&b->table, row);
