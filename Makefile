@@ -62,7 +62,11 @@ LIB_CU := $(wildcard src/*/*.cu)
 LIB_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LIB_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(LIB_CU))
 
 # tests/soak/plan.c: the soak's plan, pure CPU, checked by a host test (tests/host/).
-TEST_C  := $(wildcard tests/common/*.c tests/ref/*.c tests/host/*.c tests/gpu/*.c) tests/soak/plan.c
+# bench/'s kernel-time module (KTIME_C: CUPTI loaded at run time, the collector, its pure
+# aggregation) is tested by a host test and a one-GPU test, so epx_test links it too.
+KTIME_C := bench/cupti_lib.c bench/ktime.c bench/ktime_stats.c
+TEST_C  := $(wildcard tests/common/*.c tests/ref/*.c tests/host/*.c tests/gpu/*.c) tests/soak/plan.c \
+           $(KTIME_C)
 TEST_CU := $(wildcard tests/gpu/*.cu)
 TEST_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_C)) $(patsubst %.cu,$(BUILD)/obj/%.o,$(TEST_CU))
 
@@ -103,11 +107,15 @@ LAYOUT_BENCH_BIN := $(BUILD)/bin/epx_layout_bench
 all: lib
 lib: $(SHARED_LIB) $(STATIC_LIB)
 
-# Test, benchmark and soak objects may include tests/ headers (common/, ref/, gpu/, soak/);
-# nothing else.
+# Test, benchmark and soak objects may include tests/ headers (common/, ref/, gpu/, soak/) and
+# bench/ ones (the tests' ktime.h, cupti_lib.h); nothing else. CUPTI's headers are in the
+# toolkit's include/ (CUDA 12.x+) or extras/CUPTI/include (older layouts); libcupti itself is
+# never linked: bench/cupti_lib.c dlopens it, looking first where $(CUDA_HOME) has it.
 EXTRA_INCLUDES :=
-$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ): EXTRA_INCLUDES := -Itests
+$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ): EXTRA_INCLUDES := -Itests -Ibench \
+  $(addprefix -I,$(wildcard $(CUDA_HOME)/extras/CUPTI/include))
 $(EXPERTS_BENCH_OBJ): EXTRA_INCLUDES := -Ibench
+$(BUILD)/obj/bench/cupti_lib.o: CFLAGS += -DEPX_BENCH_CUDA_HOME='"$(CUDA_HOME)"'
 
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)

@@ -1,12 +1,12 @@
 /*
  * bench.h - shared declarations of epx_bench (docs/bench.md): options, the per-rank context,
  * result rows and their table, the timing harness, the EP workload, and the extern "C"
- * launchers of bench_kernels.cu.
+ * launchers of bench_kernels.cu. Kernel time (CUPTI) has its own header, ktime.h.
  *
  * Process model: the parent never touches CUDA; it forks one process per GPU
  * (tests/common/ranks.c, shared with the test runner), each of which measures, gathers its
  * figures across ranks, and fills the same table. Only rank 0 prints. Every reported time is the
- * maximum over ranks of each rank's median.
+ * maximum over ranks of each rank's figure (event median; kernel time's mean and median).
  */
 #ifndef EPX_BENCH_H_
 #define EPX_BENCH_H_
@@ -16,6 +16,7 @@
 #include <stdio.h>
 
 #include "epx.h"
+#include "ktime.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -38,8 +39,10 @@ typedef struct bench_options {
   int run_normal, run_ll; /* --rows all|normal|ll */
   int hidden, top_k, num_experts;
   int iters, warmup;
-  int ranks;     /* --ranks: 0 = every visible GPU (at most EPX_MAX_RANKS) */
-  int timeout_s; /* --timeout: the whole run, after which the ranks are killed */
+  int kernel_iters; /* --kernel-iters: profiled calls per row after the timed ones; 0 = none */
+  int list_kernels; /* --kernels: print each row's per-kernel breakdown */
+  int ranks;        /* --ranks: 0 = every visible GPU (at most EPX_MAX_RANKS) */
+  int timeout_s;    /* --timeout: the whole run, after which the ranks are killed */
   uint64_t seed;
   const char *json_path;  /* --json, or NULL */
   const char *trace_path; /* --trace: in-kernel trace of one iteration per EPX row, or NULL */
@@ -111,6 +114,11 @@ typedef struct bench_row {
   double ratio_ceiling; /* gbps over the logical ceiling (same SM count, or the best) */
   double ratio_nccl;    /* gbps over NCCL's on the same workload (EPX rows) */
   long long wrong;      /* wrong rows summed over ranks; -1 = not checked */
+  /* Kernel time (docs/bench.md, "Timing"): max over ranks of each rank's mean (median) sum of
+   * the call's kernel durations, and of its memset + memcpy durations; NAN when a rank has
+   * none. */
+  double kernel_us, kernel_median_us, copy_us;
+  bench_ktime_summary_t ktime; /* this rank's own, with the per-kernel breakdown */
 } bench_row_t;
 
 typedef struct bench_table {
@@ -143,17 +151,24 @@ typedef struct bench_rank {
   epx_group_t group;
   double *gather_dev; /* [(R + 1) x BENCH_GATHER_FIELDS] for bench_finish_row */
   bench_table_t table;
+  /* Kernel time. The profiled passes run the operation's collective calls, so whether they run
+   * at all is decided alike on every rank (bench_kernel_agree); recording is each rank's own. */
+  int ktime_pass;  /* profiled passes run (every rank alike) */
+  int ktime_ok;    /* this rank records: CUPTI loaded, no failure yet */
+  int ktime_noted; /* rank 0 said once that another rank has no kernel time */
 } bench_rank_t;
 
-#define BENCH_GATHER_FIELDS 6 /* median, min, max, wrong, bytes, p99 */
+/* median, min, max, wrong, bytes, p99, kernel mean, kernel median, copy */
+#define BENCH_GATHER_FIELDS 9
 
-/* One rank's times of one operation, in microseconds. */
+/* One rank's times of one operation, in microseconds: events, and kernel time (kt). */
 typedef struct bench_stats {
   double median_us, min_us, max_us, p99_us;
+  bench_ktime_summary_t kt; /* no figure (num_calls = 0) unless a profiled pass ran */
 } bench_stats_t;
 
 /* Median, min, max and 99th percentile (the ceil(0.99 n)-th smallest) of n > 0 samples, sorted
- * in place. */
+ * in place; no kernel time. */
 bench_stats_t bench_summarize(double *us, int n);
 
 /* One iteration of an operation, queued on stream (it may synchronize the host). Returns 0, or
@@ -162,8 +177,30 @@ typedef int (*bench_iter_fn)(void *arg, cudaStream_t stream);
 
 /* Run opt->warmup then opt->iters iterations of fn, each preceded by epx_group_barrier so that
  * all ranks start together, timed with CUDA events recorded after the barrier and after fn.
- * Fails if the group recorded an async error (e.g. a barrier timeout). */
+ * Then, when kernel time is on, opt->kernel_iters more iterations run the same way with CUPTI
+ * recording, each call bracketed (bench_kernel_pass_*), into stats->kt: the timed iterations
+ * never run with CUPTI recording. Fails if the group recorded an async error (e.g. a barrier
+ * timeout); never because of CUPTI. */
 int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stats);
+
+/* Kernel time, collectively at setup: every rank tells whether it loaded CUPTI (ktime_ok, why
+ * it did not); profiled passes run only if every rank did (ktime_pass), so that all ranks make
+ * the same calls. Rank 0 prints the verdict; a rank whose failure rank 0 cannot name prints
+ * its own to stderr. */
+int bench_kernel_agree(bench_rank_t *b, const char *why);
+
+/* Kernel time of loops of their own (the split rows). When b->ktime_pass, run
+ * opt->kernel_iters more iterations after the timed ones; bench_kernel_pass_start before them
+ * returns 1 when this rank records (then bracket each call i of series s with
+ * bench_ktime_call_begin(bench_kernel_call_id(s, i, n)) / bench_ktime_call_end), 0 when it
+ * does not (CUPTI failed: rank 0 printed why, once); the pass runs either way. */
+int bench_kernel_pass_start(bench_rank_t *b);
+uint64_t bench_kernel_call_id(int series, int call, int calls_per_series);
+/* End a pass that records: synchronize the device, then out[s] = the summary of series s's
+ * calls_per_series calls (no figure if CUPTI failed: rank 0 prints why, once, and this rank
+ * records no more). Returns 0, or -1 if the device synchronization failed. */
+int bench_kernel_pass_finish(bench_rank_t *b, int calls_per_series, int num_series,
+                             bench_ktime_summary_t *out);
 
 /* One more iteration of fn, run and timed like a timed one (barrier, events, fn, events) but
  * with `group` traced (epx_trace_start / epx_trace_dump): the trace goes to path (rank 0
@@ -180,14 +217,16 @@ int bench_trace_row(bench_rank_t *b, epx_group_t group, const char *name, bench_
                     void *arg, int tokens, int sms, const bench_stats_t *st);
 
 /* Gather every rank's stats, wrong rows (-1 = not checked) and logical bytes, and fill row's
- * median_us, min_us, max_us, bytes, gbps and wrong. Collective. */
+ * median_us, min_us, max_us, bytes, gbps, wrong, kernel time (kernel_us, kernel_median_us,
+ * copy_us; ktime = this rank's breakdown). Collective. */
 int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wrong, double bytes,
                      bench_row_t *row);
 
 /* bench_row_init plus the workload columns (tokens, hidden, top-k, experts, ranks) of a run. */
 bench_row_t bench_workload_row(const bench_rank_t *b, const char *op, int tokens);
 
-/* Rank 0 prints the row and every rank appends it to its table. */
+/* Rank 0 prints the row (with --kernels, its kernel breakdown on the next line) and every rank
+ * appends it to its table. */
 int bench_emit_row(bench_rank_t *b, const bench_row_t *row);
 
 /* ---------------------------------------------------------------------------------------------

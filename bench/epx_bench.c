@@ -5,8 +5,9 @@
  * the GPUs in a child, validates the group config for the rank count and forks one process
  * per GPU (tests/common/ranks.c, shared with the test runner: rank 0's NCCL unique id relayed
  * through pipes, ranks killed at --timeout, or 30 s after one of them failed); it never
- * initializes CUDA. Each rank creates its NCCL communicator and an EPX group, then measures, in
- * order:
+ * initializes CUDA nor loads CUPTI. Each rank creates its NCCL communicator and an EPX group,
+ * loads CUPTI for kernel time (unless --kernel-iters 0; without it the run goes on, kernel_us
+ * "-"), then measures, in order:
  *   1. the machine's ceiling: SM-driven all-to-all push, one row per --sms entry (ceiling.c);
  *   2. for each --tokens entry, on one seeded workload (workload.c):
  *      the NCCL baseline rows (nccl_ep.c), then the EPX rows (epx_rows.c), per --epx-sms;
@@ -45,7 +46,7 @@ static void print_header(const bench_rank_t *b, const struct cudaDeviceProp *pro
       " GB/s = logical bytes per rank / time (docs/bench.md)\n");
 }
 
-/* Rank 0 prints the header and the table's columns. */
+/* Rank 0 prints the header (kernel time's line and the columns follow: rank_main). */
 static int print_preamble(const bench_rank_t *b) {
   struct cudaDeviceProp prop;
   int nccl_version = 0, epx_version = 0;
@@ -53,9 +54,16 @@ static int print_preamble(const bench_rank_t *b) {
   BENCH_NCCL(ncclGetVersion(&nccl_version));
   BENCH_EPX(epx_get_version(&epx_version));
   print_header(b, &prop, nccl_version, epx_version);
-  bench_print_columns(stdout);
+  if (b->opt->kernel_iters == 0) printf("# kernel time: off (--kernel-iters 0)\n");
   fflush(stdout);
   return 0;
+}
+
+/* Kernel time: load CUPTI in this rank's process; never fails the run (why says what went
+ * wrong). */
+static void setup_ktime(bench_rank_t *b, char *why, size_t len) {
+  why[0] = '\0';
+  b->ktime_ok = b->opt->kernel_iters > 0 && bench_ktime_open(why, len) == 0;
 }
 
 static int setup(bench_rank_t *b, const ncclUniqueId *id) {
@@ -139,8 +147,15 @@ static int rank_main(int rank, int num_ranks, const ncclUniqueId *id, void *arg)
   b.opt = opt;
   b.rank = rank;
   b.num_ranks = num_ranks;
+  char ktime_why[BENCH_KTIME_REASON_LEN];
   int rc = setup(&b, id);
+  if (rc == 0) setup_ktime(&b, ktime_why, sizeof ktime_why);
   if (rc == 0 && rank == 0) rc = print_preamble(&b);
+  if (rc == 0) rc = bench_kernel_agree(&b, ktime_why); /* collective; rank 0 prints a line */
+  if (rc == 0 && rank == 0) {
+    bench_print_columns(stdout);
+    fflush(stdout);
+  }
   if (rc == 0) rc = run_all(&b);
   if (rc == 0) rc = teardown(&b); /* collective: before anything that could fail alone */
   if (rank == 0 && opt->json_path && bench_write_json(&b.table, opt->json_path)) rc = -1;

@@ -82,35 +82,34 @@ static int check_errors(ll_op_t *op) {
   return -1;
 }
 
-/* Split calls: per iteration a device barrier, the send (timed), ~50 us of other GPU work, the
- * receive (timed). */
-static int time_split(ll_op_t *op, int combine, bench_stats_t *send, bench_stats_t *recv) {
+/* One pass of split calls: `warmup` untimed iterations, then n, each a device barrier, the send
+ * (ev[4i], ev[4i + 1]), ~50 us of other GPU work, the receive (ev[4i + 2], ev[4i + 3]); us[i]
+ * and us[n + i] are iteration i's send and receive times. profile: the send of iteration i is
+ * bracketed as call i of kernel-time series 0, its receive as call i of series 1 (the gap's
+ * spin kernel is in neither). */
+static int split_pass(ll_op_t *op, int combine, int warmup, int n, int profile, cudaEvent_t *ev,
+                      double *us) {
   bench_rank_t *b = op->b;
-  const int n = b->opt->iters, total = b->opt->warmup + n;
-  cudaEvent_t *ev = (cudaEvent_t *)calloc(4 * (size_t)n, sizeof *ev);
-  double *us = (double *)calloc(2 * (size_t)n, sizeof *us);
-  int rc = ev && us ? 0 : -1, created = 0;
-  if (rc) bench_report_failure(__FILE__, __LINE__, "calloc", "out of host memory");
-  for (; rc == 0 && created < 4 * n; created++) {
-    const cudaError_t e = cudaEventCreate(&ev[created]);
-    if (e != cudaSuccess) {
-      bench_report_failure(__FILE__, __LINE__, "cudaEventCreate", cudaGetErrorString(e));
-      rc = -1;
-    }
-  }
-  for (int i = 0; rc == 0 && i < total; i++) {
-    const int timed = i >= b->opt->warmup;
-    cudaEvent_t *e = ev + 4 * (i - b->opt->warmup);
+  int rc = 0;
+  for (int i = 0; rc == 0 && i < warmup + n; i++) {
+    const int timed = i >= warmup, t = i - warmup;
+    cudaEvent_t *e = ev + 4 * t;
     epx_ll_hook_t hook = {0};
     epx_ll_hook_t *h = combine ? &hook : &op->result.hook;
     rc = epx_group_barrier(op->group, b->stream) == EPX_OK ? 0 : -1;
     if (rc == 0 && timed) rc = cudaEventRecord(e[0], b->stream) == cudaSuccess ? 0 : -1;
+    const int send_bracket = rc == 0 && timed && profile;
+    if (send_bracket) bench_ktime_call_begin(bench_kernel_call_id(0, t, n));
     if (rc == 0)
       rc = combine ? combine_call(op, 1, &hook, b->stream) : dispatch_call(op, 1, b->stream);
+    if (send_bracket) bench_ktime_call_end();
     if (rc == 0 && timed) rc = cudaEventRecord(e[1], b->stream) == cudaSuccess ? 0 : -1;
     if (rc == 0) rc = bench_spin_launch(SPLIT_GAP_NS, b->stream) == cudaSuccess ? 0 : -1;
     if (rc == 0 && timed) rc = cudaEventRecord(e[2], b->stream) == cudaSuccess ? 0 : -1;
+    const int recv_bracket = rc == 0 && timed && profile;
+    if (recv_bracket) bench_ktime_call_begin(bench_kernel_call_id(1, t, n));
     if (rc == 0) rc = epx_ll_recv(op->group, h, b->stream) == EPX_OK ? 0 : -1;
+    if (recv_bracket) bench_ktime_call_end();
     if (rc == 0 && timed) rc = cudaEventRecord(e[3], b->stream) == cudaSuccess ? 0 : -1;
     if (rc) bench_report_failure(__FILE__, __LINE__, "split iteration", epx_last_error());
   }
@@ -128,11 +127,47 @@ static int time_split(ll_op_t *op, int combine, bench_stats_t *send, bench_stats
     us[i] = a * 1e3;
     us[n + i] = c * 1e3;
   }
+  return rc;
+}
+
+/* Split calls: the timed pass, then (kernel time on, every rank alike: the calls are
+ * collective) the profiled pass, into send and recv. */
+static int time_split(ll_op_t *op, int combine, bench_stats_t *send, bench_stats_t *recv) {
+  bench_rank_t *b = op->b;
+  const int n = b->opt->iters, k = b->opt->kernel_iters, m = n > k ? n : k;
+  cudaEvent_t *ev = (cudaEvent_t *)calloc(4 * (size_t)m, sizeof *ev);
+  double *us = (double *)calloc(2 * (size_t)m, sizeof *us);
+  int rc = ev && us ? 0 : -1, created = 0;
+  if (rc) bench_report_failure(__FILE__, __LINE__, "calloc", "out of host memory");
+  for (; rc == 0 && created < 4 * m; created++) {
+    const cudaError_t e = cudaEventCreate(&ev[created]);
+    if (e != cudaSuccess) {
+      bench_report_failure(__FILE__, __LINE__, "cudaEventCreate", cudaGetErrorString(e));
+      rc = -1;
+      break;
+    }
+  }
+  if (rc == 0) rc = split_pass(op, combine, b->opt->warmup, n, 0, ev, us);
   if (rc == 0) {
     *send = bench_summarize(us, n);
     *recv = bench_summarize(us + n, n);
   }
-  for (int i = 0; i < created; i++) cudaEventDestroy(ev[i]);
+  if (rc == 0 && b->ktime_pass) {
+    bench_ktime_summary_t kt[2] = {bench_ktime_none(), bench_ktime_none()};
+    const int recording = bench_kernel_pass_start(b);
+    rc = split_pass(op, combine, 0, k, recording, ev, us);
+    if (rc == 0 && recording) rc = bench_kernel_pass_finish(b, k, 2, kt);
+    if (rc == 0 && kt[0].num_calls) kt[0].event_us = bench_summarize(us, k).median_us;
+    if (rc == 0 && kt[1].num_calls) kt[1].event_us = bench_summarize(us + k, k).median_us;
+    if (rc == 0) send->kt = kt[0], recv->kt = kt[1];
+  }
+  for (int i = 0; i < created; i++) {
+    const cudaError_t e = cudaEventDestroy(ev[i]);
+    if (e != cudaSuccess && rc == 0) {
+      bench_report_failure(__FILE__, __LINE__, "cudaEventDestroy", cudaGetErrorString(e));
+      rc = -1;
+    }
+  }
   free(ev);
   free(us);
   return rc == 0 ? check_errors(op) : rc;

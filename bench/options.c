@@ -1,5 +1,6 @@
 /*
- * options.c - epx_bench's flags (nccl-tests style: "--flag value"), their defaults and checks.
+ * options.c - epx_bench's flags (nccl-tests style: "--flag value"; --kernels and --help take
+ * none), their defaults and checks.
  * Checks here are the bench's own (list lengths, ranges); the group config is validated by
  * epx_config_validate once the rank count is known (epx_bench.c).
  */
@@ -20,6 +21,9 @@ static const char usage[] =
     "  --experts E        experts in total, a multiple of the rank count (default 256)\n"
     "  --iters N          timed iterations per row (default 20)\n"
     "  --warmup N         untimed iterations before them (default 5)\n"
+    "  --kernel-iters N   profiled iterations per row after the timed ones, for kernel time\n"
+    "                     (CUPTI; default 10; 0 = no kernel time, CUPTI never loaded)\n"
+    "  --kernels          print each row's kernels: name, time per call, launches per call\n"
     "  --sms N[,N...]     SM counts of the ceiling sweep (default 8,16,24,32,48,64,96)\n"
     "  --epx-sms N[,N...] SM budgets of the EPX rows, one group each (default 24)\n"
     "  --ranks N          use N GPUs (default: every visible GPU, at most 8)\n"
@@ -30,7 +34,9 @@ static const char usage[] =
     "  --trace-op TEXT    trace only the EPX rows whose op contains TEXT (e.g. combine)\n"
     "  --timeout S        kill the run after S seconds (default 1200)\n"
     "  --help             this text\n"
-    "Rows, formulas and timing method: docs/bench.md.\n";
+    "CUPTI is looked for in $EPX_CUPTI_LIBRARY, $CUDA_HOME, /usr/local/cuda and PyTorch's\n"
+    "nvidia/*/lib; without it kernel_us is - and the run goes on.\n"
+    "Rows, formulas and timing methods: docs/bench.md.\n";
 
 static void set_defaults(bench_options_t *opt) {
   static const int default_sms[] = {8, 16, 24, 32, 48, 64, 96};
@@ -50,6 +56,7 @@ static void set_defaults(bench_options_t *opt) {
   opt->num_experts = 256;
   opt->iters = 20;
   opt->warmup = 5;
+  opt->kernel_iters = 10;
   opt->timeout_s = 1200;
   opt->seed = 1;
 }
@@ -122,6 +129,7 @@ static int parse_flag(bench_options_t *o, const char *flag, const char *v) {
   if (!strcmp(flag, "--experts")) return parse_int(flag, v, 1, EPX_MAX_EXPERTS, &o->num_experts);
   if (!strcmp(flag, "--iters")) return parse_int(flag, v, 1, 100000, &o->iters);
   if (!strcmp(flag, "--warmup")) return parse_int(flag, v, 0, 100000, &o->warmup);
+  if (!strcmp(flag, "--kernel-iters")) return parse_int(flag, v, 0, 100000, &o->kernel_iters);
   if (!strcmp(flag, "--ranks")) return parse_int(flag, v, 2, EPX_MAX_RANKS, &o->ranks);
   if (!strcmp(flag, "--timeout")) return parse_int(flag, v, 1, INT_MAX, &o->timeout_s);
   if (!strcmp(flag, "--seed")) return parse_seed(v, &o->seed);
@@ -148,6 +156,10 @@ int bench_parse_options(int argc, char **argv, bench_options_t *opt) {
       fputs(usage, stdout);
       return 1;
     }
+    if (!strcmp(argv[i], "--kernels")) {
+      opt->list_kernels = 1;
+      continue;
+    }
     if (i + 1 >= argc) {
       fprintf(stderr, "epx_bench: %s needs a value\n%s", argv[i], usage);
       return 2;
@@ -157,6 +169,10 @@ int bench_parse_options(int argc, char **argv, bench_options_t *opt) {
   }
   if (opt->trace_op && !opt->trace_path) {
     fprintf(stderr, "epx_bench: --trace-op needs --trace FILE\n");
+    return 2;
+  }
+  if (opt->list_kernels && opt->kernel_iters == 0) {
+    fprintf(stderr, "epx_bench: --kernels needs --kernel-iters > 0\n");
     return 2;
   }
   if (opt->top_k > opt->num_experts) {

@@ -6,6 +6,12 @@
  * same way untimed. A rank's figure is the median of its iterations; a row reports the MAX
  * over ranks of those medians (the collective is as slow as its slowest rank), plus the
  * smallest and largest single iteration seen on any rank.
+ *
+ * Kernel time (ktime.h) comes from a pass of its own after the timed iterations: the same
+ * iterations with CUPTI recording and each call bracketed, so recording never touches the event
+ * times. A rank's figures are the mean and median over its profiled calls of the call's summed
+ * kernel durations; a row reports the MAX over ranks of each, like the event time. CUPTI never
+ * fails a run: its first failure is printed once by rank 0 and kernel time stays off after it.
  */
 #include <math.h>
 #include <stdio.h>
@@ -23,6 +29,7 @@ static int compare_double(const void *a, const void *b) {
 bench_stats_t bench_summarize(double *us, int n) {
   qsort(us, (size_t)n, sizeof *us, compare_double);
   bench_stats_t s;
+  s.kt = bench_ktime_none();
   s.median_us = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
   s.min_us = us[0];
   s.max_us = us[n - 1];
@@ -41,10 +48,52 @@ static int check_async_error(bench_rank_t *b) {
   return -1;
 }
 
-/* The timed loop proper, with events already created: ev[2i] and ev[2i + 1] bound iteration i. */
-static int timed_loop(bench_rank_t *b, bench_iter_fn fn, void *arg, cudaEvent_t *ev, double *us) {
-  const int n = b->opt->iters;
-  for (int i = 0; i < b->opt->warmup; i++) {
+/* Kernel time is off from now on; rank 0 says why, once (later passes do not start). */
+static void ktime_fail(bench_rank_t *b, const char *why) {
+  if (b->ktime_ok && b->rank == 0) printf("# kernel time: unavailable (%s)\n", why);
+  b->ktime_ok = 0;
+}
+
+int bench_kernel_pass_start(bench_rank_t *b) {
+  if (!b->ktime_pass || !b->ktime_ok) return 0;
+  char why[BENCH_KTIME_REASON_LEN];
+  if (bench_ktime_start(why, sizeof why) == 0) return 1;
+  ktime_fail(b, why);
+  return 0;
+}
+
+uint64_t bench_kernel_call_id(int series, int call, int calls_per_series) {
+  return 1 + (uint64_t)series * (uint64_t)calls_per_series + (uint64_t)call; /* 0: no call */
+}
+
+int bench_kernel_pass_finish(bench_rank_t *b, int calls_per_series, int num_series,
+                             bench_ktime_summary_t *out) {
+  for (int s = 0; s < num_series; s++) out[s] = bench_ktime_none();
+  /* NOTE: CUPTI's flush hands back only completed records: every launch of the pass, on any
+   * stream, must have finished. */
+  BENCH_CUDA(cudaDeviceSynchronize());
+  char why[BENCH_KTIME_REASON_LEN];
+  if (bench_ktime_stop(why, sizeof why)) {
+    ktime_fail(b, why);
+    return 0;
+  }
+  for (int s = 0; s < num_series; s++)
+    if (bench_ktime_summarize(bench_kernel_call_id(s, 0, calls_per_series), calls_per_series,
+                              &out[s])) {
+      ktime_fail(b, "out of host memory");
+      for (int t = 0; t < num_series; t++) out[t] = bench_ktime_none();
+      return 0;
+    }
+  return 0;
+}
+
+/* n iterations after `warmup` untimed ones: ev[2i] and ev[2i + 1] bound iteration i, us[i] its
+ * time. profiled: the kernel-time pass, whose calls are bracketed as first_id + i when
+ * first_id > 0 (this rank records) and whose host time is not printed (EPX_BENCH_HOST_US is
+ * the timed pass's). */
+static int run_loop(bench_rank_t *b, bench_iter_fn fn, void *arg, int warmup, int n, int profiled,
+                    uint64_t first_id, cudaEvent_t *ev, double *us) {
+  for (int i = 0; i < warmup; i++) {
     BENCH_EPX(epx_group_barrier(b->group, b->stream));
     BENCH_TRY(fn(arg, b->stream));
   }
@@ -53,13 +102,16 @@ static int timed_loop(bench_rank_t *b, bench_iter_fn fn, void *arg, cudaEvent_t 
     BENCH_EPX(epx_group_barrier(b->group, b->stream));
     BENCH_CUDA(cudaEventRecord(ev[2 * i], b->stream));
     struct timespec t0, t1;
+    if (first_id) bench_ktime_call_begin(first_id + (uint64_t)i);
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    BENCH_TRY(fn(arg, b->stream));
+    const int rc = fn(arg, b->stream);
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (first_id) bench_ktime_call_end();
+    BENCH_TRY(rc);
     host_ns += (t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec);
     BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], b->stream));
   }
-  if (getenv("EPX_BENCH_HOST_US") && b->rank == 0)
+  if (!profiled && getenv("EPX_BENCH_HOST_US") && b->rank == 0)
     printf("# host: %.2f us per call (rank 0, mean of %d)\n", host_ns / n / 1e3, n);
   BENCH_CUDA(cudaStreamSynchronize(b->stream));
   BENCH_TRY(check_async_error(b));
@@ -71,8 +123,26 @@ static int timed_loop(bench_rank_t *b, bench_iter_fn fn, void *arg, cudaEvent_t 
   return 0;
 }
 
+/* The timed iterations, then the profiled ones when kernel time is on (on every rank alike:
+ * the calls are collective, even where this rank's CUPTI failed and nothing is recorded). */
+static int timed_loop(bench_rank_t *b, bench_iter_fn fn, void *arg, cudaEvent_t *ev, double *us,
+                      bench_stats_t *stats) {
+  const int n = b->opt->iters, k = b->opt->kernel_iters;
+  BENCH_TRY(run_loop(b, fn, arg, b->opt->warmup, n, 0, 0, ev, us));
+  *stats = bench_summarize(us, n);
+  if (!b->ktime_pass) return 0;
+  const int recording = bench_kernel_pass_start(b);
+  const uint64_t first_id = recording ? bench_kernel_call_id(0, 0, k) : 0;
+  BENCH_TRY(run_loop(b, fn, arg, 0, k, 1, first_id, ev, us));
+  if (!recording) return 0;
+  BENCH_TRY(bench_kernel_pass_finish(b, k, 1, &stats->kt));
+  if (stats->kt.num_calls) stats->kt.event_us = bench_summarize(us, k).median_us;
+  return 0;
+}
+
 int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stats) {
-  const int n = b->opt->iters;
+  /* events and times for the longer of the two passes */
+  const int n = b->opt->iters > b->opt->kernel_iters ? b->opt->iters : b->opt->kernel_iters;
   cudaEvent_t *ev = (cudaEvent_t *)calloc(2 * (size_t)n, sizeof *ev);
   double *us = (double *)calloc((size_t)n, sizeof *us);
   int rc = ev && us ? 0 : -1, created = 0;
@@ -85,8 +155,7 @@ int bench_time(bench_rank_t *b, bench_iter_fn fn, void *arg, bench_stats_t *stat
       break;
     }
   }
-  if (rc == 0) rc = timed_loop(b, fn, arg, ev, us);
-  if (rc == 0) *stats = bench_summarize(us, n);
+  if (rc == 0) rc = timed_loop(b, fn, arg, ev, us, stats);
   for (int i = 0; i < created; i++) {
     cudaError_t e = cudaEventDestroy(ev[i]);
     if (e != cudaSuccess && rc == 0) {
@@ -168,17 +237,47 @@ static int gather(bench_rank_t *b, const double *mine, double *all) {
   return 0;
 }
 
+int bench_kernel_agree(bench_rank_t *b, const char *why) {
+  b->ktime_pass = 0;
+  if (b->opt->kernel_iters <= 0) return 0; /* the same flags on every rank: nothing to agree */
+  double mine[BENCH_GATHER_FIELDS] = {b->ktime_ok};
+  double all[EPX_MAX_RANKS * BENCH_GATHER_FIELDS];
+  BENCH_TRY(gather(b, mine, all));
+  int failed = -1; /* the first rank without CUPTI */
+  for (int q = b->num_ranks - 1; q >= 0; q--)
+    if (all[q * BENCH_GATHER_FIELDS] == 0) failed = q;
+  b->ktime_pass = failed < 0;
+  if (b->rank == 0 && failed < 0)
+    printf(
+        "# kernel time: %s; kernel_us / kmed_us = max over ranks of the mean / median sum of a "
+        "call's kernel durations, over %d profiled calls after the timed ones (memsets and "
+        "memcpys apart: JSON copy_us)\n",
+        bench_ktime_library(), b->opt->kernel_iters);
+  else if (b->rank == 0 && failed == 0)
+    printf("# kernel time: unavailable (%s)\n", why);
+  else if (b->rank == 0)
+    printf("# kernel time: unavailable (CUPTI failed on rank %d: its stderr says why)\n", failed);
+  else if (b->rank == failed && all[0] != 0)
+    fprintf(stderr, "epx_bench rank %d: kernel time: unavailable (%s)\n", b->rank, why);
+  if (!b->ktime_pass) b->ktime_ok = 0;
+  return 0;
+}
+
 int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wrong, double bytes,
                      bench_row_t *row) {
-  enum { MEDIAN, MIN, MAX, WRONG, BYTES, P99 };
+  enum { MEDIAN, MIN, MAX, WRONG, BYTES, P99, KMEAN, KMEDIAN, KCOPY };
+  const bench_ktime_summary_t *kt = &stats->kt;
   const double mine[BENCH_GATHER_FIELDS] = {stats->median_us, stats->min_us, stats->max_us,
-                                            (double)wrong,    bytes,         stats->p99_us};
+                                            (double)wrong,    bytes,         stats->p99_us,
+                                            kt->mean_us,      kt->median_us, kt->copy_us};
   double all[EPX_MAX_RANKS * BENCH_GATHER_FIELDS];
   BENCH_TRY(gather(b, mine, all));
   row->median_us = row->max_us = row->p99_us = 0;
   row->min_us = INFINITY;
   row->bytes = 0;
   row->wrong = 0;
+  row->kernel_us = row->kernel_median_us = row->copy_us = 0;
+  int without_ktime = -1; /* a rank that has no kernel time */
   for (int q = 0; q < b->num_ranks; q++) {
     const double *f = &all[q * BENCH_GATHER_FIELDS];
     row->median_us = fmax(row->median_us, f[MEDIAN]);
@@ -188,7 +287,20 @@ int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wron
     row->bytes += f[BYTES] / b->num_ranks;
     /* one rank that did not check makes the row unchecked */
     if (row->wrong >= 0) row->wrong = f[WRONG] < 0 ? -1 : row->wrong + (long long)f[WRONG];
+    if (isnan(f[KMEAN])) without_ktime = q;
+    row->kernel_us = fmax(row->kernel_us, f[KMEAN]);
+    row->kernel_median_us = fmax(row->kernel_median_us, f[KMEDIAN]);
+    row->copy_us = fmax(row->copy_us, f[KCOPY]);
   }
+  /* a maximum over ranks is a figure only if every rank has one */
+  if (without_ktime >= 0) {
+    if (b->rank == 0 && !isnan(kt->mean_us) && !b->ktime_noted)
+      printf("# kernel time: none from rank %d (its CUPTI failed); such rows show -\n",
+             without_ktime);
+    b->ktime_noted |= !isnan(kt->mean_us);
+    row->kernel_us = row->kernel_median_us = row->copy_us = NAN;
+  }
+  row->ktime = *kt;
   /* bytes / (us * 1e-6) / 1e9 */
   row->gbps = row->bytes / row->median_us * 1e-3;
   return 0;
@@ -196,5 +308,13 @@ int bench_finish_row(bench_rank_t *b, const bench_stats_t *stats, long long wron
 
 int bench_emit_row(bench_rank_t *b, const bench_row_t *row) {
   if (b->rank == 0) bench_print_row(stdout, row);
+  if (b->rank == 0 && b->opt->list_kernels && row->ktime.num_calls > 0) {
+    char text[1024], tokens[16] = "", sms[16] = "";
+    bench_ktime_format(&row->ktime, text, sizeof text);
+    if (row->tokens >= 0) snprintf(tokens, sizeof tokens, " %dt", row->tokens);
+    if (row->sms >= 0) snprintf(sms, sizeof sms, " %dsms", row->sms);
+    printf("# kernels %s%s%s (rank 0): %s\n", row->op, tokens, sms, text);
+    fflush(stdout);
+  }
   return bench_table_add(&b->table, row);
 }

@@ -16,7 +16,8 @@
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
 #        its benchmark is built beside this one and both run COMPARE_ROUNDS times (default 2)
 #        alternately with COMPARE_ARGS (default: the README's benchmark), then
-#        scripts/bench-compare.py prints the rows side by side with the run-to-run spread.
+#        scripts/bench-compare.py prints the rows side by side with the run-to-run spread (event
+#        times, then kernel times).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-out}}"
@@ -133,6 +134,9 @@ if [ -n "${BASELINE:-}" ]; then
   done
   python3 scripts/bench-compare.py "$a_json" "$b_json" --names=base,$commit >"$out/compare.txt" 2>&1
   compare_line=$(tail -1 "$out/compare.txt")
+  # kernel time too (a baseline without it has its rows left out and counted)
+  python3 scripts/bench-compare.py "$a_json" "$b_json" --names=base,$commit --field=kernel_us \
+    >>"$out/compare.txt" 2>&1
 fi
 
 echo
