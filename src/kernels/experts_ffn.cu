@@ -41,20 +41,22 @@
 
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8; /* the staging kernel's */
 constexpr int kThreads = kWarps * 32;
-constexpr int kWarpRows = 32;                /* two m16 tiles */
-constexpr int kCtaRows = kWarps * kWarpRows; /* 256 weight rows */
+constexpr int kCtaRows = 256; /* weight rows of a CTA */
+/* Per variant (BF16, FP8): m16 tiles of weight rows per warp, and warps per CTA. */
+constexpr int kTilesPerWarp[2] = {2, 1};
+constexpr int kWarpsOf[2] = {kCtaRows / 32, kCtaRows / 16};
 constexpr int kTokens = 32;                  /* rows of x per pass: four n8 tiles */
 constexpr int kStageBytes = 64;              /* weight K bytes per row per stage */
-/* Per variant (BF16, FP8): CTAs per SM and pipeline stages. BF16 runs two CTAs of 6 stages
- * per SM (~80 KB of weights in flight each). FP8 needs more registers (the converted weight
- * fragments and the per-block partial sums): capped at 128 it spilled to local memory, whose
- * traffic went through L2 next to the weights (2x the L2 traffic of the BF16 kernel); it runs
- * one CTA per SM with 8 stages (~112 KB in flight) instead. */
+/* Per variant (BF16, FP8): CTAs per SM and pipeline stages; ~80 KB (BF16) and ~112 KB (FP8)
+ * of weights in flight per CTA. FP8 keeps two sets of sums (the 128-deep block's and the
+ * total) and converts its weights: with two m16 tiles a warp it needed ~150 registers, so one
+ * 8-warp CTA per SM, and issue, not bandwidth, bound it (2 warps per scheduler, ~200
+ * instructions a stage). It runs 16 warps of one m16 tile each instead. */
 constexpr int kCtasPerSm[2] = {2, 1};
 constexpr int kStagesOf[2] = {6, 8};
-constexpr int kWStageBytes = kThreads * 4 * 16; /* four 16-byte pieces per thread */
+constexpr int kWStageBytes = kCtaRows * kStageBytes; /* 2 x tiles pieces of 16 bytes a thread */
 /* x in shared memory, per stage: the 16-bit values of the stage's K range per token: 64 bytes
  * (BF16: 32 values) or 128 bytes (F16 codes: 64 values) padded to 144 so the two rows a
  * quarter-warp reads fall in different banks. */
@@ -67,7 +69,7 @@ static_assert(kCtasPerSm[0] * kSmemBytes[0] <= 227 * 1024 &&
               "the CTAs per SM fit in shared memory");
 constexpr int kTileStride = kTokens + 1; /* epilogue tile [kCtaRows][kTokens + 1] floats */
 static_assert(kCtaRows * kTileStride * 4 <= kSmemBytes[0], "the epilogue tile reuses the stages");
-static_assert(kTokens * 8 <= kThreads, "at most one 16-byte piece of x per thread and stage");
+static_assert(kTokens * 8 <= kCtaRows, "at most one 16-byte piece of x per thread and stage");
 
 /* Expert e's rows: [*begin, *begin + return), cut to its room (epx.h). */
 __device__ __forceinline__ int expert_rows(const int *count, const int *begin_arr,
@@ -127,17 +129,15 @@ __device__ __forceinline__ void mma(float *c, uint32_t a0, uint32_t a1, uint32_t
   }
 }
 
-/* 16 E4M3 codes -> 8 F16 pairs, in order (exact: every E4M3 value is an F16 value). */
+/* 16 E4M3 codes -> 8 F16 pairs, in order (exact: every E4M3 value is an F16 value). One
+ * conversion per pair; the 16-bit halves of a word are register aliases, not shifts. */
 __device__ __forceinline__ void fp8x16_to_f16(const uint4 &v, uint32_t *h) {
 #pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const uint32_t w = word(v, i);
-    const __half2_raw lo =
-        __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
-    h[2 * i] = (uint32_t)lo.x | ((uint32_t)lo.y << 16);
-    h[2 * i + 1] = (uint32_t)hi.x | ((uint32_t)hi.y << 16);
-  }
+  for (int i = 0; i < 4; i++)
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n"
+        " cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(h[2 * i]), "=r"(h[2 * i + 1])
+        : "r"(word(v, i)));
 }
 
 __device__ __forceinline__ float silu_mul(float gate, float up) {
@@ -145,8 +145,10 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 }
 
 template <bool kFp8, bool kSwiglu>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
+__global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
     experts_gemm_kernel(epx__experts_gemm_args_t a) {
+  constexpr int kM = kTilesPerWarp[kFp8], kPieces = 2 * kM, kW = kWarpsOf[kFp8];
+  constexpr int kT = 32 * kW, kWarpRows = 16 * kM;
   extern __shared__ __align__(16) unsigned char smem[];
   const int e = blockIdx.y;
   int begin = 0;
@@ -160,10 +162,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
   int wrow, col0;
   if constexpr (kSwiglu) {
     col0 = blockIdx.x * 128;
-    wrow = warp < 4 ? col0 + 32 * warp : half_n + col0 + 32 * (warp - 4);
+    wrow = warp < kW / 2 ? col0 + kWarpRows * warp : half_n + col0 + kWarpRows * (warp - kW / 2);
   } else {
     col0 = blockIdx.x * kCtaRows;
-    wrow = col0 + 32 * warp;
+    wrow = col0 + kWarpRows * warp;
   }
   const bool warp_active = wrow < a.n; /* n is a multiple of 128: a warp is all in or all out */
   const size_t k_bytes = (size_t)a.k * (kFp8 ? 1 : 2); /* a weight row */
@@ -174,13 +176,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
   const int num_stages = (int)(k_bytes / kStageBytes);
   const int k_blocks = a.k / 128;
 
-  /* This thread's four weight rows: tile mt (0, 1), half h (row g or g + 8). */
+  /* This thread's weight rows, piece j = 2 mt + h: tile mt, half h (row g or g + 8). */
   const char *w_expert = (const char *)a.w + (size_t)e * a.n * k_bytes;
-  const char *w_row[4];
+  const char *w_row[kPieces];
 #pragma unroll
-  for (int j = 0; j < 4; j++)
+  for (int j = 0; j < kPieces; j++)
     w_row[j] = w_expert + (size_t)(wrow + (j >> 1) * 16 + (j & 1) * 8 + g) * k_bytes + 16 * t;
-  uint4 *w_s = (uint4 *)smem;                         /* [stage][4][kThreads] */
+  uint4 *w_s = (uint4 *)smem;                         /* [stage][kPieces][kT] */
   unsigned char *x_s = smem + kStages * kWStageBytes; /* [stage][kTokens][kXP] */
   const char *x = (const char *)a.x;
 
@@ -197,8 +199,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
         const int slot = s % kStages;
         if (warp_active) {
 #pragma unroll
-          for (int j = 0; j < 4; j++)
-            cp_async_cg16(&w_s[(slot * 4 + j) * kThreads + tid],
+          for (int j = 0; j < kPieces; j++)
+            cp_async_cg16(&w_s[(slot * kPieces + j) * kT + tid],
                           w_row[j] + (size_t)s * kStageBytes);
         }
         if (x_loader)
@@ -208,10 +210,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
       cp_async_commit(); /* always, so wait_group counts stages */
     };
 
-    float acc[2][4][4];
-    float part[2][4][4];
+    float acc[kM][4][4];
+    float part[kM][4][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; mt++)
+    for (int mt = 0; mt < kM; mt++)
 #pragma unroll
       for (int nj = 0; nj < 4; nj++)
 #pragma unroll
@@ -219,12 +221,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
 
     /* FP8: the scales of 128-deep block kb, loaded a block ahead of their use so their
      * latency hides behind the block's MMAs. */
-    float sw[2] = {0.f, 0.f}, sx[4][2] = {};
+    float sw[kM] = {}, sx[4][2] = {};
     auto load_scales = [&](int kb) {
       if constexpr (kFp8) {
         if (!warp_active) return;
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int mt = 0; mt < kM; mt++)
           sw[mt] = a.w_scales[((size_t)e * (a.n / 128) + (wrow + 16 * mt) / 128) * k_blocks + kb];
 #pragma unroll
         for (int nj = 0; nj < 4; nj++)
@@ -245,9 +247,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
       issue(s + kStages - 1);
       if (!warp_active) continue;
       const int slot = s % kStages;
-      uint4 wv[4];
+      uint4 wv[kPieces];
 #pragma unroll
-      for (int j = 0; j < 4; j++) wv[j] = w_s[(slot * 4 + j) * kThreads + tid];
+      for (int j = 0; j < kPieces; j++) wv[j] = w_s[(slot * kPieces + j) * kT + tid];
       if constexpr (!kFp8) {
         /* One n8 tile of x at a time (its 16 bytes are the B fragments of both k-steps); the
          * weight fragments stay in registers across tiles. */
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
 #pragma unroll
           for (int step = 0; step < 2; step++)
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++)
+            for (int mt = 0; mt < kM; mt++)
               mma<false>(acc[mt][nj], word(wv[2 * mt], 2 * step), word(wv[2 * mt + 1], 2 * step),
                          word(wv[2 * mt], 2 * step + 1), word(wv[2 * mt + 1], 2 * step + 1),
                          word(xv, 2 * step), word(xv, 2 * step + 1));
@@ -266,9 +268,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
       } else {
         /* Each weight piece converted once (16 codes -> 8 F16 pairs, K = 16t .. 16t + 15 of
          * the stage), then four k-steps; x's 32 bytes per token are the same K range. */
-        uint32_t wh[4][8];
+        uint32_t wh[kPieces][8];
 #pragma unroll
-        for (int j = 0; j < 4; j++) fp8x16_to_f16(wv[j], wh[j]);
+        for (int j = 0; j < kPieces; j++) fp8x16_to_f16(wv[j], wh[j]);
 #pragma unroll
         for (int nj = 0; nj < 4; nj++) {
           if (nj >= tiles) continue;
@@ -279,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
             const uint4 &xv = step < 2 ? xa : xb;
             const int i = 2 * (step & 1);
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++)
+            for (int mt = 0; mt < kM; mt++)
               mma<true>(part[mt][nj], wh[2 * mt][2 * step], wh[2 * mt + 1][2 * step],
                         wh[2 * mt][2 * step + 1], wh[2 * mt + 1][2 * step + 1], word(xv, i),
                         word(xv, i + 1));
@@ -289,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
       if constexpr (kFp8) {
         if (s & 1) { /* the end of a 128-deep block: scale it into acc */
 #pragma unroll
-          for (int mt = 0; mt < 2; mt++)
+          for (int mt = 0; mt < kM; mt++)
 #pragma unroll
             for (int nj = 0; nj < 4; nj++) {
               if (nj >= tiles) continue;
@@ -310,11 +312,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
     float *tile = (float *)smem; /* [kCtaRows][kTileStride]: weight row (local) x token */
     if (warp_active) {
 #pragma unroll
-      for (int mt = 0; mt < 2; mt++)
+      for (int mt = 0; mt < kM; mt++)
 #pragma unroll
         for (int nj = 0; nj < 4; nj++) {
           if (nj >= tiles) continue;
-          const int r = 32 * warp + 16 * mt + g, c = 8 * nj + 2 * t;
+          const int r = kWarpRows * warp + 16 * mt + g, c = 8 * nj + 2 * t;
           tile[r * kTileStride + c] = acc[mt][nj][0];
           tile[r * kTileStride + c + 1] = acc[mt][nj][1];
           tile[(r + 8) * kTileStride + c] = acc[mt][nj][2];
@@ -325,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
 
     if constexpr (!kSwiglu) {
       /* out[row][col0 + 8 ch + i] for the CTA's up-to-256 columns */
-      for (int item = tid; item < rows * (kCtaRows / 8); item += kThreads) {
+      for (int item = tid; item < rows * (kCtaRows / 8); item += kT) {
         const int tok = item / (kCtaRows / 8), ch = item % (kCtaRows / 8);
         const int col = col0 + 8 * ch;
         if (col >= a.n) continue;
@@ -336,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
             epx::float8_to_bf16x8(f);
       }
     } else if constexpr (!kFp8) {
-      for (int item = tid; item < rows * 16; item += kThreads) {
+      for (int item = tid; item < rows * 16; item += kT) {
         const int tok = item / 16, ch = item % 16;
         float f[8];
 #pragma unroll
@@ -348,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm[kFp8])
       }
     } else {
       /* Eight lanes per row (16 channels each) make one 128-channel scale group. */
-      for (int base = 4 * warp; base < rows; base += 4 * kWarps) {
+      for (int base = 4 * warp; base < rows; base += 4 * kW) {
         const int tok = base + lane / 8, c0 = (lane % 8) * 16;
         float f[16];
 #pragma unroll
@@ -419,13 +421,13 @@ extern "C" epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t 
   const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
   const dim3 grid(col_tiles, a->num_experts);
   if (a->fp8)
-    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, kThreads, kSmemBytes[1],
+    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, 32 * kWarpsOf[1], kSmemBytes[1],
                                                                     stream, *a)
-                     : epx::launch<experts_gemm_kernel<true, false>>(grid, kThreads, kSmemBytes[1],
+                     : epx::launch<experts_gemm_kernel<true, false>>(grid, 32 * kWarpsOf[1], kSmemBytes[1],
                                                                      stream, *a);
-  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, kThreads, kSmemBytes[0],
+  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, 32 * kWarpsOf[0], kSmemBytes[0],
                                                                    stream, *a)
-                   : epx::launch<experts_gemm_kernel<false, false>>(grid, kThreads, kSmemBytes[0],
+                   : epx::launch<experts_gemm_kernel<false, false>>(grid, 32 * kWarpsOf[0], kSmemBytes[0],
                                                                     stream, *a);
 }
 
