@@ -692,7 +692,7 @@ epx_status_t epx_trace_dump(epx_group_t group, const char *path, epx_trace_summa
  * w13 / w2): */
 typedef struct epx_experts {
   size_t size;              /* sizeof(epx_experts_t); set by EPX_EXPERTS_INIT */
-  int num_experts;          /* E in [1, 1024]: the experts held here */
+  int num_experts;          /* E >= 1: the experts held here */
   int hidden;               /* H: multiple of 128 */
   int intermediate;         /* I: multiple of 128 */
   epx_dtype_t weight_dtype; /* EPX_DTYPE_BF16, or EPX_DTYPE_FP8_E4M3 with block scales */

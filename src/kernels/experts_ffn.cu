@@ -43,33 +43,32 @@ namespace {
 
 constexpr int kWarps = 8; /* the staging kernel's */
 constexpr int kThreads = kWarps * 32;
-constexpr int kCtaRows = 256; /* weight rows of a work item */
-/* Per variant (BF16, FP8): m16 tiles of weight rows per warp, and warps per CTA. FP8 keeps
- * two sets of sums (the 128-deep block's and the total) and converts its weights: one tile a
- * warp keeps it at ~104 registers, 16 warps per SM as BF16 has with two CTAs of 8. */
+constexpr int kCtaRows = 256; /* weight rows of a CTA */
+/* Per variant (BF16, FP8): m16 tiles of weight rows per warp, and warps per CTA. */
 constexpr int kTilesPerWarp[2] = {2, 1};
 constexpr int kWarpsOf[2] = {kCtaRows / 32, kCtaRows / 16};
-constexpr int kTokens = 32;     /* rows of x per pass: four n8 tiles */
-constexpr int kStageBytes = 64; /* weight K bytes per row per stage */
-/* Per variant: CTAs per SM and pipeline stages (~48 KB of weights in flight per BF16 CTA,
- * ~112 KB per FP8 CTA). */
+constexpr int kTokens = 32;                  /* rows of x per pass: four n8 tiles */
+constexpr int kStageBytes = 64;              /* weight K bytes per row per stage */
+/* Per variant (BF16, FP8): CTAs per SM and pipeline stages; ~80 KB (BF16) and ~112 KB (FP8)
+ * of weights in flight per CTA. FP8 keeps two sets of sums (the 128-deep block's and the
+ * total) and converts its weights: with two m16 tiles a warp it needed ~150 registers, so one
+ * 8-warp CTA per SM, and issue, not bandwidth, bound it (2 warps per scheduler, ~200
+ * instructions a stage). It runs 16 warps of one m16 tile each instead. */
 constexpr int kCtasPerSm[2] = {2, 1};
-constexpr int kStagesOf[2] = {4, 8};
+constexpr int kStagesOf[2] = {6, 8};
 constexpr int kWStageBytes = kCtaRows * kStageBytes; /* 2 x tiles pieces of 16 bytes a thread */
 /* x in shared memory, per stage: the 16-bit values of the stage's K range per token: 64 bytes
  * (BF16: 32 values) or 128 bytes (F16 codes: 64 values) padded to 144 so the two rows a
  * quarter-warp reads fall in different banks. */
 constexpr int kXPitch[2] = {64, 144};
 constexpr int kXStageBytes[2] = {kTokens * kXPitch[0], kTokens *kXPitch[1]};
-constexpr int kTileStride = kTokens + 1; /* epilogue tile [kCtaRows][kTokens + 1] floats */
-constexpr int kTileBytes = kCtaRows * kTileStride * 4;
-constexpr int kMaxExperts = 1024; /* EPX_EXPERTS_MAX: the active list lives in shared memory */
-constexpr int kSmemBytes[2] = {
-    kStagesOf[0] * (kWStageBytes + kXStageBytes[0]) + kTileBytes + kMaxExperts * 4,
-    kStagesOf[1] * (kWStageBytes + kXStageBytes[1]) + kTileBytes + kMaxExperts * 4};
-static_assert(kCtasPerSm[0] * (kSmemBytes[0] + 1024) <= 228 * 1024 &&
-                  kCtasPerSm[1] * (kSmemBytes[1] + 1024) <= 228 * 1024,
+constexpr int kSmemBytes[2] = {kStagesOf[0] * (kWStageBytes + kXStageBytes[0]),
+                               kStagesOf[1] * (kWStageBytes + kXStageBytes[1])};
+static_assert(kCtasPerSm[0] * kSmemBytes[0] <= 227 * 1024 &&
+                  kCtasPerSm[1] * kSmemBytes[1] <= 227 * 1024,
               "the CTAs per SM fit in shared memory");
+constexpr int kTileStride = kTokens + 1; /* epilogue tile [kCtaRows][kTokens + 1] floats */
+static_assert(kCtaRows * kTileStride * 4 <= kSmemBytes[0], "the epilogue tile reuses the stages");
 static_assert(kTokens * 8 <= kCtaRows, "at most one 16-byte piece of x per thread and stage");
 
 /* Expert e's rows: [*begin, *begin + return), cut to its room (epx.h). */
@@ -145,165 +144,109 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
   return gate / (1.0f + expf(-gate)) * up;
 }
 
-/* Where a CTA is in its sequence of work: item k of its items (the active experts' column
- * tiles, item i = (active[i / col_tiles], i % col_tiles), CTA c taking c, c + G, ...), pass
- * p0 over the expert's rows, stage s of the pass. Every thread keeps the same cursors. */
-struct Cursor {
-  int item, e, tile, begin, count, p0, s;
-};
-
 template <bool kFp8, bool kSwiglu>
 __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
     experts_gemm_kernel(epx__experts_gemm_args_t a) {
   constexpr int kM = kTilesPerWarp[kFp8], kPieces = 2 * kM, kW = kWarpsOf[kFp8];
   constexpr int kT = 32 * kW, kWarpRows = 16 * kM;
-  constexpr int kXRow = kFp8 ? 128 : 64; /* x bytes per token per stage */
-  constexpr int kXPieces = kXRow / 16;
-  constexpr int kXP = kXPitch[kFp8], kXS = kXStageBytes[kFp8], kStages = kStagesOf[kFp8];
   extern __shared__ __align__(16) unsigned char smem[];
-  uint4 *w_s = (uint4 *)smem;                          /* [stage][kPieces][kT] */
-  unsigned char *x_s = smem + kStages * kWStageBytes;  /* [stage][kTokens][kXP] */
-  float *tile = (float *)(x_s + kStages * kXS);        /* [kCtaRows][kTileStride] */
-  int *active = (int *)(tile + kCtaRows * kTileStride); /* [kMaxExperts] */
-  __shared__ int num_active_s;
-  __shared__ int warp_sums[kW];
+  const int e = blockIdx.y;
+  int begin = 0;
+  const int count =
+      expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows, e, &begin);
+  if (count == 0) return; /* an idle expert costs no weight traffic */
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-
-  /* The experts with rows, in order: every CTA compacts the same list (E counts, cheap). */
-  int base = 0;
-  for (int e0 = 0; e0 < a.num_experts; e0 += kT) {
-    const int e = e0 + tid;
-    int b;
-    const bool has = e < a.num_experts &&
-                     expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows,
-                                 e, &b) > 0;
-    const unsigned ballot = __ballot_sync(0xffffffffu, has);
-    if (lane == 0) warp_sums[warp] = __popc(ballot);
-    __syncthreads();
-    int before = base;
-    for (int w = 0; w < warp; w++) before += warp_sums[w];
-    if (has) active[before + __popc(ballot & ((1u << lane) - 1u))] = e;
-    for (int w = 0; w < kW; w++) base += warp_sums[w];
-    __syncthreads();
-  }
-  const int col_tiles = kSwiglu ? (a.n / 2) / 128 : (a.n + kCtaRows - 1) / kCtaRows;
-  const int num_items = base * col_tiles;
-  if ((int)blockIdx.x >= num_items) return;
-
   const int half_n = a.n / 2;
+  /* This warp's first weight row within expert e, and the CTA's first output column. */
+  int wrow, col0;
+  if constexpr (kSwiglu) {
+    col0 = blockIdx.x * 128;
+    wrow = warp < kW / 2 ? col0 + kWarpRows * warp : half_n + col0 + kWarpRows * (warp - kW / 2);
+  } else {
+    col0 = blockIdx.x * kCtaRows;
+    wrow = col0 + kWarpRows * warp;
+  }
+  const bool warp_active = wrow < a.n; /* n is a multiple of 128: a warp is all in or all out */
   const size_t k_bytes = (size_t)a.k * (kFp8 ? 1 : 2); /* a weight row */
   const size_t x_row_bytes = (size_t)a.k * 2;          /* a row of x: BF16 or F16 codes */
+  constexpr int kXRow = kFp8 ? 128 : 64;               /* x bytes per token per stage */
+  constexpr int kXPieces = kXRow / 16;
+  constexpr int kXP = kXPitch[kFp8], kXS = kXStageBytes[kFp8], kStages = kStagesOf[kFp8];
   const int num_stages = (int)(k_bytes / kStageBytes);
   const int k_blocks = a.k / 128;
+
+  /* This thread's weight rows, piece j = 2 mt + h: tile mt, half h (row g or g + 8). */
+  const char *w_expert = (const char *)a.w + (size_t)e * a.n * k_bytes;
+  const char *w_row[kPieces];
+#pragma unroll
+  for (int j = 0; j < kPieces; j++)
+    w_row[j] = w_expert + (size_t)(wrow + (j >> 1) * 16 + (j & 1) * 8 + g) * k_bytes + 16 * t;
+  uint4 *w_s = (uint4 *)smem;                         /* [stage][kPieces][kT] */
+  unsigned char *x_s = smem + kStages * kWStageBytes; /* [stage][kTokens][kXP] */
   const char *x = (const char *)a.x;
 
-  /* This warp's first weight row within an expert, and a tile's first output column. */
-  auto col0_of = [&](int tl) { return kSwiglu ? tl * 128 : tl * kCtaRows; };
-  auto wrow_of = [&](int tl) {
-    const int c0 = col0_of(tl);
-    if constexpr (kSwiglu)
-      return warp < kW / 2 ? c0 + kWarpRows * warp : half_n + c0 + kWarpRows * (warp - kW / 2);
-    return c0 + kWarpRows * warp;
-  };
-  auto load_item = [&](Cursor &c, int item) {
-    c.item = item;
-    c.p0 = 0;
-    c.s = 0;
-    if (item < num_items) {
-      c.e = active[item / col_tiles];
-      c.tile = item % col_tiles;
-      c.count = expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows, c.e,
-                            &c.begin);
-    }
-  };
-  auto advance = [&](Cursor &c) {
-    if (++c.s < num_stages) return;
-    c.s = 0;
-    c.p0 += kTokens;
-    if (c.p0 < c.count) return;
-    load_item(c, c.item + gridDim.x);
-  };
+  for (int p0 = 0; p0 < count; p0 += kTokens) {
+    const int rows = min(kTokens, count - p0);
+    const int tiles = (rows + 7) / 8;
+    const int x_tok = tid / kXPieces, x_piece = tid % kXPieces;
+    const bool x_loader = tid < kTokens * kXPieces;
+    const bool x_valid = x_loader && x_tok < rows;
+    const char *x_src = x_valid ? x + (size_t)(begin + p0 + x_tok) * x_row_bytes + 16 * x_piece : x;
 
-  /* Queue stage c.s of c's pass into slot q % kStages (q counts this CTA's stages). */
-  auto issue = [&](const Cursor &c, int q) {
-    if (c.item < num_items) {
-      const int slot = q % kStages;
-      const int wrow = wrow_of(c.tile);
-      if (wrow < a.n) { /* n is a multiple of 128: a warp is all in or all out */
-        const char *w = (const char *)a.w + (size_t)c.e * a.n * k_bytes +
-                        (size_t)c.s * kStageBytes + 16 * t;
+    auto issue = [&](int s) {
+      if (s < num_stages) {
+        const int slot = s % kStages;
+        if (warp_active) {
 #pragma unroll
-        for (int j = 0; j < kPieces; j++)
-          cp_async_cg16(&w_s[(slot * kPieces + j) * kT + tid],
-                        w + (size_t)(wrow + (j >> 1) * 16 + (j & 1) * 8 + g) * k_bytes);
+          for (int j = 0; j < kPieces; j++)
+            cp_async_cg16(&w_s[(slot * kPieces + j) * kT + tid],
+                          w_row[j] + (size_t)s * kStageBytes);
+        }
+        if (x_loader)
+          cp_async_ca16_zfill(x_s + slot * kXS + x_tok * kXP + 16 * x_piece,
+                              x_valid ? x_src + (size_t)s * kXRow : x, x_valid ? 16 : 0);
       }
-      const int tok = tid / kXPieces, piece = tid % kXPieces;
-      if (tid < kTokens * kXPieces) {
-        const bool valid = c.p0 + tok < c.count;
-        const char *src = valid ? x + (size_t)(c.begin + c.p0 + tok) * x_row_bytes +
-                                      (size_t)c.s * kXRow + 16 * piece
-                                : x;
-        cp_async_ca16_zfill(x_s + slot * kXS + tok * kXP + 16 * piece, src, valid ? 16 : 0);
-      }
-    }
-    cp_async_commit(); /* always, so wait_group counts stages */
-  };
+      cp_async_commit(); /* always, so wait_group counts stages */
+    };
 
-  Cursor ic, cc; /* the issue cursor runs kStages - 1 stages ahead of the compute cursor */
-  load_item(ic, blockIdx.x);
-  load_item(cc, blockIdx.x);
-  int qi = 0;
-#pragma unroll 1
-  for (; qi < kStages - 1; qi++) {
-    issue(ic, qi);
-    if (ic.item < num_items) advance(ic);
-  }
-
-  float acc[kM][4][4], part[kM][4][4];
-  float sw[kM] = {}, sx[4][2] = {};
-  auto zero = [&](float(&v)[kM][4][4]) {
+    float acc[kM][4][4];
+    float part[kM][4][4];
 #pragma unroll
     for (int mt = 0; mt < kM; mt++)
 #pragma unroll
       for (int nj = 0; nj < 4; nj++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) v[mt][nj][i] = 0.f;
-  };
-  zero(acc);
-  zero(part);
+        for (int i = 0; i < 4; i++) acc[mt][nj][i] = part[mt][nj][i] = 0.f;
 
-#pragma unroll 1
-  for (int qc = 0; cc.item < num_items; qc++) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads(); /* stage qc landed for every thread; slot (qc - 1) % kStages is free */
-    issue(ic, qi++);
-    if (ic.item < num_items) advance(ic);
-
-    const int rows = min(kTokens, cc.count - cc.p0);
-    const int tiles = (rows + 7) / 8;
-    const int wrow = wrow_of(cc.tile);
-    const bool warp_active = wrow < a.n;
-    const int slot = qc % kStages;
-    if constexpr (kFp8) { /* the scales of this 128-deep block, used after its second stage */
-      if (warp_active && (cc.s & 1) == 0) {
-        const int kb = cc.s / 2;
+    /* FP8: the scales of 128-deep block kb, loaded a block ahead of their use so their
+     * latency hides behind the block's MMAs. */
+    float sw[kM] = {}, sx[4][2] = {};
+    auto load_scales = [&](int kb) {
+      if constexpr (kFp8) {
+        if (!warp_active) return;
 #pragma unroll
         for (int mt = 0; mt < kM; mt++)
-          sw[mt] = a.w_scales[((size_t)cc.e * (a.n / 128) + (wrow + 16 * mt) / 128) * k_blocks +
-                              kb];
+          sw[mt] = a.w_scales[((size_t)e * (a.n / 128) + (wrow + 16 * mt) / 128) * k_blocks + kb];
 #pragma unroll
         for (int nj = 0; nj < 4; nj++)
 #pragma unroll
           for (int i = 0; i < 2; i++) {
             const int tok = 8 * nj + 2 * t + i;
-            sx[nj][i] = tok < rows
-                            ? a.x_scales[(size_t)(cc.begin + cc.p0 + tok) * k_blocks + kb]
-                            : 0.f;
+            sx[nj][i] = tok < rows ? a.x_scales[(size_t)(begin + p0 + tok) * k_blocks + kb] : 0.f;
           }
       }
-    }
-    if (warp_active) {
+    };
+    load_scales(0);
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; s++) issue(s);
+    for (int s = 0; s < num_stages; s++) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads(); /* stage s landed for every thread; slot (s - 1) % kStages is free */
+      issue(s + kStages - 1);
+      if (!warp_active) continue;
+      const int slot = s % kStages;
       uint4 wv[kPieces];
 #pragma unroll
       for (int j = 0; j < kPieces; j++) wv[j] = w_s[(slot * kPieces + j) * kT + tid];
@@ -344,7 +287,9 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
                         word(xv, i + 1));
           }
         }
-        if (cc.s & 1) { /* the end of a 128-deep block: scale it into acc */
+      }
+      if constexpr (kFp8) {
+        if (s & 1) { /* the end of a 128-deep block: scale it into acc */
 #pragma unroll
           for (int mt = 0; mt < kM; mt++)
 #pragma unroll
@@ -357,79 +302,77 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
 #pragma unroll
               for (int i = 0; i < 4; i++) part[mt][nj][i] = 0.f;
             }
+          if (s + 1 < num_stages) load_scales(s / 2 + 1);
         }
       }
     }
+    cp_async_wait<0>();
+    __syncthreads(); /* every stage consumed: the epilogue tile may overwrite them */
 
-    if (cc.s == num_stages - 1) {
-      /* The pass is complete: results through the tile (its own shared memory, so the stages
-       * in flight are untouched), then whole rows out. */
-      if (warp_active) {
+    float *tile = (float *)smem; /* [kCtaRows][kTileStride]: weight row (local) x token */
+    if (warp_active) {
 #pragma unroll
-        for (int mt = 0; mt < kM; mt++)
+      for (int mt = 0; mt < kM; mt++)
 #pragma unroll
-          for (int nj = 0; nj < 4; nj++) {
-            if (nj >= tiles) continue;
-            const int r = kWarpRows * warp + 16 * mt + g, c = 8 * nj + 2 * t;
-            tile[r * kTileStride + c] = acc[mt][nj][0];
-            tile[r * kTileStride + c + 1] = acc[mt][nj][1];
-            tile[(r + 8) * kTileStride + c] = acc[mt][nj][2];
-            tile[(r + 8) * kTileStride + c + 1] = acc[mt][nj][3];
-          }
-      }
-      zero(acc);
-      __syncthreads();
-      const int col0 = col0_of(cc.tile);
-      const size_t row0 = (size_t)(cc.begin + cc.p0);
-      if constexpr (!kSwiglu) {
-        /* out[row][col0 + 8 ch + i] for the tile's up-to-256 columns */
-        for (int item = tid; item < rows * (kCtaRows / 8); item += kT) {
-          const int tok = item / (kCtaRows / 8), ch = item % (kCtaRows / 8);
-          const int col = col0 + 8 * ch;
-          if (col >= a.n) continue;
-          float f[8];
-#pragma unroll
-          for (int i = 0; i < 8; i++) f[i] = tile[(8 * ch + i) * kTileStride + tok];
-          *(int4 *)((__nv_bfloat16 *)a.out + (row0 + tok) * a.n + col) = epx::float8_to_bf16x8(f);
+        for (int nj = 0; nj < 4; nj++) {
+          if (nj >= tiles) continue;
+          const int r = kWarpRows * warp + 16 * mt + g, c = 8 * nj + 2 * t;
+          tile[r * kTileStride + c] = acc[mt][nj][0];
+          tile[r * kTileStride + c + 1] = acc[mt][nj][1];
+          tile[(r + 8) * kTileStride + c] = acc[mt][nj][2];
+          tile[(r + 8) * kTileStride + c + 1] = acc[mt][nj][3];
         }
-      } else if constexpr (!kFp8) {
-        for (int item = tid; item < rows * 16; item += kT) {
-          const int tok = item / 16, ch = item % 16;
-          float f[8];
-#pragma unroll
-          for (int i = 0; i < 8; i++)
-            f[i] = silu_mul(tile[(8 * ch + i) * kTileStride + tok],
-                            tile[(128 + 8 * ch + i) * kTileStride + tok]);
-          *(int4 *)((__nv_bfloat16 *)a.out + (row0 + tok) * half_n + col0 + 8 * ch) =
-              epx::float8_to_bf16x8(f);
-        }
-      } else {
-        /* Eight lanes per row (16 channels each) make one 128-channel scale group. */
-        for (int b0 = 4 * warp; b0 < rows; b0 += 4 * kW) {
-          const int tok = b0 + lane / 8, c0 = (lane % 8) * 16;
-          float f[16];
-#pragma unroll
-          for (int i = 0; i < 16; i++)
-            f[i] = tok < rows ? silu_mul(tile[(c0 + i) * kTileStride + tok],
-                                         tile[(128 + c0 + i) * kTileStride + tok])
-                              : 0.f;
-          float scale;
-          const int4 q = epx::quantize16_float(f, false, &scale);
-          if (tok < rows) {
-            uint32_t h[8];
-            fp8x16_to_f16(make_uint4(q.x, q.y, q.z, q.w), h);
-            uint4 *dst = (uint4 *)((__half *)a.out + (row0 + tok) * half_n + col0 + c0);
-            dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-            dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-            if (lane % 8 == 0) a.out_scales[(row0 + tok) * (half_n / 128) + col0 / 128] = scale;
-          }
-        }
-      }
-      /* The next pass writes the tile only after at least one more stage barrier. */
     }
-    advance(cc);
+    __syncthreads();
+
+    if constexpr (!kSwiglu) {
+      /* out[row][col0 + 8 ch + i] for the CTA's up-to-256 columns */
+      for (int item = tid; item < rows * (kCtaRows / 8); item += kT) {
+        const int tok = item / (kCtaRows / 8), ch = item % (kCtaRows / 8);
+        const int col = col0 + 8 * ch;
+        if (col >= a.n) continue;
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) f[i] = tile[(8 * ch + i) * kTileStride + tok];
+        *(int4 *)((__nv_bfloat16 *)a.out + (size_t)(begin + p0 + tok) * a.n + col) =
+            epx::float8_to_bf16x8(f);
+      }
+    } else if constexpr (!kFp8) {
+      for (int item = tid; item < rows * 16; item += kT) {
+        const int tok = item / 16, ch = item % 16;
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+          f[i] = silu_mul(tile[(8 * ch + i) * kTileStride + tok],
+                          tile[(128 + 8 * ch + i) * kTileStride + tok]);
+        *(int4 *)((__nv_bfloat16 *)a.out + (size_t)(begin + p0 + tok) * half_n + col0 + 8 * ch) =
+            epx::float8_to_bf16x8(f);
+      }
+    } else {
+      /* Eight lanes per row (16 channels each) make one 128-channel scale group. */
+      for (int base = 4 * warp; base < rows; base += 4 * kW) {
+        const int tok = base + lane / 8, c0 = (lane % 8) * 16;
+        float f[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+          f[i] = tok < rows ? silu_mul(tile[(c0 + i) * kTileStride + tok],
+                                       tile[(128 + c0 + i) * kTileStride + tok])
+                            : 0.f;
+        float scale;
+        const int4 q = epx::quantize16_float(f, false, &scale);
+        if (tok < rows) {
+          const size_t row = (size_t)(begin + p0 + tok);
+          uint32_t h[8];
+          fp8x16_to_f16(make_uint4(q.x, q.y, q.z, q.w), h);
+          uint4 *dst = (uint4 *)((__half *)a.out + row * half_n + col0 + c0);
+          dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+          dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+          if (lane % 8 == 0) a.out_scales[row * (half_n / 128) + col0 / 128] = scale;
+        }
+      }
+    }
+    __syncthreads(); /* the next pass's stages overwrite the tile */
   }
-  cp_async_wait<0>();
 }
 
 /* The x operand of the FP8 path: each expert row's E4M3 codes as F16 (exact), from BF16 rows
@@ -475,25 +418,17 @@ __global__ void __launch_bounds__(kThreads) experts_stage_x_kernel(epx__experts_
 
 extern "C" epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t *a,
                                                  cudaStream_t stream) {
-  /* Persistent: as many CTAs as run at once, each walking its share of the work items with
-   * one pipeline across them (no fill and drain per item, no partial last wave). */
-  int device = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
-  const int items = col_tiles * a->num_experts;
-  const int fp8 = a->fp8 ? 1 : 0;
-  const dim3 grid(max(1, min(items, sms * kCtasPerSm[fp8])));
-  const dim3 block(32 * kWarpsOf[fp8]);
-  if (fp8)
-    return a->swiglu
-               ? epx::launch<experts_gemm_kernel<true, true>>(grid, block, kSmemBytes[1], stream, *a)
-               : epx::launch<experts_gemm_kernel<true, false>>(grid, block, kSmemBytes[1], stream,
-                                                               *a);
-  return a->swiglu
-             ? epx::launch<experts_gemm_kernel<false, true>>(grid, block, kSmemBytes[0], stream, *a)
-             : epx::launch<experts_gemm_kernel<false, false>>(grid, block, kSmemBytes[0], stream,
-                                                              *a);
+  const dim3 grid(col_tiles, a->num_experts);
+  if (a->fp8)
+    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, 32 * kWarpsOf[1], kSmemBytes[1],
+                                                                    stream, *a)
+                     : epx::launch<experts_gemm_kernel<true, false>>(grid, 32 * kWarpsOf[1], kSmemBytes[1],
+                                                                     stream, *a);
+  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, 32 * kWarpsOf[0], kSmemBytes[0],
+                                                                   stream, *a)
+                   : epx::launch<experts_gemm_kernel<false, false>>(grid, 32 * kWarpsOf[0], kSmemBytes[0],
+                                                                    stream, *a);
 }
 
 extern "C" epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *a,
