@@ -13,6 +13,8 @@
 #        DEEPEP=DIR: a DeepEP V1 source tree (carried, e.g. deepep-v1): DeepEP's own
 #        test_intranode.py / test_low_latency.py on epx.deep_ep (scripts/run-deepep-tests.sh),
 #        and with DEEPEP_BUILD=1 also DeepEP V1 built there, unmodified, for the comparison;
+#        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
+#        last lines in the summary; they need one GPU, not a group);
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
 #        its benchmark is built beside this one and both run COMPARE_ROUNDS times (default 2)
 #        alternately with COMPARE_ARGS (default: the README's benchmark), then
@@ -36,7 +38,8 @@ export EPX_COMMIT="$commit"
 
 t0=$(date +%s)
 [ -z "${SKIP_CLEAN:-}" ] && make clean >/dev/null
-targets="lib build/bin/epx_test build/bin/epx_bench build/bin/epx_soak"
+targets="lib build/bin/epx_test build/bin/epx_bench build/bin/epx_soak build/bin/epx_experts_bench \
+  build/bin/epx_layout_bench"
 baseline_pid=
 if [ -n "${BASELINE:-}" ]; then
   (make -C "$BASELINE" -j"$(nproc)" build/bin/epx_bench >"$out/baseline-build.log" 2>&1) &
@@ -79,6 +82,14 @@ soak: TIMED OUT after ${SOAK_TIMEOUT:-$((600 + SOAK_ITERS / 20))} s"
 --- soak at $ranks ranks (exit $soak_rc, soak-$ranks.log):
 $last"
   done
+fi
+
+one_gpu_lines=
+if [ -n "${ONE_GPU_BENCH:-}" ]; then
+  timeout 300 build/bin/epx_experts_bench --iters 20 >"$out/experts-bench.log" 2>&1
+  timeout 120 build/bin/epx_layout_bench >"$out/layout-bench.log" 2>&1
+  one_gpu_lines="$(tail -22 "$out/experts-bench.log")
+$(tail -16 "$out/layout-bench.log")"
 fi
 
 py_line="(not run)"
@@ -145,6 +156,8 @@ echo "build: ${build_s}s"
 echo "tests: $test_line"
 [ -n "$soak_lines" ] && echo "soak:$soak_lines"
 echo "python tests: $py_line"
+[ -n "$one_gpu_lines" ] && echo "one-GPU benches:
+$one_gpu_lines"
 if [ -n "$deepep_line" ]; then
   echo "$deepep_line"
   for log in "$out/deepep-epx.log" "$out/deepep-v1.log"; do

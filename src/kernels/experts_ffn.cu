@@ -47,8 +47,8 @@ constexpr int kCtaRows = 256; /* weight rows of a CTA */
 /* Per variant (BF16, FP8): m16 tiles of weight rows per warp, and warps per CTA. */
 constexpr int kTilesPerWarp[2] = {2, 1};
 constexpr int kWarpsOf[2] = {kCtaRows / 32, kCtaRows / 16};
-constexpr int kTokens = 32;                  /* rows of x per pass: four n8 tiles */
-constexpr int kStageBytes = 64;              /* weight K bytes per row per stage */
+constexpr int kTokens = 32;     /* rows of x per pass: four n8 tiles */
+constexpr int kStageBytes = 64; /* weight K bytes per row per stage */
 /* Per variant (BF16, FP8): CTAs per SM and pipeline stages; ~80 KB (BF16) and ~112 KB (FP8)
  * of weights in flight per CTA. FP8 keeps two sets of sums (the 128-deep block's and the
  * total) and converts its weights: with two m16 tiles a warp it needed ~150 registers, so one
@@ -421,14 +421,14 @@ extern "C" epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t 
   const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
   const dim3 grid(col_tiles, a->num_experts);
   if (a->fp8)
-    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, 32 * kWarpsOf[1], kSmemBytes[1],
-                                                                    stream, *a)
-                     : epx::launch<experts_gemm_kernel<true, false>>(grid, 32 * kWarpsOf[1], kSmemBytes[1],
-                                                                     stream, *a);
-  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, 32 * kWarpsOf[0], kSmemBytes[0],
-                                                                   stream, *a)
-                   : epx::launch<experts_gemm_kernel<false, false>>(grid, 32 * kWarpsOf[0], kSmemBytes[0],
-                                                                    stream, *a);
+    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, 32 * kWarpsOf[1],
+                                                                    kSmemBytes[1], stream, *a)
+                     : epx::launch<experts_gemm_kernel<true, false>>(grid, 32 * kWarpsOf[1],
+                                                                     kSmemBytes[1], stream, *a);
+  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, 32 * kWarpsOf[0],
+                                                                   kSmemBytes[0], stream, *a)
+                   : epx::launch<experts_gemm_kernel<false, false>>(grid, 32 * kWarpsOf[0],
+                                                                    kSmemBytes[0], stream, *a);
 }
 
 extern "C" epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *a,
