@@ -221,13 +221,43 @@ class epx_trace_summary_t(ctypes.Structure):
     ]
 
 
+class epx_experts_t(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("num_experts", ctypes.c_int),
+        ("hidden", ctypes.c_int),
+        ("intermediate", ctypes.c_int),
+        ("weight_dtype", c_enum),
+        ("gate_up", _ptr),
+        ("gate_up_scales", _ptr),
+        ("down", _ptr),
+        ("down_scales", _ptr),
+    ]
+
+
+class epx_experts_ffn_args_t(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("x", _ptr),
+        ("x_dtype", c_enum),
+        ("x_scales", _ptr),
+        ("num_rows", ctypes.c_int),
+        ("expert_count", _ptr),
+        ("expert_begin", _ptr),
+        ("rows_per_expert", ctypes.c_int),
+        ("out", _ptr),
+        ("workspace", _ptr),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
 # Every struct of epx.h, by its C name (the layout test walks this).
 STRUCTS = {
     cls.__name__: cls
     for cls in (epx_group_config_t, epx_workspace_sizes_t, epx_async_error_t, epx_layout_args_t,
                 epx_dispatch_args_t, epx_dispatch_result_t, epx_combine_args_t, epx_ll_hook_t,
                 epx_ll_dispatch_args_t, epx_ll_dispatch_result_t, epx_ll_combine_args_t,
-                epx_trace_summary_t)
+                epx_trace_summary_t, epx_experts_t, epx_experts_ffn_args_t)
 }
 
 
@@ -265,6 +295,15 @@ def EPX_LL_COMBINE_ARGS_INIT():
     return epx_ll_combine_args_t(size=ctypes.sizeof(epx_ll_combine_args_t))
 
 
+def EPX_EXPERTS_INIT():
+    return epx_experts_t(size=ctypes.sizeof(epx_experts_t), weight_dtype=EPX_DTYPE_BF16)
+
+
+def EPX_EXPERTS_FFN_ARGS_INIT():
+    return epx_experts_ffn_args_t(size=ctypes.sizeof(epx_experts_ffn_args_t),
+                                  x_dtype=EPX_DTYPE_BF16)
+
+
 INITS = {
     "EPX_GROUP_CONFIG_INIT": (epx_group_config_t, EPX_GROUP_CONFIG_INIT),
     "EPX_WORKSPACE_SIZES_INIT": (epx_workspace_sizes_t, EPX_WORKSPACE_SIZES_INIT),
@@ -273,6 +312,8 @@ INITS = {
     "EPX_COMBINE_ARGS_INIT": (epx_combine_args_t, EPX_COMBINE_ARGS_INIT),
     "EPX_LL_DISPATCH_ARGS_INIT": (epx_ll_dispatch_args_t, EPX_LL_DISPATCH_ARGS_INIT),
     "EPX_LL_COMBINE_ARGS_INIT": (epx_ll_combine_args_t, EPX_LL_COMBINE_ARGS_INIT),
+    "EPX_EXPERTS_INIT": (epx_experts_t, EPX_EXPERTS_INIT),
+    "EPX_EXPERTS_FFN_ARGS_INIT": (epx_experts_ffn_args_t, EPX_EXPERTS_FFN_ARGS_INIT),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -358,6 +399,9 @@ PROTOTYPES = {
     "epx_group_clear_peer_mask": (c_enum, [_group]),
     "epx_trace_start": (c_enum, [_group, ctypes.c_int, _stream]),
     "epx_trace_dump": (c_enum, [_group, ctypes.c_char_p, P(epx_trace_summary_t), _stream]),
+    "epx_experts_ffn_workspace_size": (c_enum, [P(epx_experts_t), ctypes.c_int, c_enum,
+                                                _c_size_t_p]),
+    "epx_experts_ffn": (c_enum, [P(epx_experts_t), P(epx_experts_ffn_args_t), _stream]),
 }
 
 for _name, (_restype, _argtypes) in PROTOTYPES.items():
