@@ -20,6 +20,7 @@ from .errors import (AsyncError, EpxCudaError, EpxError, EpxInternalError,  # no
                      EpxSystemError, EpxTimeout, EpxUnsupported, error_for)
 from .group import (DispatchResult, Group, Handle, Hook, Layout, LLDispatchResult,  # noqa: E402
                     workspace_size)
+from .experts import Experts  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -40,7 +41,7 @@ def nccl_version():
 
 
 __all__ = [
-    "AsyncError", "DispatchResult", "EpxCudaError", "EpxError", "EpxInternalError",
+    "AsyncError", "DispatchResult", "EpxCudaError", "Experts", "EpxError", "EpxInternalError",
     "EpxInvalidArgument", "EpxInvalidUsage", "EpxNcclError", "EpxPeerFailed", "EpxSystemError",
     "EpxTimeout", "EpxUnsupported", "Group", "Handle", "Hook", "Layout", "LLDispatchResult",
     "error_for", "errors", "nccl_version", "version", "workspace_size",
