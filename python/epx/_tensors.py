@@ -166,6 +166,13 @@ def check_optional(fn, name, t, *args, **kwargs):
     return None if t is None else check_tensor(fn, name, t, *args, **kwargs)
 
 
+def stream_ptr(stream):
+    """cudaStream_t of a torch.cuda.Stream (or a raw int); None: the current stream."""
+    if stream is None:
+        return _torch().cuda.current_stream().cuda_stream
+    return stream if isinstance(stream, int) else stream.cuda_stream
+
+
 def data_ptr(t):
     """The device address of a tensor, None (NULL) for None."""
     return None if t is None else t.data_ptr()

@@ -10,13 +10,8 @@ one stream are ordered, calls of one object on two streams at once race (use two
 import ctypes
 
 from . import _capi
-from ._tensors import _torch, check_optional, check_tensor, data_ptr, epx_dtype, invalid_argument
-
-
-def _stream_ptr(stream):
-    if stream is None:
-        return _torch().cuda.current_stream().cuda_stream
-    return stream if isinstance(stream, int) else stream.cuda_stream
+from ._tensors import (_torch, check_optional, check_tensor, data_ptr, epx_dtype, invalid_argument,
+                       stream_ptr)
 
 
 class Experts:
@@ -114,5 +109,5 @@ class Experts:
         a.out, a.workspace = out.data_ptr(), self._workspace.data_ptr()
         a.workspace_bytes = self._workspace.numel()
         _capi.check(_capi.lib.epx_experts_ffn(ctypes.byref(self._c), ctypes.byref(a),
-                                              _stream_ptr(stream)))
+                                              stream_ptr(stream)))
         return out

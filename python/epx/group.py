@@ -28,13 +28,7 @@ from ._config import (DTYPE_NAMES, LL_ROUTE_NAMES, MODE_NAMES, config_dict,  # n
 from ._resources import Handle, _GroupResources
 from ._results import DispatchResult, Hook, Layout, LLDispatchResult
 from ._tensors import _torch, data_ptr, invalid_argument
-
-
-def _stream_ptr(stream):
-    """cudaStream_t of a torch.cuda.Stream (or a raw int); None: the current stream."""
-    if stream is None:
-        return _torch().cuda.current_stream().cuda_stream
-    return stream if isinstance(stream, int) else stream.cuda_stream
+from ._tensors import stream_ptr as _stream_ptr
 
 
 def _borrowed_comm(dist, torch, group):

@@ -140,6 +140,15 @@ __device__ __forceinline__ void fp8x16_to_f16(const uint4 &v, uint32_t *h) {
         : "r"(word(v, i)));
 }
 
+/* 16 E4M3 codes stored as 16 F16 values (32 bytes) at dst: the FP8 path's x operand form. */
+__device__ __forceinline__ void store_codes_f16(__half *dst, const int4 &q) {
+  uint32_t h[8];
+  fp8x16_to_f16(make_uint4(q.x, q.y, q.z, q.w), h);
+  uint4 *d = (uint4 *)dst;
+  d[0] = make_uint4(h[0], h[1], h[2], h[3]);
+  d[1] = make_uint4(h[4], h[5], h[6], h[7]);
+}
+
 __device__ __forceinline__ float silu_mul(float gate, float up) {
   return gate / (1.0f + expf(-gate)) * up;
 }
@@ -362,11 +371,7 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
         const int4 q = epx::quantize16_float(f, false, &scale);
         if (tok < rows) {
           const size_t row = (size_t)(begin + p0 + tok);
-          uint32_t h[8];
-          fp8x16_to_f16(make_uint4(q.x, q.y, q.z, q.w), h);
-          uint4 *dst = (uint4 *)((__half *)a.out + row * half_n + col0 + c0);
-          dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-          dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+          store_codes_f16((__half *)a.out + row * half_n + col0 + c0, q);
           if (lane % 8 == 0) a.out_scales[row * (half_n / 128) + col0 / 128] = scale;
         }
       }
@@ -404,11 +409,7 @@ __global__ void __launch_bounds__(kThreads) experts_stage_x_kernel(epx__experts_
         if (valid && lane % 8 == 0) a.scales[row * groups + grp] = scale;
       }
       if (valid) {
-        uint32_t h[8];
-        fp8x16_to_f16(make_uint4(q.x, q.y, q.z, q.w), h);
-        uint4 *dst = (uint4 *)((__half *)a.codes + row * a.hidden + c);
-        dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-        dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+        store_codes_f16((__half *)a.codes + row * a.hidden + c, q);
       }
     }
   }

@@ -176,15 +176,14 @@ int main(int argc, char **argv) {
       /* Each test gets its own seed derived from the run's seed, printed with the result. */
       uint64_t s = seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(i * 16 + v + 1));
       current_seed = s;
+      if ((t->one_gpu || !t->host_fn) && num_gpus < 0) num_gpus = ranks_count_gpus("epx_test", 60);
       if (t->one_gpu) {
-        if (num_gpus < 0) num_gpus = ranks_count_gpus("epx_test", 60);
         if (num_gpus < 1) {
           printf("[ SKIP ] %s: needs 1 GPU, %d visible\n", label, num_gpus);
           skipped++;
           continue;
         }
       } else if (!t->host_fn) {
-        if (num_gpus < 0) num_gpus = ranks_count_gpus("epx_test", 60);
         if (ranks < 2 || ranks > EPX_MAX_RANKS || ranks > num_gpus) {
           printf("[ SKIP ] %s: needs %d GPUs, %d visible\n", label, ranks, num_gpus);
           skipped++;
