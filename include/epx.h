@@ -157,7 +157,7 @@ typedef enum epx_ll_route {
  * part grows with max_tokens_per_rank, the low-latency part with ll_max_tokens_per_rank; the
  * bytes of each: epx_workspace_size_by_mode.
  *   config    - [IN] a config; auto fields are resolved as epx_group_create would.
- *   num_ranks - [IN] ranks of the group, 2..EPX_MAX_RANKS.
+ *   num_ranks - [IN] ranks of the group, 1..EPX_MAX_RANKS.
  *   bytes     - [OUT] workspace bytes per GPU.
  * Returns EPX_OK, EPX_ERR_INVALID_ARGUMENT (bad field, named in epx_last_error), or
  * EPX_ERR_UNSUPPORTED (beyond the compiled limits). Not collective; touches no GPU. */
@@ -181,7 +181,7 @@ typedef struct epx_workspace_sizes {
 /* epx_workspace_size_by_mode - epx_workspace_size split by mode, e.g. to see what a
  * low-latency region at ll_max_tokens_per_rank adds to a normal-mode group.
  *   config    - [IN] as epx_workspace_size.
- *   num_ranks - [IN] ranks of the group, 2..EPX_MAX_RANKS.
+ *   num_ranks - [IN] ranks of the group, 1..EPX_MAX_RANKS.
  *   sizes     - [OUT] initialized with EPX_WORKSPACE_SIZES_INIT; the byte fields are filled.
  * Returns as epx_workspace_size. Not collective; touches no GPU. */
 epx_status_t epx_workspace_size_by_mode(const epx_group_config_t *config, int num_ranks,
@@ -202,7 +202,8 @@ typedef struct epx_group *epx_group_t;
  * peer is reachable over NVLink/P2P, then allocates the workspace (ncclMemAlloc), registers it as
  * a symmetric window and resolves peer pointers. The group keeps a reference to comm; destroy
  * the group before the communicator.
- *   comm   - [IN] an initialized NCCL communicator, 2..EPX_MAX_RANKS ranks on one host.
+ *   comm   - [IN] an initialized NCCL communicator, 1..EPX_MAX_RANKS ranks on one host (one
+ *            rank: every token stays on its GPU, through the same kernels).
  *   config - [IN] the group's maxima and options; must be identical on every rank.
  *   group  - [OUT] the new group; NULL on failure.
  * Returns EPX_OK; EPX_ERR_INVALID_ARGUMENT (bad config field); EPX_ERR_UNSUPPORTED (config

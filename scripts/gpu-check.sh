@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # gpu-check.sh - everything a GPU machine should prove, in one call: build from scratch, run the
-# tests at 2 and 4 ranks, run the benchmark, print a short summary last.
+# tests at 1, 2 and 4 ranks, run the benchmark, print a short summary last.
 #
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (default: $OUT, else ./out)
 # Env:   TEST_ARGS (e.g. "--filter layout"), BENCH_ARGS (extra epx_bench flags), SKIP_BENCH=1,
-#        SKIP_TESTS=1, SKIP_CLEAN=1 (keep earlier build outputs), RANKS (default "2,4"),
+#        SKIP_TESTS=1, SKIP_CLEAN=1 (keep earlier build outputs), RANKS (default "1,2,4" for the tests, "2,4" for the soak),
 #        SOAK_ITERS=N: after the tests, build/bin/epx_soak --iters N at each rank count of RANKS
 #        (docs/testing.md, "Soak"; SOAK_ARGS: extra flags, SOAK_TIMEOUT: seconds per run,
 #        default 600 + N/20),
@@ -60,7 +60,7 @@ grep -iE "warning" "$out/build.log" | head -20
 
 test_line="(not run)"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 900 build/bin/epx_test --ranks "${RANKS:-2,4}" ${TEST_ARGS:-} >"$out/tests.log" 2>&1
+  timeout 900 build/bin/epx_test --ranks "${RANKS:-1,2,4}" ${TEST_ARGS:-} >"$out/tests.log" 2>&1
   test_rc=$?
   grep -E "^\[ (FAIL|SKIP) \]|FAILED|rank [0-9]+:" "$out/tests.log" | head -60
   test_line=$(tail -1 "$out/tests.log")

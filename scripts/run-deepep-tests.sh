@@ -46,8 +46,11 @@ done
 if [ -z "${NPROC:-}" ]; then
   NPROC="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
 fi
-if [ "$NPROC" -lt 2 ]; then
-  echo "run-deepep-tests.sh: needs at least 2 GPUs (NPROC=$NPROC)" >&2
+# EPX runs DeepEP's tests on one GPU too (a one-rank group); DeepEP itself needs 2.
+min_proc=1
+[ "$mode" = deepep ] && min_proc=2
+if [ "$NPROC" -lt "$min_proc" ]; then
+  echo "run-deepep-tests.sh: needs at least $min_proc GPU(s) in $mode mode (NPROC=$NPROC)" >&2
   exit 2
 fi
 TIMEOUT="${TIMEOUT:-1800}"
@@ -83,7 +86,14 @@ else
   fi
   "$python" -c 'import deep_ep; print("deep_ep from", deep_ep.__file__)' | tee "$OUT/versions.txt"
 fi
-(cd "$src" && git rev-parse HEAD 2>/dev/null | sed 's/^/DeepEP tree commit /') | tee -a "$OUT/versions.txt" || true
+# Only a git checkout of its own names the DeepEP tree's commit (an archive inside this
+# repository would otherwise report EPX's).
+if [ "$(cd "$src" && git rev-parse --show-toplevel 2>/dev/null)" = "$src" ]; then
+  (cd "$src" && git rev-parse HEAD | sed 's/^/DeepEP tree commit /') | tee -a "$OUT/versions.txt"
+else
+  echo "DeepEP tree $src: not a git checkout (expected: an archive of 567632d)" |
+    tee -a "$OUT/versions.txt"
+fi
 (cd "$repo" && git rev-parse HEAD 2>/dev/null | sed 's/^/EPX commit /') | tee -a "$OUT/versions.txt" || true
 nvidia-smi -L 2>/dev/null | head -n "$NPROC" | tee -a "$OUT/versions.txt" || true
 

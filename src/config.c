@@ -20,8 +20,8 @@
 #define EPX_LL_ROUTE_DEFAULT EPX_LL_ROUTE_DISPATCH_BY_RANK
 
 static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
-  if (num_ranks < 2)
-    return epx__set_error(EPX_ERR_UNSUPPORTED, "num_ranks = %d: a group needs 2 to %d ranks",
+  if (num_ranks < 1)
+    return epx__set_error(EPX_ERR_UNSUPPORTED, "num_ranks = %d: a group needs 1 to %d ranks",
                           num_ranks, EPX_MAX_RANKS);
   if (num_ranks > EPX_MAX_RANKS)
     return epx__set_error(EPX_ERR_UNSUPPORTED,

@@ -1,9 +1,9 @@
 """test_gpu_example.py - examples/moe_layer.py under torchrun, normal and low-latency modes.
 
 Runs `python -m torch.distributed.run --standalone --nproc-per-node=N examples/moe_layer.py
---mode M` at N = 2 and 4 GPUs (when visible), plus once over a gloo process group at 2, and
+--mode M` at N = 1, 2 and 4 GPUs (when visible), plus once over a gloo process group at 2, and
 asserts exit code 0 and one "OK" line per rank (the example compares its EPX output with a
-one-GPU float32 reference). Skips without 2 GPUs,
+one-GPU float32 reference). Skips without a GPU,
 torch, CUDA or an importable epx. Each run has a timeout, so a hang fails the test.
 """
 import os
@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 import gpu_spawn  # noqa: E402
 
-_SKIP = gpu_spawn.skip_reason(2)
+_SKIP = gpu_spawn.skip_reason(1)
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -28,7 +28,7 @@ TIMEOUT_S = float(os.environ.get("EPX_TEST_TIMEOUT", "300"))
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_moe_layer_example(nproc, mode):
     _run_example(nproc, "--mode", mode)
 

@@ -1,4 +1,4 @@
-"""test_gpu_native.py - epx.Group on 2 and 4 GPUs against plain-torch references.
+"""test_gpu_native.py - epx.Group on 1, 2 and 4 GPUs against plain-torch references.
 
 Each test spawns one process per GPU (gpu_spawn.run_ranks: NCCL process group, NCCL_NVLS_ENABLE=0,
 a timeout so that a hang fails instead of blocking) and runs one worker below, which goes through
@@ -58,7 +58,7 @@ import pytest  # noqa: E402
 
 import gpu_spawn  # noqa: E402
 
-_SKIP = gpu_spawn.skip_reason(2)
+_SKIP = gpu_spawn.skip_reason(1)
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
 SEED = int(os.environ.get("EPX_TEST_SEED") or random.SystemRandom().randrange(1, 2**31))
@@ -71,14 +71,14 @@ def _need(world_size):
         pytest.skip(f"needs {world_size} GPUs, {n} visible")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_normal_mode(world_size):
     _need(world_size)
     print(f"seed {SEED} (EPX_TEST_SEED={SEED} reruns it)")
     gpu_spawn.run_ranks(world_size, "test_gpu_native:worker_normal", (SEED,), TIMEOUT_S)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_low_latency(world_size):
     _need(world_size)
     print(f"seed {SEED} (EPX_TEST_SEED={SEED} reruns it)")
@@ -454,8 +454,9 @@ def _n_errors(ctx):
                 f"status {e.status!r} {e.status_name!r}")
         c.check(bool(e.message) and e.message in str(e) and "EPX_ERR_INVALID_ARGUMENT" in str(e),
                 f"message {e.message!r}, str {str(e)!r}")
-    c.raises(errors.EpxInvalidUsage, lambda: g.mask_peer((me + 1) % ctx.R),
-             "mask_peer on a group without low-latency mode")
+    if ctx.R > 1:  # a one-rank group has no peer to name
+        c.raises(errors.EpxInvalidUsage, lambda: g.mask_peer((me + 1) % ctx.R),
+                 "mask_peer on a group without low-latency mode")
 
     # Asynchronous: a bad expert id found by the layout kernel (not collective).
     bad = idx.clone()
@@ -721,6 +722,10 @@ def _l_errors(ctx):
 
 def _l_peer_mask(ctx):
     torch, c, g, me, R, errors = ctx.torch, ctx.checks, ctx.g, ctx.rank, ctx.R, ctx.epx.errors
+    if R == 1:  # nothing to mask in a one-rank group: only the refusals apply
+        c.raises(errors.EpxInvalidArgument, lambda: g.mask_peer(me), "mask_peer(this rank)",
+                 contains=("peer",))
+        return
     victim = R - 1
     masked = (victim,) if me != victim else tuple(p for p in range(R) if p != victim)
     for p in masked:  # both sides mask: nobody waits for anybody across the cut

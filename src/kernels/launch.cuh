@@ -80,6 +80,7 @@ epx_status_t launch(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t str
 #define EPX_RANKS_SWITCH(num_ranks, name, ...)                                                 \
   [&]() -> epx_status_t {                                                                      \
     switch (num_ranks) {                                                                       \
+      case 1:                                                                                  \
       case 2: {                                                                                \
         constexpr static int name = 2;                                                         \
         return __VA_ARGS__();                                                                  \
@@ -97,7 +98,7 @@ epx_status_t launch(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t str
         return __VA_ARGS__();                                                                  \
       }                                                                                        \
       default:                                                                                 \
-        return epx__set_error(EPX_ERR_UNSUPPORTED, "%s = %d: kernels are compiled for 2 to 8", \
+        return epx__set_error(EPX_ERR_UNSUPPORTED, "%s = %d: kernels are compiled for 1 to 8", \
                               #num_ranks, (int)(num_ranks));                                   \
     }                                                                                          \
   }()

@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int epr = a.num_experts / R, words = R + epr;
   __shared__ unsigned epoch;
   __shared__ int count[EPX_MAX_RANKS][EPX_MAX_RANKS];
-  __shared__ int expert_sum[EPX_MAX_EXPERTS / 2]; /* E / R experts, R >= 2 */
+  __shared__ int expert_sum[EPX_MAX_EXPERTS]; /* E / R experts */
   __shared__ int timed_out;
   epx__control_t *ctrl = epx::control_of(ctx, me);
   if (tid == 0) {

@@ -25,7 +25,8 @@ typedef struct {
   epx_host_test_fn host_fn;
   epx_gpu_test_fn gpu_fn;
   int timeout_s;
-  int one_gpu; /* host_fn needs one GPU: run once, in its own process, when one is visible */
+  int one_gpu;   /* host_fn needs one GPU: run once, in its own process, when one is visible */
+  int min_ranks; /* a GPU test's smallest meaningful rank count (2: it needs a peer) */
 } test_entry_t;
 
 static test_entry_t tests[MAX_TESTS];
@@ -33,21 +34,22 @@ static int num_tests;
 static uint64_t current_seed;
 
 static void add_test(const char *name, epx_host_test_fn h, epx_gpu_test_fn g, int timeout_s,
-                     int one_gpu) {
+                     int one_gpu, int min_ranks) {
   if (num_tests == MAX_TESTS) {
     fprintf(stderr, "runner: more than %d tests; raise MAX_TESTS\n", MAX_TESTS);
     exit(2);
   }
-  tests[num_tests++] = (test_entry_t){name, h, g, timeout_s > 0 ? timeout_s : 60, one_gpu};
+  tests[num_tests++] =
+      (test_entry_t){name, h, g, timeout_s > 0 ? timeout_s : 60, one_gpu, min_ranks};
 }
 void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s) {
-  add_test(name, fn, NULL, timeout_s, 0);
+  add_test(name, fn, NULL, timeout_s, 0, 0);
 }
 void epx_test_register_one_gpu(const char *name, epx_host_test_fn fn, int timeout_s) {
-  add_test(name, fn, NULL, timeout_s, 1);
+  add_test(name, fn, NULL, timeout_s, 1, 0);
 }
-void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s) {
-  add_test(name, NULL, fn, timeout_s, 0);
+void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s, int min_ranks) {
+  add_test(name, NULL, fn, timeout_s, 0, min_ranks);
 }
 uint64_t epx_test_seed(void) {
   return current_seed;
@@ -131,7 +133,7 @@ static uint64_t initial_seed(uint64_t given, int have_given) {
 
 int main(int argc, char **argv) {
   const char *filter = NULL;
-  int rank_list[8] = {2, 4}, num_rank_list = 2, list_only = 0, have_seed = 0;
+  int rank_list[8] = {1, 2, 4}, num_rank_list = 3, list_only = 0, have_seed = 0;
   uint64_t seed = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--filter") && i + 1 < argc) {
@@ -146,7 +148,7 @@ int main(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--list")) {
       list_only = 1;
     } else {
-      fprintf(stderr, "usage: %s [--filter SUBSTR] [--ranks 2,4] [--seed N] [--list]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--filter SUBSTR] [--ranks 1,2,4] [--seed N] [--list]\n", argv[0]);
       return 2;
     }
   }
@@ -184,8 +186,13 @@ int main(int argc, char **argv) {
           continue;
         }
       } else if (!t->host_fn) {
-        if (ranks < 2 || ranks > EPX_MAX_RANKS || ranks > num_gpus) {
+        if (ranks < 1 || ranks > EPX_MAX_RANKS || ranks > num_gpus) {
           printf("[ SKIP ] %s: needs %d GPUs, %d visible\n", label, ranks, num_gpus);
+          skipped++;
+          continue;
+        }
+        if (ranks < t->min_ranks) {
+          printf("[ SKIP ] %s: needs a peer (%d+ ranks)\n", label, t->min_ranks);
           skipped++;
           continue;
         }

@@ -5,7 +5,7 @@
  * need a GPU but no group. GPU tests run once per rank in R forked processes (one per
  * GPU), each with its own NCCL communicator bootstrapped from a unique id that rank 0 creates
  * and the runner relays through pipes; CUDA is never touched before fork. A GPU test runs at
- * every rank count of --ranks (default 2,4) that the machine has GPUs for; otherwise it is
+ * every rank count of --ranks (default 1,2,4) that the machine has GPUs for; otherwise it is
  * reported as skipped, never as passed. The last line is "N passed, N failed, N skipped".
  *
  * A test returns TEST_PASS, TEST_FAIL or TEST_SKIP; the EXPECT macros print both sides and
@@ -35,7 +35,7 @@ typedef int (*epx_host_test_fn)(void);
 typedef int (*epx_gpu_test_fn)(epx_test_rank_t *t);
 
 void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s);
-void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s);
+void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s, int min_ranks);
 void epx_test_register_one_gpu(const char *name, epx_host_test_fn fn, int timeout_s);
 /* Seed of the current test (host tests too). */
 uint64_t epx_test_seed(void);
@@ -47,12 +47,18 @@ uint64_t epx_test_seed(void);
   }                                                                \
   static int name(void)
 
-#define EPX_GPU_TEST(name, timeout_s)                              \
+#define EPX_GPU_TEST_MIN_RANKS(name, min_ranks, timeout_s)         \
   static int name(epx_test_rank_t *t);                             \
   __attribute__((constructor)) static void register_##name(void) { \
-    epx_test_register_gpu(#name, name, (timeout_s));               \
+    epx_test_register_gpu(#name, name, (timeout_s), (min_ranks));  \
   }                                                                \
   static int name(epx_test_rank_t *t)
+
+/* A group test: runs at every rank count of --ranks (1 included: a one-rank group). */
+#define EPX_GPU_TEST(name, timeout_s) EPX_GPU_TEST_MIN_RANKS(name, 1, timeout_s)
+/* A group test about what peers do to each other (a missing, late or mismatched peer): it
+ * means nothing in a one-rank group, where it is skipped. */
+#define EPX_PEER_TEST(name, timeout_s) EPX_GPU_TEST_MIN_RANKS(name, 2, timeout_s)
 
 /* A test of one GPU's kernels (no group, no NCCL): runs once, in its own process, when a GPU
  * is visible, whatever --ranks says; skipped otherwise. */

@@ -56,7 +56,7 @@ EPX_GPU_TEST(group_create_destroy_100_cycles, 300) {
   return TEST_PASS;
 }
 
-EPX_GPU_TEST(group_refuses_mismatched_config, 120) {
+EPX_PEER_TEST(group_refuses_mismatched_config, 120) {
   epx_group_config_t c = gpu_test_config(64, 1024, 4 * t->num_ranks, 4);
   if (t->rank == 1) c.hidden = 2048;
   epx_group_t g = (epx_group_t)(void *)&c;
@@ -70,7 +70,7 @@ EPX_GPU_TEST(group_refuses_mismatched_config, 120) {
   return TEST_PASS;
 }
 
-EPX_GPU_TEST(group_refuses_invalid_config_on_one_rank, 120) {
+EPX_PEER_TEST(group_refuses_invalid_config_on_one_rank, 120) {
   epx_group_config_t c = gpu_test_config(64, 1024, 4 * t->num_ranks, 4);
   if (t->rank == 0) c.top_k = 0;
   epx_group_t g = NULL;
@@ -120,7 +120,7 @@ EPX_GPU_TEST(barrier_orders_peer_writes, 120) {
 
 /* The last rank skips a barrier; the others must come back with TIMEOUT naming it, within the
  * budget + 1 s, and the context must stay usable (the group can be destroyed cleanly). */
-EPX_GPU_TEST(barrier_times_out_on_missing_peer, 120) {
+EPX_PEER_TEST(barrier_times_out_on_missing_peer, 120) {
   epx_group_config_t c = gpu_test_config(64, 512, 2 * t->num_ranks, 2);
   c.timeout_ms = 500;
   epx_group_t g = NULL;

@@ -571,7 +571,7 @@ EPX_GPU_TEST(ll_bad_expert_ids, 300) {
  * returns within the budget + 1 s with PEER_FAILED naming it and the mask set; the next calls
  * take no time waiting; every result equals the reference without the dead rank. Then every
  * rank (the dead one back) clears the mask, and full calls work again. */
-EPX_GPU_TEST(ll_peer_masking, 300) {
+EPX_PEER_TEST(ll_peer_masking, 300) {
   const int me = t->rank, R = t->num_ranks, dead = R - 1;
   const int budget_ms = 1000;
   for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {

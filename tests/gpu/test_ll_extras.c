@@ -268,7 +268,7 @@ EPX_GPU_TEST(ll_separate_maxima, 300) {
   return fixture_free(&f);
 }
 
-EPX_GPU_TEST(ll_maxima_must_agree, 120) {
+EPX_PEER_TEST(ll_maxima_must_agree, 120) {
   const int R = t->num_ranks, me = t->rank;
   epx_group_config_t cfg = gpu_test_config(256, 1024, 4 * R, 4);
   cfg.modes = EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY;
@@ -314,7 +314,7 @@ static int masked_calls(epx_test_rank_t *t, const fixture_t *f, const cw_case_t 
   return TEST_PASS;
 }
 
-EPX_GPU_TEST(ll_manual_peer_mask, 300) {
+EPX_PEER_TEST(ll_manual_peer_mask, 300) {
   const int me = t->rank, R = t->num_ranks, dead = R - 1;
   for (int route = EPX_LL_ROUTE_DIRECT; route <= EPX_LL_ROUTE_DISPATCH_BY_RANK; route++) {
     uint64_t rng = t->seed;

@@ -324,18 +324,21 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   EXPECT_STATUS(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream),
                 EPX_ERR_INVALID_USAGE);
 
-  /* A payload on another GPU (the next rank's) is refused by name, nothing sent. */
-  void *other_gpu_x = NULL;
-  EXPECT_CUDA(cudaSetDevice((t->rank + 1) % t->num_ranks));
-  const cudaError_t other_alloc = cudaMalloc(&other_gpu_x, (size_t)w.M * w.H * 2);
-  EXPECT_CUDA(cudaSetDevice(t->rank));
-  EXPECT_CUDA(other_alloc);
-  epx_dispatch_args_t elsewhere = a;
-  elsewhere.x = other_gpu_x;
-  EXPECT_STATUS(epx_dispatch(g, h, &elsewhere, &res, t->stream), EPX_ERR_INVALID_ARGUMENT);
-  EXPECTF(strstr(epx_last_error(), "args->x") && strstr(epx_last_error(), "current GPU"),
-          "message: %s", epx_last_error());
-  EXPECT_CUDA(cudaFree(other_gpu_x));
+  /* A payload on another GPU (the next rank's) is refused by name, nothing sent. A one-rank
+   * group has no other GPU to try. */
+  if (t->num_ranks > 1) {
+    void *other_gpu_x = NULL;
+    EXPECT_CUDA(cudaSetDevice((t->rank + 1) % t->num_ranks));
+    const cudaError_t other_alloc = cudaMalloc(&other_gpu_x, (size_t)w.M * w.H * 2);
+    EXPECT_CUDA(cudaSetDevice(t->rank));
+    EXPECT_CUDA(other_alloc);
+    epx_dispatch_args_t elsewhere = a;
+    elsewhere.x = other_gpu_x;
+    EXPECT_STATUS(epx_dispatch(g, h, &elsewhere, &res, t->stream), EPX_ERR_INVALID_ARGUMENT);
+    EXPECTF(strstr(epx_last_error(), "args->x") && strstr(epx_last_error(), "current GPU"),
+            "message: %s", epx_last_error());
+    EXPECT_CUDA(cudaFree(other_gpu_x));
+  }
 
   /* The group still works, even with a CUDA error the application left pending (a failed
    * allocation): EPX must not take it for its own after queuing its kernels (issue 14). */
@@ -421,7 +424,7 @@ EPX_GPU_TEST(normal_bad_id_then_combine, 120) {
 
 /* The last rank skips a combine: the others return, within the budget + 1 s, with TIMEOUT in
  * stage COMBINE naming it. */
-EPX_GPU_TEST(normal_combine_times_out, 120) {
+EPX_PEER_TEST(normal_combine_times_out, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"timeout", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
@@ -461,7 +464,7 @@ EPX_GPU_TEST(normal_combine_times_out, 120) {
 /* The last rank skips a dispatch with sync_counts = 1: the others' epx_dispatch returns
  * EPX_ERR_TIMEOUT (not EPX_OK with num_recv = 0) with num_recv = -1, and the record names the
  * stage NOTIFY and the missing rank. */
-EPX_GPU_TEST(normal_dispatch_count_timeout_is_returned, 120) {
+EPX_PEER_TEST(normal_dispatch_count_timeout_is_returned, 120) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const normal_case_t c = {"timeout", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
@@ -498,7 +501,7 @@ EPX_GPU_TEST(normal_dispatch_count_timeout_is_returned, 120) {
  * that call (control notify_abort), so it fails too instead of returning rows its peers placed
  * with counts they never had (85 of 158 rows wrong, EPX_OK, before). Then every rank clears the
  * error and the next dispatch and combine are right. */
-EPX_GPU_TEST(normal_late_rank_gets_an_error, 120) {
+EPX_PEER_TEST(normal_late_rank_gets_an_error, 120) {
   const int R = t->num_ranks, me = t->rank, late = R - 1;
   uint64_t rng = t->seed;
   const normal_case_t c = {"late", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};

@@ -90,7 +90,7 @@ EPX_HOST_TEST(config_validation_names_the_field, 10) {
       {"ll_route", 4, F(ll_route), 4, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"ll_route", 4, F(ll_route), -1, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"hidden", 4, F(hidden), 1000, F(modes), EPX_MODE_LOW_LATENCY, EPX_ERR_INVALID_ARGUMENT},
-      {"num_ranks", 1, NONE, 0, NONE, 0, EPX_ERR_UNSUPPORTED},
+      {"num_ranks", 0, NONE, 0, NONE, 0, EPX_ERR_UNSUPPORTED},
       {"num_ranks", EPX_MAX_RANKS + 1, F(num_experts), 18, NONE, 0, EPX_ERR_UNSUPPORTED},
       {"config.size", 4, F(size), 4, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"config.size", 4, F(size), sizeof(epx_group_config_t) + 8, NONE, 0, EPX_ERR_UNSUPPORTED},
@@ -123,6 +123,7 @@ EPX_HOST_TEST(config_validation_names_the_field, 10) {
   EXPECT_STATUS(epx_config_validate(NULL, 4), EPX_ERR_INVALID_ARGUMENT);
   epx_group_config_t ok = small_config();
   EXPECT_OK(epx_config_validate(&ok, 2));
+  EXPECT_OK(epx_config_validate(&ok, 1)); /* a one-rank group (one GPU) is a group too */
   EXPECT_OK(epx_config_validate(&ok, 4));
   EXPECT_OK(epx_config_validate(&ok, 8));
   return TEST_PASS;

@@ -43,7 +43,7 @@ Semantics kept from DeepEP
   layout_range [L, R] int64, num_max_dispatch_tokens_per_rank, hidden, num_experts)``.
 
 Refused (NotImplementedError naming the feature): more than one host / internode RDMA, MNNVL and
-fabric memory, LogFMT combine, NVFP4 dispatch, mpi4py communicators, groups outside 2..8 ranks.
+fabric memory, LogFMT combine, NVFP4 dispatch, mpi4py communicators, groups outside 1..8 ranks.
 Accepted and ignored: ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, every
 ``Config`` (chunk sizes and SM count; the SM count of the normal group is ``Buffer.num_sms`` at
 its creation), ``num_tokens_per_rdma_rank``, ``dispatch_wait_recv_cost_stats`` and
@@ -265,7 +265,7 @@ class _CommCall:
 
 
 class Buffer:
-    """DeepEP V1's communication buffer, on EPX (one host, 2..8 GPUs on NVLink).
+    """DeepEP V1's communication buffer, on EPX (one host, 1..8 GPUs on NVLink).
 
     Attributes (as DeepEP's): ``num_sms`` (class-wide SM budget of normal-mode kernels, read when
     the normal group is created; default 24), ``rank``, ``group_size``, ``group``,
@@ -311,8 +311,8 @@ class Buffer:
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
-        if not 2 <= self.group_size <= EPX_MAX_RANKS:
-            raise NotImplementedError(f"Buffer: the group has {self.group_size} ranks: EPX groups have 2..{EPX_MAX_RANKS} "
+        if not 1 <= self.group_size <= EPX_MAX_RANKS:
+            raise NotImplementedError(f"Buffer: the group has {self.group_size} ranks: EPX groups have 1..{EPX_MAX_RANKS} "
                                       f"ranks on one host")
         self._check_one_host()
 
