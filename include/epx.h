@@ -754,6 +754,60 @@ epx_status_t epx_experts_ffn_workspace_size(const epx_experts_t *experts, int nu
 epx_status_t epx_experts_ffn(const epx_experts_t *experts, const epx_experts_ffn_args_t *args,
                              cudaStream_t stream);
 
+/* ---------------------------------------------------------------------------------------------
+ * MoE layer at decode (docs/moe.md): router output to layer output in one call, on a group
+ * with low-latency mode. Runs epx_ll_dispatch (packed layout, the tokens' weights given to the
+ * dispatch), epx_experts_ffn on the received rows with its output written straight into the
+ * dispatch's combine buffer, and epx_ll_combine (zero copy):
+ *   out[t] = sum over t's valid top-k slots k of w[t][k] * FFN_{e_k}(x[t])
+ * with x[t] as the dispatch delivers it (BF16, or FP8 with per-128-channel scales). No host
+ * synchronization; capturable in a CUDA graph.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct epx_moe_args {
+  size_t size;                /* sizeof(epx_moe_args_t); set by EPX_MOE_ARGS_INIT */
+  const void *x;              /* [IN] [T, H] BF16, 16-byte aligned */
+  const void *topk_idx;       /* [IN] [T, K] expert ids, -1 = empty slot */
+  epx_dtype_t topk_idx_dtype; /* EPX_DTYPE_INT64 or EPX_DTYPE_INT32 */
+  const float *topk_weights;  /* [IN] [T, K] float32 gate weights, or NULL (all 1) */
+  int num_tokens;             /* T, 0..ll_max_tokens_per_rank */
+  epx_dtype_t dispatch_dtype; /* EPX_DTYPE_BF16, or EPX_DTYPE_FP8_E4M3 (quantized on the fly,
+                                 half the bytes on the wire; FP8 weights only) */
+  void *out;                  /* [OUT] [T, H] BF16, 16-byte aligned */
+  void *workspace;            /* device scratch of epx_moe_workspace_size bytes, 256-byte
+                                 aligned; not shared by two calls in flight */
+  size_t workspace_bytes;
+} epx_moe_args_t;
+
+#define EPX_MOE_ARGS_INIT                                                                   \
+  {                                                                                         \
+    sizeof(epx_moe_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, EPX_DTYPE_BF16, NULL, NULL, \
+        0                                                                                   \
+  }
+
+/* epx_moe_workspace_size - scratch bytes epx_moe_decode needs on this group with these
+ * experts: the FFN's intermediate rows for every row the dispatch can deliver (L x R x M,
+ * M = ll_max_tokens_per_rank). Local; no GPU work.
+ * Returns EPX_OK; EPX_ERR_INVALID_ARGUMENT naming the field; EPX_ERR_INVALID_USAGE (group
+ * without low-latency mode); EPX_ERR_UNSUPPORTED (FP8 dispatch with BF16 weights). */
+epx_status_t epx_moe_workspace_size(epx_group_t group, const epx_experts_t *experts,
+                                    epx_dtype_t dispatch_dtype, size_t *bytes);
+
+/* epx_moe_decode - one MoE layer at decode size: dispatch, the local experts' SwiGLU FFN,
+ * combine. COLLECTIVE like epx_ll_dispatch (every rank calls it, T may be 0, in the same order
+ * as the group's other low-latency calls); ordered on stream; no host synchronization;
+ * capturable. experts holds this rank's L = E/R experts (expert r*L + j is this rank's j) with
+ * the group's hidden size. Uses one of the group's two low-latency buffers, as a dispatch and
+ * its combine do; the rows it received are not returned.
+ * Every argument is checked before anything is queued, identically on every rank for the
+ * group's shape, so a refused call leaves no peer waiting.
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument; EPX_ERR_UNSUPPORTED
+ * (route DIRECT, which has no packed layout; FP8 dispatch with BF16 weights);
+ * EPX_ERR_INVALID_USAGE (as epx_ll_dispatch); asynchronous errors as epx_ll_dispatch and
+ * epx_ll_combine. */
+epx_status_t epx_moe_decode(epx_group_t group, const epx_experts_t *experts,
+                            const epx_moe_args_t *args, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -10,6 +10,7 @@
 
 #include "arg_check.h"
 #include "checks.h"
+#include "experts.h"
 #include "kernels/api.h"
 
 #define WS_ALIGN 256
@@ -85,6 +86,22 @@ EPX_EXPORT epx_status_t epx_experts_ffn_workspace_size(const epx_experts_t *expe
   return EPX_OK;
 }
 
+static epx_status_t check_weight_pointers(const char *fn, const epx_experts_t *w) {
+  EPX_CHECK(epx__check_device_ptr(fn, "experts->gate_up", w->gate_up, 16));
+  EPX_CHECK(epx__check_device_ptr(fn, "experts->down", w->down, 16));
+  if (w->weight_dtype == EPX_DTYPE_FP8_E4M3) {
+    EPX_CHECK(epx__check_device_ptr(fn, "experts->gate_up_scales", w->gate_up_scales, 4));
+    EPX_CHECK(epx__check_device_ptr(fn, "experts->down_scales", w->down_scales, 4));
+  }
+  return EPX_OK;
+}
+
+epx_status_t epx__experts_check(const char *fn, const epx_experts_t *w, epx_dtype_t x_dtype) {
+  EPX_CHECK(check_experts_shape(fn, w));
+  EPX_CHECK(check_x_dtype(fn, w, x_dtype));
+  return check_weight_pointers(fn, w);
+}
+
 /* [p, p + n) and [q, q + m) share a byte. */
 static int overlaps(const void *p, size_t n, const void *q, size_t m) {
   const uintptr_t a = (uintptr_t)p, b = (uintptr_t)q;
@@ -99,7 +116,6 @@ static epx_status_t check_args(const char *fn, const epx_experts_t *w,
                                    "EPX_EXPERTS_FFN_ARGS_INIT"));
   EPX_CHECK(check_x_dtype(fn, w, a->x_dtype));
   EPX_ARG_CHECK(a->num_rows >= 0, "%s: args->num_rows = %d: must be at least 0", fn, a->num_rows);
-  const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
   const size_t rows = (size_t)a->num_rows, E = (size_t)w->num_experts;
   if (!a->expert_begin)
     EPX_ARG_CHECK(a->rows_per_expert >= 0 && (size_t)a->rows_per_expert * E <= rows,
@@ -118,12 +134,7 @@ static epx_status_t check_args(const char *fn, const epx_experts_t *w,
     EPX_CHECK(epx__check_device_ptr(fn, "args->expert_begin", a->expert_begin, 4));
   if (a->x_dtype == EPX_DTYPE_FP8_E4M3)
     EPX_CHECK(epx__check_device_ptr(fn, "args->x_scales", a->x_scales, 4));
-  EPX_CHECK(epx__check_device_ptr(fn, "experts->gate_up", w->gate_up, 16));
-  EPX_CHECK(epx__check_device_ptr(fn, "experts->down", w->down, 16));
-  if (fp8) {
-    EPX_CHECK(epx__check_device_ptr(fn, "experts->gate_up_scales", w->gate_up_scales, 4));
-    EPX_CHECK(epx__check_device_ptr(fn, "experts->down_scales", w->down_scales, 4));
-  }
+  EPX_CHECK(check_weight_pointers(fn, w));
   EPX_ARG_CHECK(!overlaps(a->x, x_bytes, a->out, out_bytes),
                 "%s: args->out = %p: overlaps args->x (%p); the down projection would overwrite "
                 "rows the gate and up projections of other CTAs still read",

@@ -251,13 +251,28 @@ class epx_experts_ffn_args_t(ctypes.Structure):
     ]
 
 
+class epx_moe_args_t(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("x", _ptr),
+        ("topk_idx", _ptr),
+        ("topk_idx_dtype", c_enum),
+        ("topk_weights", _ptr),
+        ("num_tokens", ctypes.c_int),
+        ("dispatch_dtype", c_enum),
+        ("out", _ptr),
+        ("workspace", _ptr),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
 # Every struct of epx.h, by its C name (the layout test walks this).
 STRUCTS = {
     cls.__name__: cls
     for cls in (epx_group_config_t, epx_workspace_sizes_t, epx_async_error_t, epx_layout_args_t,
                 epx_dispatch_args_t, epx_dispatch_result_t, epx_combine_args_t, epx_ll_hook_t,
                 epx_ll_dispatch_args_t, epx_ll_dispatch_result_t, epx_ll_combine_args_t,
-                epx_trace_summary_t, epx_experts_t, epx_experts_ffn_args_t)
+                epx_trace_summary_t, epx_experts_t, epx_experts_ffn_args_t, epx_moe_args_t)
 }
 
 
@@ -304,6 +319,11 @@ def EPX_EXPERTS_FFN_ARGS_INIT():
                                   x_dtype=EPX_DTYPE_BF16)
 
 
+def EPX_MOE_ARGS_INIT():
+    return epx_moe_args_t(size=ctypes.sizeof(epx_moe_args_t), topk_idx_dtype=EPX_DTYPE_INT64,
+                          dispatch_dtype=EPX_DTYPE_BF16)
+
+
 INITS = {
     "EPX_GROUP_CONFIG_INIT": (epx_group_config_t, EPX_GROUP_CONFIG_INIT),
     "EPX_WORKSPACE_SIZES_INIT": (epx_workspace_sizes_t, EPX_WORKSPACE_SIZES_INIT),
@@ -314,6 +334,7 @@ INITS = {
     "EPX_LL_COMBINE_ARGS_INIT": (epx_ll_combine_args_t, EPX_LL_COMBINE_ARGS_INIT),
     "EPX_EXPERTS_INIT": (epx_experts_t, EPX_EXPERTS_INIT),
     "EPX_EXPERTS_FFN_ARGS_INIT": (epx_experts_ffn_args_t, EPX_EXPERTS_FFN_ARGS_INIT),
+    "EPX_MOE_ARGS_INIT": (epx_moe_args_t, EPX_MOE_ARGS_INIT),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -402,6 +423,8 @@ PROTOTYPES = {
     "epx_experts_ffn_workspace_size": (c_enum, [P(epx_experts_t), ctypes.c_int, c_enum,
                                                 _c_size_t_p]),
     "epx_experts_ffn": (c_enum, [P(epx_experts_t), P(epx_experts_ffn_args_t), _stream]),
+    "epx_moe_workspace_size": (c_enum, [_group, P(epx_experts_t), c_enum, _c_size_t_p]),
+    "epx_moe_decode": (c_enum, [_group, P(epx_experts_t), P(epx_moe_args_t), _stream]),
 }
 
 for _name, (_restype, _argtypes) in PROTOTYPES.items():

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "common/runner.h"
+#include "gpu/experts_data.h"
 #include "epx.h"
 #include "ref/epx_ref.h"
 #include "ref/epx_ref_experts.h"
@@ -33,11 +34,7 @@ typedef struct {
 
 /* Host and device copies of one case's weights and inputs. */
 typedef struct {
-  epx_ref_experts_t ref;
-  epx_experts_t dev;
-  uint16_t *gu16, *dn16;
-  uint8_t *gu8, *dn8;
-  float *gus, *dns;
+  experts_data_t w;
   void *x;   /* host x: BF16, or FP8 codes */
   float *xs; /* host FP8 x scales */
   void *x_dev;
@@ -48,21 +45,6 @@ typedef struct {
   size_t ws_bytes;
 } ffn_data_t;
 
-static float uniform(uint64_t *s, float lo, float hi) {
-  return lo + (hi - lo) * epx_test_rand_unit(s);
-}
-
-static void fill_bf16(uint16_t *p, size_t n, float amp, uint64_t *s) {
-  for (size_t i = 0; i < n; i++) p[i] = epx_ref_bf16_from_float(uniform(s, -amp, amp));
-}
-
-/* FP8 weights: codes of U(-448, 448), block scales U(0.5, 1.5) / (448 sqrt(K)). */
-static void fill_fp8(uint8_t *p, float *scales, size_t n, size_t num_scales, int k, uint64_t *s) {
-  for (size_t i = 0; i < n; i++) p[i] = epx_ref_fp8_from_float(uniform(s, -448.f, 448.f));
-  for (size_t i = 0; i < num_scales; i++)
-    scales[i] = uniform(s, 0.5f, 1.5f) / (448.f * sqrtf((float)k));
-}
-
 static int upload(void **dev, const void *host, size_t bytes) {
   EXPECT_CUDA(cudaMalloc(dev, bytes > 0 ? bytes : 16));
   if (bytes) EXPECT_CUDA(cudaMemcpy(*dev, host, bytes, cudaMemcpyHostToDevice));
@@ -70,10 +52,8 @@ static int upload(void **dev, const void *host, size_t bytes) {
 }
 
 static void data_free(ffn_data_t *d) {
-  free(d->gu16), free(d->dn16), free(d->gu8), free(d->dn8), free(d->gus), free(d->dns);
+  experts_data_free(&d->w);
   free(d->x), free(d->xs);
-  cudaFree((void *)d->dev.gate_up), cudaFree((void *)d->dev.down);
-  cudaFree((void *)d->dev.gate_up_scales), cudaFree((void *)d->dev.down_scales);
   cudaFree(d->x_dev), cudaFree(d->xs_dev), cudaFree(d->out_dev);
   cudaFree(d->count_dev), cudaFree(d->begin_dev), cudaFree(d->ws);
   memset(d, 0, sizeof *d);
@@ -81,37 +61,11 @@ static void data_free(ffn_data_t *d) {
 
 static int data_make(const ffn_case_t *c, uint64_t *s, ffn_data_t *d) {
   memset(d, 0, sizeof *d);
-  const size_t E = c->E, H = c->H, I = c->I, rows = c->num_rows;
-  const size_t n_gu = E * 2 * I * H, n_dn = E * H * I;
-  d->ref = (epx_ref_experts_t){c->E, c->H, c->I, c->fp8, NULL, NULL, NULL, NULL, NULL, NULL};
-  d->dev = (epx_experts_t)EPX_EXPERTS_INIT;
-  d->dev.num_experts = c->E, d->dev.hidden = c->H, d->dev.intermediate = c->I;
-  d->dev.weight_dtype = c->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
-  if (!c->fp8) {
-    d->gu16 = malloc(n_gu * 2), d->dn16 = malloc(n_dn * 2);
-    EXPECT(d->gu16 && d->dn16);
-    fill_bf16(d->gu16, n_gu, 1.f / sqrtf((float)H), s);
-    fill_bf16(d->dn16, n_dn, 1.f / sqrtf((float)I), s);
-    d->ref.gate_up_bf16 = d->gu16, d->ref.down_bf16 = d->dn16;
-    EXPECT(upload((void **)&d->dev.gate_up, d->gu16, n_gu * 2) == TEST_PASS);
-    EXPECT(upload((void **)&d->dev.down, d->dn16, n_dn * 2) == TEST_PASS);
-  } else {
-    const size_t s_gu = E * (2 * I / 128) * (H / 128), s_dn = E * (H / 128) * (I / 128);
-    d->gu8 = malloc(n_gu), d->dn8 = malloc(n_dn);
-    d->gus = malloc(s_gu * 4), d->dns = malloc(s_dn * 4);
-    EXPECT(d->gu8 && d->dn8 && d->gus && d->dns);
-    fill_fp8(d->gu8, d->gus, n_gu, s_gu, c->H, s);
-    fill_fp8(d->dn8, d->dns, n_dn, s_dn, c->I, s);
-    d->ref.gate_up_fp8 = d->gu8, d->ref.down_fp8 = d->dn8;
-    d->ref.gate_up_scales = d->gus, d->ref.down_scales = d->dns;
-    EXPECT(upload((void **)&d->dev.gate_up, d->gu8, n_gu) == TEST_PASS);
-    EXPECT(upload((void **)&d->dev.down, d->dn8, n_dn) == TEST_PASS);
-    EXPECT(upload((void **)&d->dev.gate_up_scales, d->gus, s_gu * 4) == TEST_PASS);
-    EXPECT(upload((void **)&d->dev.down_scales, d->dns, s_dn * 4) == TEST_PASS);
-  }
+  const size_t E = c->E, H = c->H, rows = c->num_rows;
+  EXPECT(experts_data_make(c->E, c->H, c->I, c->fp8, 1, s, &d->w) == TEST_PASS);
   uint16_t *x16 = malloc(rows * H * 2 + 2);
   EXPECT(x16);
-  fill_bf16(x16, rows * H, 2.f, s);
+  experts_fill_bf16(x16, rows * H, 2.f, s);
   if (c->x_fp8) {
     d->x = malloc(rows * H + 1), d->xs = malloc(rows * (H / 128) * 4 + 4);
     EXPECT(d->x && d->xs);
@@ -127,7 +81,7 @@ static int data_make(const ffn_case_t *c, uint64_t *s, ffn_data_t *d) {
   EXPECT(upload((void **)&d->count_dev, c->count, E * 4) == TEST_PASS);
   if (c->begin) EXPECT(upload((void **)&d->begin_dev, c->begin, E * 4) == TEST_PASS);
   EXPECT_OK(epx_experts_ffn_workspace_size(
-      &d->dev, c->num_rows, c->x_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, &d->ws_bytes));
+      &d->w.dev, c->num_rows, c->x_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, &d->ws_bytes));
   EXPECT_CUDA(cudaMalloc(&d->ws, d->ws_bytes + 256));
   return TEST_PASS;
 }
@@ -167,7 +121,7 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
   EXPECT_CUDA(cudaMemcpy(got, d->out_dev, n * 2, cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < n; i++) want[i] = SENTINEL;
   epx_ref_experts_rows(c->E, c->num_rows, count, c->begin, c->rows_per_expert, first, rows);
-  EXPECT(epx_ref_experts_ffn(&d->ref, d->x, c->x_fp8, d->xs, c->num_rows, first, rows, want) == 0);
+  EXPECT(epx_ref_experts_ffn(&d->w.ref, d->x, c->x_fp8, d->xs, c->num_rows, first, rows, want) == 0);
   double sq = 0;
   long long covered_vals = 0;
   for (int e = 0; e < c->E; e++)
@@ -217,7 +171,7 @@ static int run_case(const ffn_case_t *c) {
   if (rc == TEST_PASS) rc = fill_sentinel(c, &d);
   if (rc == TEST_PASS) {
     epx_experts_ffn_args_t a = args_of(c, &d);
-    epx_status_t st = epx_experts_ffn(&d.dev, &a, 0);
+    epx_status_t st = epx_experts_ffn(&d.w.dev, &a, 0);
     if (st != EPX_OK) {
       fprintf(stderr, "  %s: epx_experts_ffn: %s\n", c->name, epx_last_error());
       rc = TEST_FAIL;
@@ -286,7 +240,7 @@ EPX_ONE_GPU_TEST(experts_ffn_graph_reads_counts_on_device, 120) {
     EXPECT_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     epx_experts_ffn_args_t a = args_of(&c, &d);
     EXPECT_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    EXPECT_OK(epx_experts_ffn(&d.dev, &a, st));
+    EXPECT_OK(epx_experts_ffn(&d.w.dev, &a, st));
     EXPECT_CUDA(cudaStreamEndCapture(st, &graph));
     EXPECT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
     EXPECT(fill_sentinel(&c, &d) == TEST_PASS);
@@ -312,17 +266,17 @@ EPX_ONE_GPU_TEST(experts_ffn_refuses_bad_arguments, 60) {
   ffn_data_t d;
   EXPECT(data_make(&c, &s, &d) == TEST_PASS);
   epx_experts_ffn_args_t a = args_of(&c, &d);
-  epx_experts_t w = d.dev;
+  epx_experts_t w = d.w.dev;
   size_t bytes;
 
   w.hidden = 200;
   EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
   EXPECT(strstr(epx_last_error(), "experts->hidden"));
-  w = d.dev, w.size = 8;
+  w = d.w.dev, w.size = 8;
   EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
-  w = d.dev, w.weight_dtype = EPX_DTYPE_INT32;
+  w = d.w.dev, w.weight_dtype = EPX_DTYPE_INT32;
   EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_INVALID_ARGUMENT);
-  w = d.dev;
+  w = d.w.dev;
   a.x_dtype = EPX_DTYPE_FP8_E4M3;
   EXPECT_STATUS(epx_experts_ffn(&w, &a, 0), EPX_ERR_UNSUPPORTED);
   EXPECT_STATUS(epx_experts_ffn_workspace_size(&w, 16, EPX_DTYPE_FP8_E4M3, &bytes),

@@ -1,0 +1,124 @@
+/*
+ * moe.c - epx_moe_decode: one MoE layer at decode size on a low-latency group, as three
+ * stream-ordered steps (docs/moe.md):
+ *   epx_ll_dispatch (packed layout, the tokens' weights)  ->  epx_experts_ffn (masked layout,
+ *   written into the dispatch's combine buffer)  ->  epx_ll_combine (zero copy).
+ *
+ * Invariant: everything a step could refuse is checked before the dispatch is queued, from
+ * arguments every rank passes alike for the group's shape; once the dispatch is queued its
+ * combine is always queued too, so no peer is left waiting for this rank's rows.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "arg_check.h"
+#include "checks.h"
+#include "experts.h"
+#include "group.h"
+#include "registry.h"
+
+#define WS_ALIGN 256
+
+/* The group's low-latency mode and the experts' fit with it; *rows = the rows a dispatch can
+ * deliver (L x R x M), the FFN's row count. */
+static epx_status_t check_layer(const char *fn, epx_group_t g, const epx_experts_t *w,
+                                epx_dtype_t dispatch_dtype, int *rows) {
+  EPX_CHECK(epx__group_check(g));
+  if (!(g->config.modes & EPX_MODE_LOW_LATENCY))
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the group was created without EPX_MODE_LOW_LATENCY in config.modes",
+                          fn);
+  EPX_ARG_CHECK(dispatch_dtype == EPX_DTYPE_BF16 || dispatch_dtype == EPX_DTYPE_FP8_E4M3,
+                "%s: dispatch_dtype = %d: must be EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3", fn,
+                (int)dispatch_dtype);
+  EPX_CHECK(epx__experts_check(fn, w, dispatch_dtype));
+  const int L = g->config.num_experts / g->num_ranks;
+  EPX_ARG_CHECK(w->num_experts == L,
+                "%s: experts->num_experts = %d: must be the group's local experts, "
+                "num_experts / num_ranks = %d",
+                fn, w->num_experts, L);
+  EPX_ARG_CHECK(w->hidden == g->config.hidden,
+                "%s: experts->hidden = %d: must be the group's config.hidden = %d", fn, w->hidden,
+                g->config.hidden);
+  if (g->config.ll_route == EPX_LL_ROUTE_DIRECT)
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "%s: the group's ll_route is EPX_LL_ROUTE_DIRECT, which has no packed "
+                          "layout; the layer needs BY_RANK or DISPATCH_BY_RANK (the default)",
+                          fn);
+  const size_t total = (size_t)L * g->layout.ll_rows;
+  if (total > (size_t)(1 << 30))
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "%s: %zu receive rows (local experts x ranks x ll_max_tokens_per_rank): "
+                          "at most 2^30",
+                          fn, total);
+  *rows = (int)total;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_moe_workspace_size(epx_group_t g, const epx_experts_t *experts,
+                                               epx_dtype_t dispatch_dtype, size_t *bytes) {
+  static const char fn[] = "epx_moe_workspace_size";
+  int rows = 0;
+  EPX_CHECK(check_layer(fn, g, experts, dispatch_dtype, &rows));
+  EPX_CHECK(epx__check_not_null(fn, "bytes", bytes));
+  return epx_experts_ffn_workspace_size(experts, rows, dispatch_dtype, bytes);
+}
+
+EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *experts,
+                                       const epx_moe_args_t *a, cudaStream_t stream) {
+  static const char fn[] = "epx_moe_decode";
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(
+      epx__check_struct_size(fn, "args", a->size, sizeof(epx_moe_args_t), "EPX_MOE_ARGS_INIT"));
+  int rows = 0;
+  EPX_CHECK(check_layer(fn, g, experts, a->dispatch_dtype, &rows));
+  size_t need = 0;
+  EPX_CHECK(epx_experts_ffn_workspace_size(experts, rows, a->dispatch_dtype, &need));
+  EPX_CHECK(epx__check_device_ptr(fn, "args->workspace", a->workspace, WS_ALIGN));
+  EPX_ARG_CHECK(a->workspace_bytes >= need,
+                "%s: args->workspace_bytes = %zu: must be at least %zu (epx_moe_workspace_size)",
+                fn, a->workspace_bytes, need);
+  if (a->num_tokens > 0) EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));
+
+  /* 1. Dispatch: checks its own arguments (x, ids, weights, token count, a pending split on the
+   * buffer) before it queues anything. */
+  epx_ll_dispatch_args_t d = EPX_LL_DISPATCH_ARGS_INIT;
+  d.x = a->x;
+  d.topk_idx = a->topk_idx;
+  d.topk_idx_dtype = a->topk_idx_dtype;
+  d.topk_weights = a->topk_weights; /* applied where the route sums: no combine-time weights */
+  d.num_tokens = a->num_tokens;
+  d.recv_dtype = a->dispatch_dtype;
+  d.packed = 1; /* expert j's rows from row 0: the FFN's masked layout */
+  epx_ll_dispatch_result_t res;
+  EPX_CHECK(epx_ll_dispatch(g, &d, &res, stream));
+
+  /* 2. The local experts on every row the dispatch can deliver; each expert's count is read on
+   * the device, so only received rows are computed. */
+  epx_experts_ffn_args_t f = EPX_EXPERTS_FFN_ARGS_INIT;
+  f.x = res.recv_x;
+  f.x_dtype = a->dispatch_dtype;
+  f.x_scales = res.recv_x_scales;
+  f.num_rows = rows;
+  f.expert_count = res.recv_count;
+  f.rows_per_expert = res.rows_per_expert;
+  f.out = res.combine_input;
+  f.workspace = a->workspace;
+  f.workspace_bytes = a->workspace_bytes;
+  const epx_status_t ffn = epx_experts_ffn(experts, &f, stream);
+  char ffn_message[512] = "";
+  if (ffn != EPX_OK) snprintf(ffn_message, sizeof ffn_message, "%s", epx_last_error());
+
+  /* 3. Combine, queued even if the FFN failed: the peers wait for this rank's rows. The call
+   * then returns the FFN's error. */
+  epx_ll_combine_args_t c = EPX_LL_COMBINE_ARGS_INIT;
+  c.dispatch = &res;
+  c.x = NULL; /* the FFN wrote combine_input */
+  c.out = a->out;
+  const epx_status_t combine = epx_ll_combine(g, &c, stream);
+  if (ffn != EPX_OK) /* the first failure is the one to report */
+    return epx__set_error(ffn, "%s: the experts' FFN failed after the dispatch was queued (the "
+                               "combine was queued so that no peer waits): %s",
+                          fn, ffn_message);
+  return combine;
+}

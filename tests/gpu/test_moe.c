@@ -1,0 +1,269 @@
+/*
+ * test_moe.c - epx_moe_decode (the MoE layer at decode) against its composed CPU oracle
+ * (tests/ref/epx_ref_moe.h: the step oracles of dispatch, experts' FFN and combine), on fresh
+ * random worlds and experts drawn from the test seed (every rank draws every rank's experts,
+ * uploads its own).
+ *
+ *   moe_decode_matches_reference  BF16 weights; FP8 weights with BF16 rows (quantized by the
+ *                                 FFN) and with FP8 rows (quantized by the dispatch); routings
+ *                                 uniform, holes, duplicates, all to one expert, all empty, a
+ *                                 rank with no token, uneven token counts; three calls per
+ *                                 case (both low-latency buffers, and back)
+ *   moe_decode_graph_replay       one call captured in a CUDA graph, replayed on two new worlds
+ *                                 of the same shape (inputs copied into the captured buffers)
+ *   moe_decode_refusals           bad arguments refused by name on every rank with nothing
+ *                                 queued (no peer waits), then a call that is right
+ *
+ * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.02 x
+ * rms(FFN rows) x sum |w| (the FFN test's bound carried through the weighted sum, plus the
+ * combine's float32 rounding); a wrong row, expert or weight is off by about rms x |w|.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu/experts_data.h"
+#include "gpu/gpu_util.h"
+#include "gpu/world.h"
+#include "ref/epx_ref_moe.h"
+
+typedef struct {
+  const char *name;
+  world_spec_t world; /* experts: local experts L x R (the spec's count is per rank here) */
+  int I, fp8_weights, fp8_dispatch;
+} moe_case_t;
+
+/* A group, every rank's experts (host) and this rank's (device), inputs, output, workspace. */
+typedef struct {
+  world_t w;
+  experts_data_t ex[EPX_MAX_RANKS];
+  epx_ref_experts_t ref[EPX_MAX_RANKS];
+  epx_group_t g;
+  world_dev_t d;
+  void *ws;
+  size_t ws_bytes;
+} moe_fixture_t;
+
+static int fixture_make(epx_test_rank_t *t, const moe_case_t *c, uint64_t *rng, moe_fixture_t *f) {
+  const int R = t->num_ranks;
+  memset(f, 0, sizeof *f);
+  world_spec_t spec = c->world;
+  spec.experts = c->world.experts * R;
+  world_make(&f->w, R, &spec, WORLD_LL, rng);
+  for (int r = 0; r < R; r++) {
+    if (experts_data_make(f->w.L, f->w.H, c->I, c->fp8_weights, r == t->rank, rng, &f->ex[r]) !=
+        TEST_PASS)
+      return TEST_FAIL;
+    f->ref[r] = f->ex[r].ref;
+  }
+  epx_group_config_t cfg = gpu_test_config(f->w.M, f->w.H, f->w.E, f->w.K);
+  cfg.modes = EPX_MODE_LOW_LATENCY;
+  cfg.dtypes = EPX_DTYPE_BF16 | (c->fp8_dispatch ? EPX_DTYPE_FP8_E4M3 : 0);
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &f->g));
+  if (world_dev_make(&f->w, t->rank, 1, &f->d) != TEST_PASS) return TEST_FAIL;
+  const epx_dtype_t dt = c->fp8_dispatch ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  EXPECT_OK(epx_moe_workspace_size(f->g, &f->ex[t->rank].dev, dt, &f->ws_bytes));
+  EXPECT_CUDA(cudaMalloc(&f->ws, f->ws_bytes));
+  return TEST_PASS;
+}
+
+static int fixture_free(moe_fixture_t *f) {
+  for (int r = 0; r < f->w.R; r++) experts_data_free(&f->ex[r]);
+  EXPECT_CUDA(cudaFree(f->ws));
+  world_dev_free(&f->d);
+  world_free(&f->w);
+  EXPECT_OK(epx_group_destroy(f->g));
+  return TEST_PASS;
+}
+
+static epx_moe_args_t args_of(const moe_fixture_t *f, const moe_case_t *c, int me) {
+  epx_moe_args_t a = EPX_MOE_ARGS_INIT;
+  a.x = f->d.x;
+  a.topk_idx = f->d.idx;
+  a.topk_weights = (const float *)f->d.w;
+  a.num_tokens = f->w.ranks[me].num_tokens;
+  a.dispatch_dtype = c->fp8_dispatch ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  a.out = f->d.out;
+  a.workspace = f->ws;
+  a.workspace_bytes = f->ws_bytes;
+  return a;
+}
+
+/* This rank's output (device) against the oracle of world w. */
+static int check_out(const moe_fixture_t *f, const world_t *w, const moe_case_t *c, int me,
+                     const char *label) {
+  const int T = w->ranks[me].num_tokens, H = w->H, K = w->K;
+  const size_t n = (size_t)T * H;
+  double *want = malloc(sizeof(double) * (n + 1)), *mag = malloc(sizeof(double) * (n + 1)), rms;
+  uint16_t *got = malloc(n * 2 + 2);
+  EXPECT(want && mag && got);
+  EXPECT(epx_ref_moe_decode(&w->ref, f->ref, w->M, c->fp8_dispatch, me, want, mag, &rms) == 0);
+  EXPECT_CUDA(cudaMemcpy(got, f->d.out, n * 2, cudaMemcpyDeviceToHost));
+  double worst = 0;
+  int rc = TEST_PASS;
+  for (int t = 0; t < T && rc == TEST_PASS; t++) {
+    double wsum = 0;
+    for (int k = 0; k < K; k++) {
+      const int64_t e = w->ranks[me].topk_idx[(size_t)t * K + k];
+      if (e >= 0 && e < w->E) wsum += fabs((double)w->ranks[me].topk_weights[(size_t)t * K + k]);
+    }
+    for (int col = 0; col < H; col++) {
+      const size_t i = (size_t)t * H + col;
+      const double g = epx_ref_bf16_to_float(got[i]), err = fabs(g - want[i]);
+      const double bound = 0.03 * mag[i] + 0.02 * rms * wsum + 1e-6;
+      if (err / (bound > 0 ? bound : 1) > worst) worst = err / bound;
+      if (!(err <= bound)) {
+        fprintf(stderr, "  %s: out[%d][%d] = %.6g, oracle %.6g (bound %.3g, rms %.3g)\n", label,
+                t, col, g, want[i], bound, rms);
+        rc = TEST_FAIL;
+        break;
+      }
+    }
+  }
+  if (rc == TEST_PASS && me == 0)
+    printf("  %s: ok, worst |err| / bound %.3f (rms of FFN rows %.3g)\n", label, worst, rms);
+  free(want), free(mag), free(got);
+  return rc;
+}
+
+static int one_call(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c, const char *label) {
+  const int me = t->rank;
+  EXPECT_CUDA(cudaMemsetAsync(f->d.out, 0xff, (size_t)f->w.M * f->w.H * 2, t->stream));
+  const epx_moe_args_t a = args_of(f, c, me);
+  EXPECT_OK(epx_moe_decode(f->g, &f->ex[me].dev, &a, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  EXPECT_NO_ASYNC_ERROR(f->g, label);
+  return check_out(f, &f->w, c, me, label);
+}
+
+/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  fp8 dispatch */
+static const moe_case_t cases[] = {
+    {"bf16_uniform", {32, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0},
+    {"bf16_duplicates_uneven", {24, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0},
+    {"fp8w_bf16_rows_holes", {32, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0},
+    {"fp8w_fp8_rows_uniform", {32, 512, 8, 8, ROUTE_UNIFORM, 32, -1}, 256, 1, 1},
+    {"fp8_one_expert", {16, 256, 4, 4, ROUTE_ONE_EXPERT, 16, -1}, 128, 1, 1},
+    {"bf16_all_empty", {16, 256, 4, 4, ROUTE_EMPTY, 16, -1}, 128, 0, 0},
+    {"fp8_empty_rank", {32, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 1},
+    {"bf16_qwen3_like", {16, 2048, 4, 8, ROUTE_UNIFORM, 16, -1}, 768, 0, 0},
+};
+
+EPX_GPU_TEST(moe_decode_matches_reference, 900) {
+  uint64_t rng = t->seed; /* the same on every rank: worlds and experts are shared */
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const moe_case_t *c = &cases[i];
+    moe_fixture_t f;
+    if (fixture_make(t, c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+    for (int call = 0; call < 3; call++) {
+      char label[160];
+      snprintf(label, sizeof label, "%s (%d ranks, call %d)", c->name, t->num_ranks, call);
+      if (one_call(t, &f, c, label) != TEST_PASS) return TEST_FAIL;
+    }
+    if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
+  }
+  return TEST_PASS;
+}
+
+EPX_GPU_TEST(moe_decode_graph_replay, 300) {
+  const int me = t->rank;
+  uint64_t rng = t->seed;
+  const moe_case_t c = {"graph", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 1, 1};
+  moe_fixture_t f;
+  if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  /* Capture with the maximum token count; each replay's world has exactly that many. */
+  world_spec_t spec = c.world;
+  spec.experts = c.world.experts * t->num_ranks;
+  spec.tokens = spec.max_tokens;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  world_t w;
+  world_make(&w, t->num_ranks, &spec, WORLD_LL, &rng);
+  EXPECT(world_upload(&w, me, &f.d) == TEST_PASS);
+  epx_moe_args_t a = args_of(&f, &c, me);
+  a.num_tokens = spec.tokens;
+  EXPECT_CUDA(cudaStreamBeginCapture(t->stream, cudaStreamCaptureModeThreadLocal));
+  EXPECT_OK(epx_moe_decode(f.g, &f.ex[me].dev, &a, t->stream));
+  EXPECT_CUDA(cudaStreamEndCapture(t->stream, &graph));
+  EXPECT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; replay++) {
+    if (replay > 0) {
+      world_free(&w);
+      world_make(&w, t->num_ranks, &spec, WORLD_LL, &rng);
+      EXPECT(world_upload(&w, me, &f.d) == TEST_PASS);
+    }
+    EXPECT_CUDA(cudaMemset(f.d.out, 0xff, (size_t)w.M * w.H * 2));
+    EXPECT_CUDA(cudaDeviceSynchronize());
+    EXPECT_CUDA(cudaGraphLaunch(exec, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    char label[96];
+    snprintf(label, sizeof label, "graph replay %d (%d ranks)", replay, t->num_ranks);
+    EXPECT_NO_ASYNC_ERROR(f.g, label);
+    if (check_out(&f, &w, &c, me, label) != TEST_PASS) return TEST_FAIL;
+  }
+  EXPECT_CUDA(cudaGraphExecDestroy(exec));
+  EXPECT_CUDA(cudaGraphDestroy(graph));
+  world_free(&w);
+  return fixture_free(&f);
+}
+
+/* Every rank passes the same bad argument: refused by name, nothing queued. */
+#define EXPECT_REFUSED(call, status, needle)                                           \
+  do {                                                                                 \
+    EXPECT_STATUS((call), (status));                                                   \
+    EXPECTF(strstr(epx_last_error(), (needle)) != NULL, "message '%s' lacks '%s'", \
+            epx_last_error(), (needle));                                               \
+  } while (0)
+
+EPX_GPU_TEST(moe_decode_refusals, 300) {
+  const int me = t->rank;
+  uint64_t rng = t->seed;
+  const moe_case_t c = {"refusals", {16, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0};
+  moe_fixture_t f;
+  if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  const epx_experts_t *ex = &f.ex[me].dev;
+  epx_moe_args_t a = args_of(&f, &c, me);
+  epx_experts_t bad = *ex;
+  size_t bytes = 0;
+
+  bad.num_experts = ex->num_experts + 1;
+  EXPECT_REFUSED(epx_moe_decode(f.g, &bad, &a, t->stream), EPX_ERR_INVALID_ARGUMENT,
+                 "experts->num_experts");
+  bad = *ex, bad.hidden = 2 * ex->hidden;
+  EXPECT_REFUSED(epx_moe_decode(f.g, &bad, &a, t->stream), EPX_ERR_INVALID_ARGUMENT,
+                 "experts->hidden");
+  bad = *ex, bad.gate_up = NULL;
+  EXPECT_REFUSED(epx_moe_decode(f.g, &bad, &a, t->stream), EPX_ERR_INVALID_ARGUMENT,
+                 "experts->gate_up");
+  a.dispatch_dtype = EPX_DTYPE_FP8_E4M3; /* BF16 weights */
+  EXPECT_REFUSED(epx_moe_decode(f.g, ex, &a, t->stream), EPX_ERR_UNSUPPORTED, "FP8 x");
+  EXPECT_REFUSED(epx_moe_workspace_size(f.g, ex, EPX_DTYPE_FP8_E4M3, &bytes), EPX_ERR_UNSUPPORTED,
+                 "FP8 x");
+  a = args_of(&f, &c, me), a.workspace_bytes = f.ws_bytes - 1;
+  EXPECT_REFUSED(epx_moe_decode(f.g, ex, &a, t->stream), EPX_ERR_INVALID_ARGUMENT,
+                 "args->workspace_bytes");
+  a = args_of(&f, &c, me), a.num_tokens = f.w.M + 1;
+  EXPECT_REFUSED(epx_moe_decode(f.g, ex, &a, t->stream), EPX_ERR_INVALID_ARGUMENT,
+                 "args->num_tokens");
+  a = args_of(&f, &c, me), a.out = NULL;
+  if (a.num_tokens > 0)
+    EXPECT_REFUSED(epx_moe_decode(f.g, ex, &a, t->stream), EPX_ERR_INVALID_ARGUMENT, "args->out");
+  a = args_of(&f, &c, me), a.size = 8;
+  EXPECT_REFUSED(epx_moe_decode(f.g, ex, &a, t->stream), EPX_ERR_INVALID_ARGUMENT, "args");
+  EXPECT_REFUSED(epx_moe_decode(f.g, ex, NULL, t->stream), EPX_ERR_INVALID_ARGUMENT, "args");
+  EXPECT_REFUSED(epx_moe_workspace_size(f.g, ex, EPX_DTYPE_BF16, NULL), EPX_ERR_INVALID_ARGUMENT,
+                 "bytes");
+
+  /* The refusals queued nothing: the next call is right on every rank. */
+  if (one_call(t, &f, &c, "after the refusals") != TEST_PASS) return TEST_FAIL;
+  if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
+
+  /* A group without low-latency mode, and one whose route has no packed layout. */
+  epx_group_config_t cfg = gpu_test_config(16, 256, 4 * t->num_ranks, 4);
+  epx_group_t g;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_REFUSED(epx_moe_workspace_size(g, ex, EPX_DTYPE_BF16, &bytes), EPX_ERR_INVALID_USAGE,
+                 "EPX_MODE_LOW_LATENCY");
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}

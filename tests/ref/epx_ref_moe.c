@@ -1,0 +1,100 @@
+/*
+ * epx_ref_moe.c - the MoE layer's oracle (epx_ref_moe.h): the three step oracles composed.
+ */
+#include "ref/epx_ref_moe.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One rank's received rows and their FFN outputs. */
+typedef struct {
+  uint16_t *x16, *y;
+  uint8_t *x8;
+  float *scales;
+  int *count, *src_rank, *src_token, *src_slot;
+} rank_rows_t;
+
+static void rank_rows_free(rank_rows_t *r) {
+  free(r->x16), free(r->y), free(r->x8), free(r->scales);
+  free(r->count), free(r->src_rank), free(r->src_token), free(r->src_slot);
+}
+
+/* Steps 1 and 2 for rank d. */
+static int run_rank(const epx_ref_world_t *w, const epx_ref_experts_t *ex, int M, int fp8, int d,
+                    rank_rows_t *r) {
+  const int R = w->num_ranks, L = w->num_experts / R, H = w->hidden;
+  const size_t rows = (size_t)L * R * M;
+  memset(r, 0, sizeof *r);
+  r->y = calloc(rows * H + 1, 2);
+  r->count = calloc((size_t)L, sizeof(int));
+  r->src_rank = calloc(rows + 1, sizeof(int));
+  r->src_token = calloc(rows + 1, sizeof(int));
+  r->src_slot = calloc(rows + 1, sizeof(int));
+  if (fp8) {
+    r->x8 = calloc(rows * H + 1, 1);
+    r->scales = calloc(rows * (H / 128) + 1, sizeof(float));
+  } else {
+    r->x16 = calloc(rows * H + 1, 2);
+  }
+  int *first = malloc(sizeof(int) * L), *n = malloc(sizeof(int) * L);
+  int rc = -1;
+  if (r->y && r->count && r->src_rank && r->src_token && r->src_slot && first && n &&
+      (fp8 ? r->x8 && r->scales : r->x16 != NULL)) {
+    const epx_ref_ll_recv_t out = {r->x16,     r->x8,        r->scales,    r->count, NULL,
+                                   NULL,       r->src_rank,  r->src_token, r->src_slot};
+    if (epx_ref_ll_dispatch(w, d, M, 0, &out) == 0) {
+      epx_ref_experts_rows(L, (int)rows, r->count, NULL, R * M, first, n);
+      rc = epx_ref_experts_ffn(&ex[d], fp8 ? (const void *)r->x8 : (const void *)r->x16, fp8,
+                               r->scales, (int)rows, first, n, r->y);
+    }
+  } else {
+    fprintf(stderr, "epx_ref_moe_decode: out of memory\n");
+  }
+  free(first), free(n);
+  return rc;
+}
+
+int epx_ref_moe_decode(const epx_ref_world_t *w, const epx_ref_experts_t *experts, int M,
+                       int fp8_dispatch, int src_rank, double *out, double *abs_sum,
+                       double *y_rms) {
+  if (!w || !experts || !out || w->num_ranks < 1 || w->num_ranks > 64 || src_rank < 0 ||
+      src_rank >= w->num_ranks || M < 1 || w->num_experts % w->num_ranks) {
+    fprintf(stderr, "epx_ref_moe_decode: invalid arguments\n");
+    return -1;
+  }
+  const int R = w->num_ranks, L = w->num_experts / R, H = w->hidden, K = w->top_k;
+  const int T = w->ranks[src_rank].num_tokens;
+  const float *weights = w->ranks[src_rank].topk_weights;
+  rank_rows_t ranks[64];
+  const uint16_t *y[64];
+  int rc = 0, made = 0;
+  for (; made < R && rc == 0; made++) {
+    rc = run_rank(w, experts, M, fp8_dispatch, made, &ranks[made]);
+    y[made] = ranks[made].y;
+  }
+  if (rc == 0) rc = epx_ref_ll_combine_f64(w, src_rank, M, y, weights, out);
+  double sq = 0;
+  long long vals = 0;
+  if (abs_sum) memset(abs_sum, 0, sizeof(double) * (size_t)T * H);
+  for (int d = 0; d < made && rc == 0; d++)
+    for (int j = 0; j < L; j++)
+      for (int i = 0; i < ranks[d].count[j]; i++) {
+        const size_t row = (size_t)j * R * M + i;
+        const uint16_t *yr = ranks[d].y + row * H;
+        for (int c = 0; c < H; c++) {
+          const double v = epx_ref_bf16_to_float(yr[c]);
+          sq += v * v;
+        }
+        vals += H;
+        if (!abs_sum || ranks[d].src_rank[row] != src_rank) continue;
+        const int t = ranks[d].src_token[row], k = ranks[d].src_slot[row];
+        const double wk = weights ? fabs((double)weights[(size_t)t * K + k]) : 1.0;
+        for (int c = 0; c < H; c++)
+          abs_sum[(size_t)t * H + c] += wk * fabs((double)epx_ref_bf16_to_float(yr[c]));
+      }
+  if (y_rms) *y_rms = vals ? sqrt(sq / (double)vals) : 0.0;
+  for (int d = 0; d < made; d++) rank_rows_free(&ranks[d]);
+  return rc;
+}
