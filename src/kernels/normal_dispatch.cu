@@ -15,11 +15,6 @@
  * group creation).
  * Specialised at compile time on the payload's scale format (none, contiguous, strided), the
  * routing index dtype and the received index dtype (int32 or int64 recv_topk_idx).
- * Strided scales (DeepEP's column-major [T, H/128], strides 1 and T) are staged through shared
- * memory a tile of tokens at a time, read in the order of the smaller stride so that the loads
- * coalesce: read per token they were H/128 scattered 4-byte loads (one cache line each, 4*T
- * bytes apart, a power of two in DeepEP's tests), two dependent rounds per token in a kernel
- * whose time is its warps' serial load latencies (docs/normal-mode.md, "Strided FP8 scales").
  */
 #include "checks.h"
 #include "kernels/api.h"
@@ -35,13 +30,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4; /* 16-byte loads in flight per lane */
 static_assert(kThreads % 32 == 0 && kThreads >= EPX_MAX_RANKS, "thread r < R signals rank r");
 static_assert(EPX_MAX_RANKS <= 32, "lane r of a token's warp stands for rank r");
-/* Strided scales: shared words for one tile of tokens (40 KiB, under the 48 KiB of static shared
- * memory: 176 tokens at hidden 7168, a whole block's share of 4096 tokens on 24 blocks, so no
- * barrier between tiles there), and the loads each thread has in flight while staging. */
-constexpr int kStageWords = 10240;
-constexpr int kStageUnroll = 8;
-constexpr int kMaxScaleCols = EPX_MAX_HIDDEN / 128; /* float32 words; packed rows are shorter */
-static_assert(kStageWords >= kWarps * (kMaxScaleCols | 1), "a tile holds a token per warp");
 
 /* Tell every rank that this block's dispatch stores to it are done. NOTE: __syncthreads orders
  * the block's stores before thread r's fence; the system-scope release makes them visible to r
@@ -81,59 +69,18 @@ __device__ __forceinline__ void copy_row_multicast(const int4 *src, int4 *const 
 /* Scale words of a payload row: none (BF16), contiguous rows, or caller-given strides. */
 enum ScaleMode { kNoScales = 0, kContiguousScales = 1, kStridedScales = 2 };
 
-/* Shared words per staged token: the row's words, made odd so that the tokens of a warp's
- * token-major stores (column-major scales) fall in 32 different banks. */
-__device__ __forceinline__ int stage_pitch(int cols) {
-  return cols | 1;
-}
-
-/* Tokens per staged tile: as many whole rounds of one token per warp as kStageWords holds (at
- * least one round: the static_assert on kStageWords). */
-__device__ __forceinline__ int stage_tile_tokens(int pitch) {
-  return kStageWords / pitch / kWarps * kWarps;
-}
-
-/* Stage the scale words of tokens [t0, t0 + n) into staged[(t - t0) * pitch + i] (whole block).
- * Consecutive threads take consecutive words of the smaller stride (tokens for column-major
- * scales), so a warp's loads coalesce; kStageUnroll independent loads per thread are issued
- * before their stores. The first barrier lets every warp finish the previous tile's words. */
-__device__ __forceinline__ void stage_scales(const epx__dispatch_launch_args_t &a, int t0, int n,
-                                             int pitch, uint32_t *staged) {
-  const uint32_t *src = (const uint32_t *)a.x_scales;
-  const int cols = a.scale_cols, total = n * cols;
-  const bool tokens_inner = a.scale_stride_token <= a.scale_stride_group;
-  __syncthreads();
-  for (int k0 = threadIdx.x; k0 < total; k0 += kThreads * kStageUnroll) {
-    uint32_t v[kStageUnroll];
-    int at[kStageUnroll];
-#pragma unroll
-    for (int u = 0; u < kStageUnroll; u++) {
-      const int k = k0 + u * kThreads;
-      if (k < total) {
-        const int j = tokens_inner ? k % n : k / cols, i = tokens_inner ? k / n : k % cols;
-        v[u] = __ldg(src + (t0 + j) * a.scale_stride_token + i * a.scale_stride_group);
-        at[u] = j * pitch + i;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kStageUnroll; u++)
-      if (k0 + u * kThreads < total) staged[at[u]] = v[u];
-  }
-  __syncthreads();
-}
-
 /* Copy token t's scale words (float32 or packed UE8M0, moved as 4-byte words) to its row on
- * every destination in mask (one warp). Strided scales come from the staged tile (staged_row:
- * token t's words there). */
+ * every destination in mask (one warp). */
 template <int kScales>
 __device__ __forceinline__ void copy_scales(const epx__kernel_ctx_t &ctx,
                                             const epx__dispatch_launch_args_t &a, int t,
-                                            const uint32_t *staged_row, const int *rows,
-                                            unsigned mask, int lane) {
+                                            const int *rows, unsigned mask, int lane) {
   const int num_scales = a.scale_cols;
   const uint32_t *src = (const uint32_t *)a.x_scales;
   for (int i = lane; i < num_scales; i += 32) {
-    const uint32_t sc = kScales == kStridedScales ? staged_row[i] : src[(size_t)t * num_scales + i];
+    const uint32_t sc = kScales == kStridedScales
+                            ? src[t * a.scale_stride_token + i * a.scale_stride_group]
+                            : src[(size_t)t * num_scales + i];
     for (unsigned m = mask; m; m &= m - 1) {
       const int r = __ffs(m) - 1;
       uint32_t *d =
@@ -177,58 +124,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool aborted = meta->aborted != 0;
   int begin, end;
   block_share(aborted ? 0 : a.routing.num_tokens, &begin, &end);
-  /* The block's share in tiles, each warp taking every kWarps-th token of a tile: one tile
-   * (the whole share) unless strided scales are staged, then as many tokens as the stage holds. */
-  __shared__ uint32_t staged[kScales == kStridedScales ? kStageWords : 1];
-  const int pitch = stage_pitch(a.scale_cols);
-  const int tile = kScales == kStridedScales ? stage_tile_tokens(pitch) : end - begin;
-  for (int t0 = begin; t0 < end; t0 += tile) {
-    const int t1 = min(end, t0 + tile);
-    if (kScales == kStridedScales) stage_scales(a, t0, t1 - t0, pitch, staged);
-    for (int t = t0 + warp; t < t1; t += kWarps) {
-      const uint64_t t_token = epx::trace_begin(ctx);
-      const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
-      const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
-      const int my_row =
-          in_rank ? dest_base[lane] + a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
-      int rows[EPX_MAX_RANKS];
-      int4 *dst[EPX_MAX_RANKS];
+  for (int t = begin + warp; t < end; t += kWarps) {
+    const uint64_t t_token = epx::trace_begin(ctx);
+    const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
+    const unsigned mask = __ballot_sync(0xffffffffu, in_rank);
+    const int my_row =
+        in_rank ? dest_base[lane] + a.routing.token_pos_in_rank[(size_t)t * R + lane] : 0;
+    int rows[EPX_MAX_RANKS];
+    int4 *dst[EPX_MAX_RANKS];
 #pragma unroll
-      for (int r = 0; r < EPX_MAX_RANKS; r++) {
-        rows[r] = __shfl_sync(0xffffffffu, my_row, r);
-        dst[r] = (r < R) ? (int4 *)(ctx.peer_base[r] + L.normal_offset + L.recv_x_offset +
-                                    (size_t)rows[r] * H * elem)
-                         : nullptr;
-      }
-      copy_row_multicast((const int4 *)((const char *)a.x + (size_t)t * H * elem), dst, mask, n16,
-                         lane);
-      if (kFp8)
-        copy_scales<kScales>(ctx, a, t,
-                             kScales == kStridedScales ? staged + (t - t0) * pitch : nullptr, rows,
-                             mask, lane);
-      if (a.write_meta) { /* routing metadata; a cached dispatch keeps the earlier values */
-        long long e = -1;
-        float w = 0.f;
-        if (lane < K && topk) { /* rank-mask routing has no ids: -1 / 0 */
-          e = (long long)topk[(size_t)t * K + lane];
-          if (e < 0 || e >= E) e = -1; /* invalid ids were reported by the layout kernel */
-          if (a.topk_weights) w = a.topk_weights[(size_t)t * K + lane];
-        }
-        for (unsigned m = mask; m; m &= m - 1) {
-          const int r = __ffs(m) - 1;
-          char *base = ctx.peer_base[r] + L.normal_offset;
-          if (lane < K) {
-            const bool here = e >= 0 && e / epr == r;
-            ((OutIdxT *)(base + L.recv_topk_idx_offset))[(size_t)rows[r] * K + lane] =
-                here ? (OutIdxT)(e - (long long)r * epr) : (OutIdxT)-1;
-            ((float *)(base + L.recv_topk_weights_offset))[(size_t)rows[r] * K + lane] =
-                here ? w : 0.f;
-          }
-          if (lane == 0) ((int *)(base + L.recv_src_token_offset))[rows[r]] = t;
-        }
-      }
-      if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_DISPATCH_TOKEN, t);
+    for (int r = 0; r < EPX_MAX_RANKS; r++) {
+      rows[r] = __shfl_sync(0xffffffffu, my_row, r);
+      dst[r] = (r < R) ? (int4 *)(ctx.peer_base[r] + L.normal_offset + L.recv_x_offset +
+                                  (size_t)rows[r] * H * elem)
+                       : nullptr;
     }
+    copy_row_multicast((const int4 *)((const char *)a.x + (size_t)t * H * elem), dst, mask, n16,
+                       lane);
+    if (kFp8) copy_scales<kScales>(ctx, a, t, rows, mask, lane);
+    if (a.write_meta) { /* routing metadata; a cached dispatch keeps the earlier values */
+      long long e = -1;
+      float w = 0.f;
+      if (lane < K && topk) { /* rank-mask routing has no ids: -1 / 0 */
+        e = (long long)topk[(size_t)t * K + lane];
+        if (e < 0 || e >= E) e = -1; /* invalid ids were reported by the layout kernel */
+        if (a.topk_weights) w = a.topk_weights[(size_t)t * K + lane];
+      }
+      for (unsigned m = mask; m; m &= m - 1) {
+        const int r = __ffs(m) - 1;
+        char *base = ctx.peer_base[r] + L.normal_offset;
+        if (lane < K) {
+          const bool here = e >= 0 && e / epr == r;
+          ((OutIdxT *)(base + L.recv_topk_idx_offset))[(size_t)rows[r] * K + lane] =
+              here ? (OutIdxT)(e - (long long)r * epr) : (OutIdxT)-1;
+          ((float *)(base + L.recv_topk_weights_offset))[(size_t)rows[r] * K + lane] =
+              here ? w : 0.f;
+        }
+        if (lane == 0) ((int *)(base + L.recv_src_token_offset))[rows[r]] = t;
+      }
+    }
+    if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_DISPATCH_TOKEN, t);
   }
 
   signal_dispatch_done(ctx);
