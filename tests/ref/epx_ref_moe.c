@@ -8,20 +8,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One rank's received rows and their FFN outputs. */
+/* One rank's received rows (fixed slots) and their FFN outputs. */
 typedef struct {
   uint16_t *x16, *y;
   uint8_t *x8;
   float *scales;
-  int *count, *src_rank, *src_token, *src_slot;
+  int *count, *num;
 } rank_rows_t;
 
 static void rank_rows_free(rank_rows_t *r) {
-  free(r->x16), free(r->y), free(r->x8), free(r->scales);
-  free(r->count), free(r->src_rank), free(r->src_token), free(r->src_slot);
+  free(r->x16), free(r->y), free(r->x8), free(r->scales), free(r->count), free(r->num);
 }
 
-/* Steps 1 and 2 for rank d. */
+/* Steps 1 and 2 for rank d: the FFN runs once per source, on each expert's segment of it. */
 static int run_rank(const epx_ref_world_t *w, const epx_ref_experts_t *ex, int M, int fp8, int d,
                     rank_rows_t *r) {
   const int R = w->num_ranks, L = w->num_experts / R, H = w->hidden;
@@ -29,9 +28,7 @@ static int run_rank(const epx_ref_world_t *w, const epx_ref_experts_t *ex, int M
   memset(r, 0, sizeof *r);
   r->y = calloc(rows * H + 1, 2);
   r->count = calloc((size_t)L, sizeof(int));
-  r->src_rank = calloc(rows + 1, sizeof(int));
-  r->src_token = calloc(rows + 1, sizeof(int));
-  r->src_slot = calloc(rows + 1, sizeof(int));
+  r->num = calloc((size_t)L * R, sizeof(int));
   if (fp8) {
     r->x8 = calloc(rows * H + 1, 1);
     r->scales = calloc(rows * (H / 128) + 1, sizeof(float));
@@ -39,18 +36,17 @@ static int run_rank(const epx_ref_world_t *w, const epx_ref_experts_t *ex, int M
     r->x16 = calloc(rows * H + 1, 2);
   }
   int *first = malloc(sizeof(int) * L), *n = malloc(sizeof(int) * L);
-  int rc = -1;
-  if (r->y && r->count && r->src_rank && r->src_token && r->src_slot && first && n &&
-      (fp8 ? r->x8 && r->scales : r->x16 != NULL)) {
-    const epx_ref_ll_recv_t out = {r->x16,     r->x8,        r->scales,    r->count, NULL,
-                                   NULL,       r->src_rank,  r->src_token, r->src_slot};
-    if (epx_ref_ll_dispatch(w, d, M, 0, &out) == 0) {
-      epx_ref_experts_rows(L, (int)rows, r->count, NULL, R * M, first, n);
-      rc = epx_ref_experts_ffn(&ex[d], fp8 ? (const void *)r->x8 : (const void *)r->x16, fp8,
-                               r->scales, (int)rows, first, n, r->y);
-    }
-  } else {
+  if (!(r->y && r->count && r->num && first && n && (fp8 ? r->x8 && r->scales : r->x16 != NULL))) {
     fprintf(stderr, "epx_ref_moe_decode: out of memory\n");
+    free(first), free(n);
+    return -1;
+  }
+  const epx_ref_ll_recv_t out = {r->x16, r->x8, r->scales, r->count, NULL, r->num, NULL, NULL, NULL};
+  int rc = epx_ref_ll_dispatch_layout(w, d, M, 0, EPX_REF_LL_FIXED, &out);
+  for (int s = 0; s < R && rc == 0; s++) {
+    for (int j = 0; j < L; j++) first[j] = j * R * M + s * M, n[j] = r->num[j * R + s];
+    rc = epx_ref_experts_ffn(&ex[d], fp8 ? (const void *)r->x8 : (const void *)r->x16, fp8,
+                             r->scales, (int)rows, first, n, r->y);
   }
   free(first), free(n);
   return rc;
@@ -67,6 +63,7 @@ int epx_ref_moe_decode(const epx_ref_world_t *w, const epx_ref_experts_t *expert
   const int R = w->num_ranks, L = w->num_experts / R, H = w->hidden, K = w->top_k;
   const int T = w->ranks[src_rank].num_tokens;
   const float *weights = w->ranks[src_rank].topk_weights;
+  const int64_t *ids = w->ranks[src_rank].topk_idx;
   rank_rows_t ranks[64];
   const uint16_t *y[64];
   int rc = 0, made = 0;
@@ -74,27 +71,38 @@ int epx_ref_moe_decode(const epx_ref_world_t *w, const epx_ref_experts_t *expert
     rc = run_rank(w, experts, M, fp8_dispatch, made, &ranks[made]);
     y[made] = ranks[made].y;
   }
-  if (rc == 0) rc = epx_ref_ll_combine_f64(w, src_rank, M, y, weights, out);
-  double sq = 0;
-  long long vals = 0;
-  if (abs_sum) memset(abs_sum, 0, sizeof(double) * (size_t)T * H);
-  for (int d = 0; d < made && rc == 0; d++)
-    for (int j = 0; j < L; j++)
-      for (int i = 0; i < ranks[d].count[j]; i++) {
-        const size_t row = (size_t)j * R * M + i;
-        const uint16_t *yr = ranks[d].y + row * H;
-        for (int c = 0; c < H; c++) {
-          const double v = epx_ref_bf16_to_float(yr[c]);
-          sq += v * v;
-        }
-        vals += H;
-        if (!abs_sum || ranks[d].src_rank[row] != src_rank) continue;
-        const int t = ranks[d].src_token[row], k = ranks[d].src_slot[row];
+  if (rc == 0)
+    rc = epx_ref_ll_combine_f64_layout(w, src_rank, M, EPX_REF_LL_FIXED, y, weights, out);
+  /* The magnitude of each output: every valid slot's |w| x |its expert's row|. */
+  if (rc == 0 && abs_sum) {
+    memset(abs_sum, 0, sizeof(double) * (size_t)T * H);
+    for (int t = 0; t < T; t++)
+      for (int k = 0; k < K; k++) {
+        const int64_t e = ids[(size_t)t * K + k];
+        if (e < 0 || e >= w->num_experts) continue;
+        const int row = epx_ref_ll_row(w, M, src_rank, t, (int)e);
+        const uint16_t *yr = ranks[e / L].y + ((size_t)(e % L) * R * M + row) * H;
         const double wk = weights ? fabs((double)weights[(size_t)t * K + k]) : 1.0;
         for (int c = 0; c < H; c++)
           abs_sum[(size_t)t * H + c] += wk * fabs((double)epx_ref_bf16_to_float(yr[c]));
       }
-  if (y_rms) *y_rms = vals ? sqrt(sq / (double)vals) : 0.0;
+  }
+  if (rc == 0 && y_rms) { /* over every received row of every rank */
+    double sq = 0;
+    long long vals = 0;
+    for (int d = 0; d < R; d++)
+      for (int j = 0; j < L; j++)
+        for (int s = 0; s < R; s++)
+          for (int i = 0; i < ranks[d].num[j * R + s]; i++) {
+            const uint16_t *yr = ranks[d].y + ((size_t)j * R * M + (size_t)s * M + i) * H;
+            for (int c = 0; c < H; c++) {
+              const double v = epx_ref_bf16_to_float(yr[c]);
+              sq += v * v;
+            }
+            vals += H;
+          }
+    *y_rms = vals ? sqrt(sq / (double)vals) : 0.0;
+  }
   for (int d = 0; d < made; d++) rank_rows_free(&ranks[d]);
   return rc;
 }

@@ -2,11 +2,14 @@
  * epx_ref_moe.h - the plain-C oracle of epx_moe_decode (the MoE layer at decode), composed
  * from the oracles of its three steps, so that the layer is checked against exactly what its
  * parts promise:
- *   1. every rank d receives the rows epx_ref_ll_dispatch gives (packed layout), BF16 or, with
+ *   1. every rank d receives one row per distinct (token, expert) (epx_ref_ll_dispatch_layout,
+ *      EPX_REF_LL_FIXED: EPX's packed layout holds the same rows, compacted), BF16 or, with
  *      fp8_dispatch, quantized per 128 channels (epx_ref.h's rule, no UE8M0);
- *   2. each rank's experts run on those rows: epx_ref_experts_ffn, masked layout (expert j's
- *      rows from j x R x M), BF16 outputs;
- *   3. src_rank's tokens get epx_ref_ll_combine_f64 of those outputs with their weights.
+ *   2. each rank's experts run on those rows: epx_ref_experts_ffn, BF16 outputs (a row's
+ *      output does not depend on where the row sits);
+ *   3. src_rank's tokens get the combine of those outputs with their weights
+ *      (epx_ref_ll_combine_f64_layout): a token listing an expert twice adds its row twice,
+ *      once with each slot's weight.
  */
 #ifndef EPX_REF_MOE_H_
 #define EPX_REF_MOE_H_
