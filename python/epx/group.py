@@ -92,6 +92,7 @@ class Group:
             raise err
         self._res = _GroupResources(gptr.value, comm, not borrow_nccl_comm)
         self._views = {}
+        self._moe_workspace = None  # moe_decode's scratch, grown on demand
         out = ctypes.c_int()
         _capi.check(lib.epx_group_rank(gptr, ctypes.byref(out)))
         self.rank = out.value
@@ -391,6 +392,43 @@ class Group:
             a.split, a.hook = 1, ctypes.pointer(hook._c)
         self._call(lib.epx_ll_combine(self._ptr(fn), ctypes.byref(a), _stream_ptr(stream)))
         return (out, hook) if split else out
+
+    def moe_decode(self, experts, x, topk_idx, topk_weights=None, *, fp8=False, out=None,
+                   stream=None):
+        """One MoE layer at decode (epx_moe_decode, COLLECTIVE, no host sync, capturable):
+        low-latency dispatch (packed), experts' SwiGLU FFN of this rank's epx.Experts into the
+        combine buffer, zero-copy combine. x: [T, H] bf16; topk_idx [T, K] int64/int32;
+        topk_weights [T, K] float32 or None (1); fp8=True sends FP8 rows (FP8 experts only).
+        Returns out [T, H] bf16 (a new tensor unless given). The scratch is one tensor per
+        Group, reused by every call: two calls of one group on two streams at once race."""
+        from .experts import Experts
+        torch = _torch()
+        fn = "Group.moe_decode"
+        if not isinstance(experts, Experts):
+            raise invalid_argument("%s: experts: expected an epx.Experts, got %r" % (fn, experts))
+        T = check_ll_dispatch_args(self._dims, x, topk_idx, topk_weights)
+        if out is None:
+            out = torch.empty((T, self._dims.hidden), dtype=torch.bfloat16, device=self.device)
+        else:
+            _tensors.check_tensor(fn, "out", out, torch.bfloat16, shape=(T, self._dims.hidden),
+                                  align=16, device_index=self.device.index)
+        dtype = _capi.EPX_DTYPE_FP8_E4M3 if fp8 else _capi.EPX_DTYPE_BF16
+        need = ctypes.c_size_t()
+        self._call(lib.epx_moe_workspace_size(self._ptr(fn), ctypes.byref(experts._c), dtype,
+                                              ctypes.byref(need)))
+        if self._moe_workspace is None or self._moe_workspace.numel() < need.value:
+            self._moe_workspace = torch.empty(max(need.value, 256), dtype=torch.uint8,
+                                              device=self.device)
+        a = _capi.EPX_MOE_ARGS_INIT()
+        a.x, a.topk_idx, a.topk_weights = x.data_ptr(), topk_idx.data_ptr(), data_ptr(topk_weights)
+        a.topk_idx_dtype = _tensors.epx_dtype(topk_idx.dtype)
+        a.num_tokens, a.dispatch_dtype = T, dtype
+        a.out = out.data_ptr()
+        a.workspace, a.workspace_bytes = (self._moe_workspace.data_ptr(),
+                                          self._moe_workspace.numel())
+        self._call(lib.epx_moe_decode(self._ptr(fn), ctypes.byref(experts._c), ctypes.byref(a),
+                                      _stream_ptr(stream)))
+        return out
 
     def ll_recv(self, hook, *, stream=None):
         """The receive half of a split ll_dispatch / ll_combine (epx_ll_recv)."""

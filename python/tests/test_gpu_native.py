@@ -40,6 +40,10 @@ many sections on one EPX group; spawning costs ~10 s, so checks are grouped per 
                  masking this rank -> EpxInvalidArgument
     cuda graph   ll_dispatch + expert + ll_combine captured once, replayed twice
     normal too   a normal dispatch/combine of more tokens than the low-latency maximum
+    moe layer    Group.moe_decode with BF16 epx.Experts (every rank draws every rank's experts
+                 from the seed) against a float64 per-token reference, bound 0.03 x sum |w y|
+                 + 0.02 x rms(y) x sum |w|; holes in the routing; out= given; a bad experts
+                 argument -> EpxInvalidArgument
 
 A failed check is recorded, not raised, so every rank keeps making the same collective calls;
 after each section the ranks agree (over gloo) whether it raised, and stop if only some did.
@@ -528,7 +532,7 @@ def worker_low_latency(rank, num_ranks, seed):
         ("fixed", _l_fixed), ("two in flight", _l_two_in_flight), ("fp8", _l_fp8),
         ("packed", _l_packed), ("split", _l_split), ("adversarial", _l_adversarial),
         ("ll errors", _l_errors), ("peer mask", _l_peer_mask), ("cuda graph", _l_graph),
-        ("normal too", _l_normal_too),
+        ("normal too", _l_normal_too), ("moe layer", _l_moe),
     ])
     if finished:
         ctx.checks.where("destroy")
@@ -785,3 +789,64 @@ def _l_normal_too(ctx):
     h = g.handle()
     dispatch_and_combine(ctx, g, h, world, "normal dispatch on a two-mode group")
     h.destroy()
+
+
+MOE_I = 128  # intermediate size of the moe-layer section's experts
+
+
+def _moe_experts(ctx):
+    """Every rank's BF16 experts [L, 2I, H] / [L, H, I], drawn alike on every rank (CPU)."""
+    torch = ctx.torch
+    gen = torch.Generator().manual_seed(ctx.seed + 7000)
+    E, H, I = ctx.E, L_H, MOE_I
+    gate_up = ((torch.rand(E, 2 * I, H, generator=gen) * 2 - 1) / H ** 0.5).to(torch.bfloat16)
+    down = ((torch.rand(E, H, I, generator=gen) * 2 - 1) / I ** 0.5).to(torch.bfloat16)
+    return gate_up, down
+
+
+def _moe_reference(ctx, world, gate_up, down):
+    """out[t] = sum over valid slots of w * bf16(FFN_e(x[t])) in float64, its magnitude
+    sum |w| |y|, and sum |w| per token."""
+    torch, me = ctx.torch, ctx.rank
+    x, idx, w = world.x[me].double(), world.idx[me], world.w[me].double()
+    T, H, I = x.shape[0], L_H, MOE_I
+    out = torch.zeros(T, H, dtype=torch.float64)
+    mag = torch.zeros(T, H, dtype=torch.float64)
+    wsum = torch.zeros(T, 1, dtype=torch.float64)
+    ys = []
+    for t in range(T):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if e < 0:
+                continue
+            g = x[t] @ gate_up[e].double().T
+            h = (torch.nn.functional.silu(g[:I]) * g[I:]).to(torch.bfloat16).double()
+            y = (h @ down[e].double().T).to(torch.bfloat16).double()
+            ys.append(y)
+            out[t] += w[t, k] * y
+            mag[t] += w[t, k].abs() * y.abs()
+            wsum[t] += w[t, k].abs()
+    rms = torch.stack(ys).pow(2).mean().sqrt().item() if ys else 0.0
+    return out, mag, wsum, rms
+
+
+def _l_moe(ctx):
+    torch, c, g, me, epx = ctx.torch, ctx.checks, ctx.g, ctx.rank, ctx.epx
+    gate_up, down = _moe_experts(ctx)
+    L = ctx.L
+    mine = epx.Experts(ctx.cuda(gate_up[me * L:(me + 1) * L].contiguous()),
+                       ctx.cuda(down[me * L:(me + 1) * L].contiguous()))
+    for k, routing in ((140, "uniform"), (141, "holes")):
+        world = ctx.world(k, routing)
+        x, idx, w = inputs(ctx, world)
+        given = torch.full((x.shape[0], L_H), float("nan"), dtype=torch.bfloat16,
+                           device=x.device) if k == 141 else None
+        out = g.moe_decode(mine, x, idx, w, out=given)
+        torch.cuda.synchronize()
+        if given is not None:
+            c.check(out.data_ptr() == given.data_ptr(), "moe_decode(out=...) returned another tensor")
+        want, mag, wsum, rms = _moe_reference(ctx, world, gate_up, down)
+        c.close(out, want, 0.03 * mag + 0.02 * rms * wsum + 1e-6, f"moe_decode ({routing})")
+    c.raises(epx.errors.EpxInvalidArgument, lambda: g.moe_decode(None, x, idx, w),
+             "moe_decode(experts=None)", contains=("experts",))
+    c.check(g.async_error() is None, f"async error after moe_decode: {g.async_error()}")
