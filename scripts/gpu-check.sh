@@ -13,6 +13,8 @@
 #        DEEPEP=DIR: a DeepEP V1 source tree (carried, e.g. deepep-v1): DeepEP's own
 #        test_intranode.py / test_low_latency.py on epx.deep_ep (scripts/run-deepep-tests.sh),
 #        and with DEEPEP_BUILD=1 also DeepEP V1 built there, unmodified, for the comparison;
+#        MOE_BENCH=1: build/bin/epx_moe_bench (the decode MoE layer vs its parts, every visible
+#        GPU; MOE_BENCH_ARGS, default "--tokens 8,128"; its table in the summary);
 #        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
 #        last lines in the summary; they need one GPU, not a group);
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
@@ -39,7 +41,7 @@ export EPX_COMMIT="$commit"
 t0=$(date +%s)
 [ -z "${SKIP_CLEAN:-}" ] && make clean >/dev/null
 targets="lib build/bin/epx_test build/bin/epx_bench build/bin/epx_soak build/bin/epx_experts_bench \
-  build/bin/epx_layout_bench"
+  build/bin/epx_layout_bench build/bin/epx_moe_bench"
 baseline_pid=
 if [ -n "${BASELINE:-}" ]; then
   (make -C "$BASELINE" -j"$(nproc)" build/bin/epx_bench >"$out/baseline-build.log" 2>&1) &
@@ -90,6 +92,12 @@ if [ -n "${ONE_GPU_BENCH:-}" ]; then
   timeout 120 build/bin/epx_layout_bench >"$out/layout-bench.log" 2>&1
   one_gpu_lines="$(tail -22 "$out/experts-bench.log")
 $(tail -16 "$out/layout-bench.log")"
+fi
+
+moe_lines=
+if [ -n "${MOE_BENCH:-}" ]; then
+  timeout 400 build/bin/epx_moe_bench ${MOE_BENCH_ARGS:---tokens 8,128} >"$out/moe-bench.log" 2>&1
+  moe_lines="$(tail -20 "$out/moe-bench.log")"
 fi
 
 py_line="(not run)"
@@ -158,6 +166,8 @@ echo "tests: $test_line"
 echo "python tests: $py_line"
 [ -n "$one_gpu_lines" ] && echo "one-GPU benches:
 $one_gpu_lines"
+[ -n "$moe_lines" ] && echo "MoE layer at decode (epx_moe_bench):
+$moe_lines"
 if [ -n "$deepep_line" ]; then
   echo "$deepep_line"
   for log in "$out/deepep-epx.log" "$out/deepep-v1.log"; do

@@ -1,0 +1,336 @@
+/*
+ * moe_bench.c - epx_moe_bench: the MoE layer at decode (epx_moe_decode) against its parts, on
+ * every visible GPU (a one-rank group on one GPU), docs/bench.md "MoE layer":
+ *
+ *   layer   epx_moe_decode
+ *   chain   epx_ll_dispatch (packed) + epx_experts_ffn + epx_ll_combine, the same steps as a
+ *           caller would chain them
+ *   ffn     epx_experts_ffn alone, on the rows of an earlier dispatch of the same routing
+ *   comm    epx_ll_dispatch (packed) + epx_ll_combine, no expert compute
+ *
+ * Each is captured once in a CUDA graph and replayed (warm-up, then --iters replays, each
+ * between two events on rank 0's stream: whole-replay time, median and min). Every rank
+ * replays the same graphs in the same order (the replays are collective). Shapes: DeepSeek-V3's
+ * experts (H 7168, I 2048, 256 experts) and Qwen3-30B-A3B's (H 2048, I 768, 128 experts), top-8,
+ * uniform routing; weights BF16, or FP8 with block scales and FP8 rows on the wire.
+ * Values are random (device fills); nothing is checked here (tests/gpu/test_moe.c does that).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/ranks.h"
+#include "epx.h"
+#include "experts/bench_kernels.h"
+
+#define MAX_LIST 8
+#define TOP_K 8
+
+typedef struct {
+  const char *name;
+  int hidden, intermediate, experts;
+} shape_t;
+
+static const shape_t kShapes[] = {{"deepseek", 7168, 2048, 256}, {"qwen3", 2048, 768, 128}};
+
+typedef struct {
+  int tokens[MAX_LIST], num_tokens;
+  int shapes[2], num_shapes;
+  int fp8[2], num_dtypes;
+  int iters, warmup, ranks;
+} options_t;
+
+#define CK(call)                                                                             \
+  do {                                                                                       \
+    cudaError_t e_ = (call);                                                                 \
+    if (e_ != cudaSuccess) {                                                                 \
+      fprintf(stderr, "epx_moe_bench: %s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      return 1;                                                                              \
+    }                                                                                        \
+  } while (0)
+#define EK(call)                                                                          \
+  do {                                                                                    \
+    epx_status_t s_ = (call);                                                             \
+    if (s_ != EPX_OK) {                                                                   \
+      fprintf(stderr, "epx_moe_bench: %s:%d: %s\n", __FILE__, __LINE__, epx_last_error()); \
+      return 1;                                                                           \
+    }                                                                                     \
+  } while (0)
+
+static int cmp_float(const void *a, const void *b) {
+  const float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+/* Distinct uniform experts per token, from a simple LCG (the same on every rank for rank r). */
+static void route(int64_t *ids, float *w, int T, int E, uint64_t seed) {
+  uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+  for (int t = 0; t < T; t++)
+    for (int k = 0; k < TOP_K; k++) {
+      int e, dup;
+      do {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        e = (int)((s >> 33) % (uint64_t)E);
+        dup = 0;
+        for (int j = 0; j < k; j++) dup |= ids[t * TOP_K + j] == e;
+      } while (dup);
+      ids[t * TOP_K + k] = e;
+      w[t * TOP_K + k] = 0.05f + (float)((s >> 40) & 1023) / 8192.f;
+    }
+}
+
+/* The graph's replay time on stream: median and min over iters, after warmup replays. */
+static int time_graph(cudaGraphExec_t exec, cudaStream_t stream, const options_t *o,
+                      float *median, float *min) {
+  float *ms = malloc(sizeof(float) * o->iters);
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < o->warmup; i++) CK(cudaGraphLaunch(exec, stream));
+  for (int i = 0; i < o->iters; i++) {
+    CK(cudaEventRecord(a, stream));
+    CK(cudaGraphLaunch(exec, stream));
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&ms[i], a, b));
+  }
+  qsort(ms, o->iters, sizeof(float), cmp_float);
+  *median = ms[o->iters / 2] * 1000.f;
+  *min = ms[0] * 1000.f;
+  free(ms);
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  return 0;
+}
+
+typedef struct {
+  epx_group_t g;
+  epx_experts_t ex;
+  void *x, *ids, *w, *out, *ws;
+  size_t ws_bytes;
+  int T, fp8;
+  epx_ll_dispatch_result_t held; /* the ffn variant's rows */
+} bench_ctx_t;
+
+enum { V_LAYER, V_CHAIN, V_FFN, V_COMM, NUM_VARIANTS };
+static const char *const kVariantNames[NUM_VARIANTS] = {"layer", "chain", "ffn", "comm"};
+
+static epx_ll_dispatch_args_t dispatch_args(const bench_ctx_t *c) {
+  epx_ll_dispatch_args_t d = EPX_LL_DISPATCH_ARGS_INIT;
+  d.x = c->x, d.topk_idx = c->ids, d.topk_weights = c->w, d.num_tokens = c->T;
+  d.recv_dtype = c->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  d.packed = 1;
+  return d;
+}
+
+static epx_experts_ffn_args_t ffn_args(const bench_ctx_t *c, const epx_ll_dispatch_result_t *r) {
+  epx_experts_ffn_args_t f = EPX_EXPERTS_FFN_ARGS_INIT;
+  f.x = r->recv_x, f.x_dtype = c->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  f.x_scales = r->recv_x_scales;
+  f.num_rows = r->num_local_experts * r->rows_per_expert;
+  f.expert_count = r->recv_count, f.rows_per_expert = r->rows_per_expert;
+  f.out = r->combine_input, f.workspace = c->ws, f.workspace_bytes = c->ws_bytes;
+  return f;
+}
+
+/* Queue one variant on stream (captured by the caller). */
+static int queue_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
+  if (v == V_LAYER) {
+    epx_moe_args_t a = EPX_MOE_ARGS_INIT;
+    a.x = c->x, a.topk_idx = c->ids, a.topk_weights = c->w, a.num_tokens = c->T;
+    a.dispatch_dtype = c->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+    a.out = c->out, a.workspace = c->ws, a.workspace_bytes = c->ws_bytes;
+    EK(epx_moe_decode(c->g, &c->ex, &a, stream));
+    return 0;
+  }
+  if (v == V_FFN) {
+    const epx_experts_ffn_args_t f = ffn_args(c, &c->held);
+    EK(epx_experts_ffn(&c->ex, &f, stream));
+    return 0;
+  }
+  const epx_ll_dispatch_args_t d = dispatch_args(c);
+  epx_ll_dispatch_result_t r;
+  EK(epx_ll_dispatch(c->g, &d, &r, stream));
+  if (v == V_CHAIN) {
+    const epx_experts_ffn_args_t f = ffn_args(c, &r);
+    EK(epx_experts_ffn(&c->ex, &f, stream));
+  }
+  epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+  ca.dispatch = &r, ca.out = c->out;
+  EK(epx_ll_combine(c->g, &ca, stream));
+  return 0;
+}
+
+static int alloc_experts(const shape_t *s, int L, int fp8, uint64_t seed, epx_experts_t *ex) {
+  const size_t H = s->hidden, I = s->intermediate, n_gu = (size_t)L * 2 * I * H,
+               n_dn = (size_t)L * H * I, elem = fp8 ? 1 : 2;
+  void *gu, *dn;
+  CK(cudaMalloc(&gu, n_gu * elem));
+  CK(cudaMalloc(&dn, n_dn * elem));
+  *ex = (epx_experts_t)EPX_EXPERTS_INIT;
+  ex->num_experts = L, ex->hidden = s->hidden, ex->intermediate = s->intermediate;
+  ex->weight_dtype = fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  ex->gate_up = gu, ex->down = dn;
+  if (!fp8) {
+    CK(bench_fill_bf16(gu, n_gu, 0.02f, seed));
+    CK(bench_fill_bf16(dn, n_dn, 0.02f, seed + 1));
+    return 0;
+  }
+  float *gus, *dns;
+  const size_t s_gu = (size_t)L * (2 * I / 128) * (H / 128), s_dn = (size_t)L * (H / 128) * (I / 128);
+  CK(cudaMalloc((void **)&gus, s_gu * 4));
+  CK(cudaMalloc((void **)&dns, s_dn * 4));
+  CK(bench_fill_fp8(gu, n_gu, seed));
+  CK(bench_fill_fp8(dn, n_dn, seed + 1));
+  CK(bench_fill_f32(gus, s_gu, 1e-4f, 2e-4f, seed + 2));
+  CK(bench_fill_f32(dns, s_dn, 1e-4f, 2e-4f, seed + 3));
+  ex->gate_up_scales = gus, ex->down_scales = dns;
+  return 0;
+}
+
+static void free_experts(epx_experts_t *ex) {
+  cudaFree((void *)ex->gate_up), cudaFree((void *)ex->down);
+  cudaFree((void *)ex->gate_up_scales), cudaFree((void *)ex->down_scales);
+}
+
+/* Every variant of one (shape, dtype, T) on this rank; rank 0 prints the row. */
+static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int fp8, int T,
+                       const options_t *o, cudaStream_t stream) {
+  bench_ctx_t c;
+  memset(&c, 0, sizeof c);
+  c.T = T, c.fp8 = fp8;
+  epx_group_config_t cfg = EPX_GROUP_CONFIG_INIT;
+  cfg.max_tokens_per_rank = T, cfg.hidden = s->hidden, cfg.num_experts = s->experts;
+  cfg.top_k = TOP_K, cfg.modes = EPX_MODE_LOW_LATENCY;
+  cfg.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
+  EK(epx_group_create(comm, &cfg, &c.g));
+  const int L = s->experts / R;
+  if (alloc_experts(s, L, fp8, 1000u + (uint64_t)rank, &c.ex)) return 1;
+  int64_t *ids = malloc(sizeof(int64_t) * T * TOP_K);
+  float *w = malloc(sizeof(float) * T * TOP_K);
+  route(ids, w, T, s->experts, 77u + (uint64_t)rank);
+  CK(cudaMalloc(&c.x, (size_t)T * s->hidden * 2 + 16));
+  CK(cudaMalloc(&c.out, (size_t)T * s->hidden * 2 + 16));
+  CK(cudaMalloc(&c.ids, sizeof(int64_t) * T * TOP_K + 16));
+  CK(cudaMalloc(&c.w, sizeof(float) * T * TOP_K + 16));
+  CK(bench_fill_bf16(c.x, (size_t)T * s->hidden, 1.f, 5u + (uint64_t)rank));
+  CK(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * TOP_K, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(c.w, w, sizeof(float) * T * TOP_K, cudaMemcpyHostToDevice));
+  free(ids), free(w);
+  EK(epx_moe_workspace_size(c.g, &c.ex, fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, &c.ws_bytes));
+  CK(cudaMalloc(&c.ws, c.ws_bytes));
+  /* The ffn variant's rows: a dispatch of the same routing (its counts are what matter). */
+  const epx_ll_dispatch_args_t d = dispatch_args(&c);
+  EK(epx_ll_dispatch(c.g, &d, &c.held, stream));
+  epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+  ca.dispatch = &c.held, ca.out = c.out;
+  EK(epx_ll_combine(c.g, &ca, stream));
+  CK(cudaStreamSynchronize(stream));
+
+  float med[NUM_VARIANTS], mn[NUM_VARIANTS];
+  for (int v = 0; v < NUM_VARIANTS; v++) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    if (queue_variant(&c, v, stream)) return 1;
+    CK(cudaStreamEndCapture(stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    EK(epx_group_barrier(c.g, stream));
+    if (time_graph(exec, stream, o, &med[v], &mn[v])) return 1;
+    cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
+  }
+  epx_async_error_t err;
+  EK(epx_group_get_async_error(c.g, &err));
+  if (err.status != EPX_OK) {
+    fprintf(stderr, "epx_moe_bench: rank %d: async error: %s\n", rank, err.message);
+    return 1;
+  }
+  if (rank == 0) {
+    const float base = med[V_FFN] > med[V_COMM] ? med[V_FFN] : med[V_COMM];
+    printf("%-9s %-4s %5d %3d", s->name, fp8 ? "fp8" : "bf16", T, R);
+    for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
+    printf(" %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER]);
+    fflush(stdout);
+  }
+  free_experts(&c.ex);
+  cudaFree(c.x), cudaFree(c.out), cudaFree(c.ids), cudaFree(c.w), cudaFree(c.ws);
+  EK(epx_group_destroy(c.g));
+  return 0;
+}
+
+static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
+  const options_t *o = (const options_t *)arg;
+  CK(cudaSetDevice(rank));
+  ncclComm_t comm;
+  if (ncclCommInitRank(&comm, R, *id, rank) != ncclSuccess) {
+    fprintf(stderr, "epx_moe_bench: rank %d: ncclCommInitRank failed\n", rank);
+    return 1;
+  }
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (rank == 0) {
+    printf("# median and min of %d graph replays (us, events on rank 0), after %d warm-up\n",
+           o->iters, o->warmup);
+    printf("%-9s %-4s %5s %3s", "shape", "dt", "T", "R");
+    for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
+    printf(" %8s %8s\n", "lay/max", "chn/lay");
+  }
+  int rc = 0;
+  for (int i = 0; i < o->num_shapes && !rc; i++)
+    for (int j = 0; j < o->num_dtypes && !rc; j++)
+      for (int k = 0; k < o->num_tokens && !rc; k++)
+        rc = bench_point(comm, rank, R, &kShapes[o->shapes[i]], o->fp8[j], o->tokens[k], o, stream);
+  cudaStreamDestroy(stream);
+  ncclCommDestroy(comm);
+  return rc;
+}
+
+static int parse_list(const char *s, int *out, int max) {
+  int n = 0;
+  for (const char *p = s; *p && n < max;) {
+    out[n++] = atoi(p);
+    const char *q = strchr(p, ',');
+    if (!q) break;
+    p = q + 1;
+  }
+  return n;
+}
+
+int main(int argc, char **argv) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
+  options_t o = {{128}, 1, {0, 1}, 2, {0, 1}, 2, 20, 3, 0};
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--tokens") && v) {
+      o.num_tokens = parse_list(v, o.tokens, MAX_LIST), i++;
+    } else if (!strcmp(a, "--shape") && v) {
+      o.num_shapes = 1, o.shapes[0] = !strcmp(v, "qwen3"), i++;
+    } else if (!strcmp(a, "--dtype") && v) {
+      o.num_dtypes = 1, o.fp8[0] = !strcmp(v, "fp8"), i++;
+    } else if (!strcmp(a, "--iters") && v) {
+      o.iters = atoi(v), i++;
+    } else if (!strcmp(a, "--ranks") && v) {
+      o.ranks = atoi(v), i++;
+    } else {
+      fprintf(stderr,
+              "usage: %s [--tokens 1,8,128] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
+              "[--iters N] [--ranks N]\n",
+              argv[0]);
+      return 2;
+    }
+  }
+  if (o.iters < 1 || o.num_tokens < 1) return 2;
+  for (int k = 0; k < o.num_tokens; k++)
+    if (o.tokens[k] < 1 || o.tokens[k] > 4096) {
+      fprintf(stderr, "epx_moe_bench: --tokens %d: 1..4096\n", o.tokens[k]);
+      return 2;
+    }
+  const int visible = ranks_count_gpus("epx_moe_bench", 60);
+  if (visible < 1) {
+    printf("epx_moe_bench: no GPU visible\nskipped\n");
+    return 0;
+  }
+  int R = visible < EPX_MAX_RANKS ? visible : EPX_MAX_RANKS;
+  if (o.ranks > 0) R = o.ranks < R ? o.ranks : R;
+  const ranks_config_t cfg = {"epx_moe_bench", 1200, 30, 0, "the bench's own limit"};
+  return ranks_run(&cfg, R, run_rank, &o, NULL) ? 1 : 0;
+}
