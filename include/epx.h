@@ -779,11 +779,8 @@ typedef struct epx_moe_args {
   size_t workspace_bytes;
 } epx_moe_args_t;
 
-#define EPX_MOE_ARGS_INIT                                                                   \
-  {                                                                                         \
-    sizeof(epx_moe_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, EPX_DTYPE_BF16, NULL, NULL, \
-        0                                                                                   \
-  }
+#define EPX_MOE_ARGS_INIT \
+  { sizeof(epx_moe_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, EPX_DTYPE_BF16, NULL, NULL, 0 }
 
 /* epx_moe_workspace_size - scratch bytes epx_moe_decode needs on this group with these
  * experts: the FFN's intermediate rows for every row the dispatch can deliver (L x R x M,

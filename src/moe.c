@@ -117,8 +117,9 @@ EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *exper
   c.out = a->out;
   const epx_status_t combine = epx_ll_combine(g, &c, stream);
   if (ffn != EPX_OK) /* the first failure is the one to report */
-    return epx__set_error(ffn, "%s: the experts' FFN failed after the dispatch was queued (the "
-                               "combine was queued so that no peer waits): %s",
+    return epx__set_error(ffn,
+                          "%s: the experts' FFN failed after the dispatch was queued (the "
+                          "combine was queued so that no peer waits): %s",
                           fn, ffn_message);
   return combine;
 }

@@ -40,21 +40,21 @@ typedef struct {
   int iters, warmup, ranks;
 } options_t;
 
-#define CK(call)                                                                             \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
+#define CK(call)                                                                                 \
+  do {                                                                                           \
+    cudaError_t e_ = (call);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
       fprintf(stderr, "epx_moe_bench: %s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      return 1;                                                                              \
-    }                                                                                        \
+      return 1;                                                                                  \
+    }                                                                                            \
   } while (0)
-#define EK(call)                                                                          \
-  do {                                                                                    \
-    epx_status_t s_ = (call);                                                             \
-    if (s_ != EPX_OK) {                                                                   \
+#define EK(call)                                                                           \
+  do {                                                                                     \
+    epx_status_t s_ = (call);                                                              \
+    if (s_ != EPX_OK) {                                                                    \
       fprintf(stderr, "epx_moe_bench: %s:%d: %s\n", __FILE__, __LINE__, epx_last_error()); \
-      return 1;                                                                           \
-    }                                                                                     \
+      return 1;                                                                            \
+    }                                                                                      \
   } while (0)
 
 static int cmp_float(const void *a, const void *b) {
@@ -80,8 +80,8 @@ static void route(int64_t *ids, float *w, int T, int E, uint64_t seed) {
 }
 
 /* The graph's replay time on stream: median and min over iters, after warmup replays. */
-static int time_graph(cudaGraphExec_t exec, cudaStream_t stream, const options_t *o,
-                      float *median, float *min) {
+static int time_graph(cudaGraphExec_t exec, cudaStream_t stream, const options_t *o, float *median,
+                      float *min) {
   float *ms = malloc(sizeof(float) * o->iters);
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
@@ -176,7 +176,8 @@ static int alloc_experts(const shape_t *s, int L, int fp8, uint64_t seed, epx_ex
     return 0;
   }
   float *gus, *dns;
-  const size_t s_gu = (size_t)L * (2 * I / 128) * (H / 128), s_dn = (size_t)L * (H / 128) * (I / 128);
+  const size_t s_gu = (size_t)L * (2 * I / 128) * (H / 128),
+               s_dn = (size_t)L * (H / 128) * (I / 128);
   CK(cudaMalloc((void **)&gus, s_gu * 4));
   CK(cudaMalloc((void **)&dns, s_dn * 4));
   CK(bench_fill_fp8(gu, n_gu, seed));

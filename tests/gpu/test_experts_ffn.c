@@ -121,7 +121,8 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
   EXPECT_CUDA(cudaMemcpy(got, d->out_dev, n * 2, cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < n; i++) want[i] = SENTINEL;
   epx_ref_experts_rows(c->E, c->num_rows, count, c->begin, c->rows_per_expert, first, rows);
-  EXPECT(epx_ref_experts_ffn(&d->w.ref, d->x, c->x_fp8, d->xs, c->num_rows, first, rows, want) == 0);
+  EXPECT(epx_ref_experts_ffn(&d->w.ref, d->x, c->x_fp8, d->xs, c->num_rows, first, rows, want) ==
+         0);
   double sq = 0;
   long long covered_vals = 0;
   for (int e = 0; e < c->E; e++)

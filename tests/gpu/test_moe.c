@@ -114,8 +114,8 @@ static int check_out(const moe_fixture_t *f, const world_t *w, const moe_case_t 
       const double bound = 0.03 * mag[i] + 0.02 * rms * wsum + 1e-6;
       if (err / (bound > 0 ? bound : 1) > worst) worst = err / bound;
       if (!(err <= bound)) {
-        fprintf(stderr, "  %s: out[%d][%d] = %.6g, oracle %.6g (bound %.3g, rms %.3g)\n", label,
-                t, col, g, want[i], bound, rms);
+        fprintf(stderr, "  %s: out[%d][%d] = %.6g, oracle %.6g (bound %.3g, rms %.3g)\n", label, t,
+                col, g, want[i], bound, rms);
         rc = TEST_FAIL;
         break;
       }
@@ -208,11 +208,11 @@ EPX_GPU_TEST(moe_decode_graph_replay, 300) {
 }
 
 /* Every rank passes the same bad argument: refused by name, nothing queued. */
-#define EXPECT_REFUSED(call, status, needle)                                           \
-  do {                                                                                 \
-    EXPECT_STATUS((call), (status));                                                   \
+#define EXPECT_REFUSED(call, status, needle)                                       \
+  do {                                                                             \
+    EXPECT_STATUS((call), (status));                                               \
     EXPECTF(strstr(epx_last_error(), (needle)) != NULL, "message '%s' lacks '%s'", \
-            epx_last_error(), (needle));                                               \
+            epx_last_error(), (needle));                                           \
   } while (0)
 
 EPX_GPU_TEST(moe_decode_refusals, 300) {

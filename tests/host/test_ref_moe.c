@@ -72,8 +72,10 @@ static int check_world(int fp8, uint64_t *rng) {
         const size_t i = (size_t)t * H + c;
         if (!(fabs(got[i] - want[c]) <= 1e-6 * absum[c] + 1e-12) ||
             !(fabs(mag[i] - absum[c]) <= 1e-9 * absum[c] + 1e-12)) {
-          fprintf(stderr, "  fp8 %d rank %d token %d col %d: oracle %.10g (|.| %.6g), direct %.10g "
-                  "(|.| %.6g)\n", fp8, s, t, c, got[i], mag[i], want[c], absum[c]);
+          fprintf(stderr,
+                  "  fp8 %d rank %d token %d col %d: oracle %.10g (|.| %.6g), direct %.10g "
+                  "(|.| %.6g)\n",
+                  fp8, s, t, c, got[i], mag[i], want[c], absum[c]);
           rc = TEST_FAIL;
           break;
         }

@@ -41,7 +41,8 @@ static int run_rank(const epx_ref_world_t *w, const epx_ref_experts_t *ex, int M
     free(first), free(n);
     return -1;
   }
-  const epx_ref_ll_recv_t out = {r->x16, r->x8, r->scales, r->count, NULL, r->num, NULL, NULL, NULL};
+  const epx_ref_ll_recv_t out = {r->x16, r->x8, r->scales, r->count, NULL,
+                                 r->num, NULL,  NULL,      NULL};
   int rc = epx_ref_ll_dispatch_layout(w, d, M, 0, EPX_REF_LL_FIXED, &out);
   for (int s = 0; s < R && rc == 0; s++) {
     for (int j = 0; j < L; j++) first[j] = j * R * M + s * M, n[j] = r->num[j * R + s];
