@@ -95,14 +95,14 @@ EXPERTS_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(EXPERTS_BENCH_C)) \
 LAYOUT_BENCH_C := $(wildcard bench/layout/*.c)
 LAYOUT_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(LAYOUT_BENCH_C))
 LAYOUT_BENCH_LINK := $(LAYOUT_BENCH_OBJ) $(addprefix $(BUILD)/obj/tests/,ref/epx_ref.o \
-                     gpu/one_gpu_ctx.o gpu/test_kernels.o)
+                     gpu/one_gpu_ctx.o gpu/test_kernels.o) $(BUILD)/obj/bench/check.o
 
 # epx_moe_bench (`make moe-bench-bin`): the MoE layer at decode against its parts, every visible
 # GPU (bench/moe/); the rank processes of tests/common/ranks.c, the fills of bench/experts/.
 MOE_BENCH_C := $(wildcard bench/moe/*.c)
 MOE_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(MOE_BENCH_C))
 MOE_BENCH_LINK := $(MOE_BENCH_OBJ) $(BUILD)/obj/tests/common/ranks.o \
-                  $(BUILD)/obj/bench/experts/bench_kernels.o
+                  $(BUILD)/obj/bench/experts/bench_kernels.o $(BUILD)/obj/bench/check.o
 
 SHARED_LIB := $(BUILD)/lib/libepx.so
 STATIC_LIB := $(BUILD)/lib/libepx.a
@@ -161,9 +161,9 @@ $(SOAK_BIN): $(SOAK_LINK) $(STATIC_LIB)
 	$(CXX) -o $@ $(SOAK_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
 
 experts-bench-bin: $(EXPERTS_BENCH_BIN)
-$(EXPERTS_BENCH_BIN): $(EXPERTS_BENCH_OBJ) $(STATIC_LIB)
+$(EXPERTS_BENCH_BIN): $(EXPERTS_BENCH_OBJ) $(BUILD)/obj/bench/check.o $(STATIC_LIB)
 	@mkdir -p $(dir $@)
-	$(CXX) -o $@ $(EXPERTS_BENCH_OBJ) $(STATIC_LIB) $(SAN) $(LDLIBS)
+	$(CXX) -o $@ $(EXPERTS_BENCH_OBJ) $(BUILD)/obj/bench/check.o $(STATIC_LIB) $(SAN) $(LDLIBS)
 moe-bench-bin: $(MOE_BENCH_BIN)
 $(MOE_BENCH_BIN): $(MOE_BENCH_LINK) $(STATIC_LIB)
 	@mkdir -p $(dir $@)

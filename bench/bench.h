@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "check.h"
 #include "epx.h"
 #include "ktime.h"
 
@@ -55,38 +56,9 @@ int bench_parse_options(int argc, char **argv, bench_options_t *opt);
 epx_group_config_t bench_group_config(const bench_options_t *opt);
 
 /* ---------------------------------------------------------------------------------------------
- * Error checks of rank code: print the failing call with the rank, then return -1.
+ * Error checks of rank code (check.h): BENCH_CUDA, BENCH_NCCL, BENCH_EPX print the failing call
+ * with the rank, then return -1.
  * ------------------------------------------------------------------------------------------- */
-extern int bench_log_rank; /* this process's rank, -1 in the parent */
-void bench_report_failure(const char *file, int line, const char *expr, const char *why);
-
-#define BENCH_CUDA(call)                                                       \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess) {                                                   \
-      bench_report_failure(__FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return -1;                                                               \
-    }                                                                          \
-  } while (0)
-
-#define BENCH_NCCL(call)                                                       \
-  do {                                                                         \
-    ncclResult_t r_ = (call);                                                  \
-    if (r_ != ncclSuccess) {                                                   \
-      bench_report_failure(__FILE__, __LINE__, #call, ncclGetErrorString(r_)); \
-      return -1;                                                               \
-    }                                                                          \
-  } while (0)
-
-#define BENCH_EPX(call)                                                  \
-  do {                                                                   \
-    epx_status_t s_ = (call);                                            \
-    if (s_ != EPX_OK) {                                                  \
-      bench_report_failure(__FILE__, __LINE__, #call, epx_last_error()); \
-      return -1;                                                         \
-    }                                                                    \
-  } while (0)
-
 /* A bench function that already reported its failure. */
 #define BENCH_TRY(call)         \
   do {                          \

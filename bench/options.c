@@ -61,42 +61,6 @@ static void set_defaults(bench_options_t *opt) {
   opt->seed = 1;
 }
 
-/* A whole-string integer in [lo, hi]. Returns 0, or -1 after printing why. */
-static int parse_int(const char *flag, const char *s, int lo, int hi, int *out) {
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < lo || v > hi) {
-    fprintf(stderr, "epx_bench: %s %s: expected an integer in [%d, %d]\n", flag, s, lo, hi);
-    return -1;
-  }
-  *out = (int)v;
-  return 0;
-}
-
-/* A comma-separated list of integers in [lo, hi], at most BENCH_MAX_LIST. */
-static int parse_list(const char *flag, const char *s, int lo, int hi, int *out, int *count) {
-  char buf[256];
-  if (strlen(s) >= sizeof buf) {
-    fprintf(stderr, "epx_bench: %s: list too long\n", flag);
-    return -1;
-  }
-  strcpy(buf, s);
-  *count = 0;
-  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (*count == BENCH_MAX_LIST) {
-      fprintf(stderr, "epx_bench: %s: at most %d values\n", flag, BENCH_MAX_LIST);
-      return -1;
-    }
-    if (parse_int(flag, tok, lo, hi, &out[(*count)++])) return -1;
-  }
-  if (*count == 0) {
-    fprintf(stderr, "epx_bench: %s: empty list\n", flag);
-    return -1;
-  }
-  return 0;
-}
-
 static int parse_seed(const char *s, uint64_t *out) {
   char *end;
   errno = 0;
@@ -112,9 +76,11 @@ static int parse_seed(const char *s, uint64_t *out) {
 /* One "--flag value" pair. Returns 0, or -1 after printing why. */
 static int parse_flag(bench_options_t *o, const char *flag, const char *v) {
   if (!strcmp(flag, "--tokens"))
-    return parse_list(flag, v, 1, EPX_MAX_TOKENS_PER_RANK, o->tokens, &o->num_tokens);
+    return bench_parse_list(flag, v, 1, EPX_MAX_TOKENS_PER_RANK, BENCH_MAX_LIST, o->tokens,
+                            &o->num_tokens);
   if (!strcmp(flag, "--ll-tokens"))
-    return parse_list(flag, v, 1, EPX_MAX_TOKENS_PER_RANK, o->ll_tokens, &o->num_ll_tokens);
+    return bench_parse_list(flag, v, 1, EPX_MAX_TOKENS_PER_RANK, BENCH_MAX_LIST, o->ll_tokens,
+                            &o->num_ll_tokens);
   if (!strcmp(flag, "--rows")) {
     o->run_normal = !strcmp(v, "all") || !strcmp(v, "normal");
     o->run_ll = !strcmp(v, "all") || !strcmp(v, "ll");
@@ -122,16 +88,19 @@ static int parse_flag(bench_options_t *o, const char *flag, const char *v) {
     fprintf(stderr, "epx_bench: --rows %s: expected all, normal or ll\n", v);
     return -1;
   }
-  if (!strcmp(flag, "--sms")) return parse_list(flag, v, 1, 1024, o->sms, &o->num_sms);
-  if (!strcmp(flag, "--epx-sms")) return parse_list(flag, v, 1, 1024, o->epx_sms, &o->num_epx_sms);
-  if (!strcmp(flag, "--hidden")) return parse_int(flag, v, 8, EPX_MAX_HIDDEN, &o->hidden);
-  if (!strcmp(flag, "--topk")) return parse_int(flag, v, 1, EPX_MAX_TOP_K, &o->top_k);
-  if (!strcmp(flag, "--experts")) return parse_int(flag, v, 1, EPX_MAX_EXPERTS, &o->num_experts);
-  if (!strcmp(flag, "--iters")) return parse_int(flag, v, 1, 100000, &o->iters);
-  if (!strcmp(flag, "--warmup")) return parse_int(flag, v, 0, 100000, &o->warmup);
-  if (!strcmp(flag, "--kernel-iters")) return parse_int(flag, v, 0, 100000, &o->kernel_iters);
-  if (!strcmp(flag, "--ranks")) return parse_int(flag, v, 2, EPX_MAX_RANKS, &o->ranks);
-  if (!strcmp(flag, "--timeout")) return parse_int(flag, v, 1, INT_MAX, &o->timeout_s);
+  if (!strcmp(flag, "--sms"))
+    return bench_parse_list(flag, v, 1, 1024, BENCH_MAX_LIST, o->sms, &o->num_sms);
+  if (!strcmp(flag, "--epx-sms"))
+    return bench_parse_list(flag, v, 1, 1024, BENCH_MAX_LIST, o->epx_sms, &o->num_epx_sms);
+  if (!strcmp(flag, "--hidden")) return bench_parse_int(flag, v, 8, EPX_MAX_HIDDEN, &o->hidden);
+  if (!strcmp(flag, "--topk")) return bench_parse_int(flag, v, 1, EPX_MAX_TOP_K, &o->top_k);
+  if (!strcmp(flag, "--experts"))
+    return bench_parse_int(flag, v, 1, EPX_MAX_EXPERTS, &o->num_experts);
+  if (!strcmp(flag, "--iters")) return bench_parse_int(flag, v, 1, 100000, &o->iters);
+  if (!strcmp(flag, "--warmup")) return bench_parse_int(flag, v, 0, 100000, &o->warmup);
+  if (!strcmp(flag, "--kernel-iters")) return bench_parse_int(flag, v, 0, 100000, &o->kernel_iters);
+  if (!strcmp(flag, "--ranks")) return bench_parse_int(flag, v, 2, EPX_MAX_RANKS, &o->ranks);
+  if (!strcmp(flag, "--timeout")) return bench_parse_int(flag, v, 1, INT_MAX, &o->timeout_s);
   if (!strcmp(flag, "--seed")) return parse_seed(v, &o->seed);
   if (!strcmp(flag, "--json")) {
     o->json_path = v;

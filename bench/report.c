@@ -10,15 +10,6 @@
 
 #include "bench.h"
 
-int bench_log_rank = -1;
-
-void bench_report_failure(const char *file, int line, const char *expr, const char *why) {
-  if (bench_log_rank >= 0)
-    fprintf(stderr, "epx_bench rank %d: %s:%d: %s: %s\n", bench_log_rank, file, line, expr, why);
-  else
-    fprintf(stderr, "epx_bench: %s:%d: %s: %s\n", file, line, expr, why);
-}
-
 bench_row_t bench_row_init(const char *op) {
   bench_row_t r;
   memset(&r, 0, sizeof r);

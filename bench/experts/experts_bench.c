@@ -21,25 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "epx.h"
 #include "experts/bench_kernels.h"
-
-#define CHECK_CUDA(call)                                                                     \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(1);                                                                               \
-    }                                                                                        \
-  } while (0)
-#define CHECK_EPX(call)                                                                \
-  do {                                                                                 \
-    epx_status_t s_ = (call);                                                          \
-    if (s_ != EPX_OK) {                                                                \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, epx_last_error()); \
-      exit(1);                                                                         \
-    }                                                                                  \
-  } while (0)
 
 typedef struct {
   const char *name;
@@ -84,24 +68,19 @@ static void stats(float *t, int n, float *median, float *p99) {
   *p99 = t[(int)((n - 1) * 0.99)];
 }
 
-static int parse_list(const char *s, int *out, int max) {
-  int n = 0;
-  char *copy = strdup(s);
-  for (char *tok = strtok(copy, ","); tok && n < max; tok = strtok(NULL, ",")) out[n++] = atoi(tok);
-  free(copy);
-  return n;
-}
-
-int main(int argc, char **argv) {
+/* Returns 0, 2 for bad flags, or -1 after a failed call (reported). */
+static int run(int argc, char **argv) {
   int ranks = 2, iters = 50, tokens[16] = {1, 32, 128, 512}, num_tokens = 4;
   const char *shape_sel = "all", *dtype_sel = "all";
   uint64_t seed = 1;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--ranks") && i + 1 < argc)
       ranks = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
-      num_tokens = parse_list(argv[++i], tokens, 16);
-    else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
+    else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
+      if (bench_parse_list("--tokens", argv[++i], 1, EPX_MAX_TOKENS_PER_RANK, 16, tokens,
+                           &num_tokens))
+        return 2;
+    } else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
       iters = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--shape") && i + 1 < argc)
       shape_sel = argv[++i];
@@ -126,20 +105,20 @@ int main(int argc, char **argv) {
     printf("epx_experts_bench: no GPU visible; nothing measured\n");
     return 0;
   }
-  CHECK_CUDA(cudaSetDevice(0));
+  BENCH_CUDA(cudaSetDevice(0));
   struct cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   printf("epx_experts_bench: %s, %d SMs; R = %d ranks, %d iterations, seed %llu\n", prop.name,
          prop.multiProcessorCount, ranks, iters, (unsigned long long)seed);
 
   cudaStream_t stream;
   cudaEvent_t ev0, ev1;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  CHECK_CUDA(cudaEventCreate(&ev0));
-  CHECK_CUDA(cudaEventCreate(&ev1));
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  BENCH_CUDA(cudaEventCreate(&ev0));
+  BENCH_CUDA(cudaEventCreate(&ev1));
   float *times = malloc(sizeof(float) * (size_t)iters);
   int *sink;
-  CHECK_CUDA(cudaMalloc((void **)&sink, sizeof(int)));
+  BENCH_CUDA(cudaMalloc((void **)&sink, sizeof(int)));
 
   /* The HBM read rate: one read of a 4 GB buffer (80 times L2) with every SM, median. */
   double hbm_gbs;
@@ -147,21 +126,21 @@ int main(int argc, char **argv) {
     const size_t bytes = (size_t)4 << 30;
     void *buf;
     float med, p99;
-    CHECK_CUDA(cudaMalloc(&buf, bytes));
-    CHECK_CUDA(cudaMemset(buf, 1, bytes));
-    for (int it = 0; it < 3; it++) CHECK_CUDA(bench_read(buf, bytes, sink, stream));
+    BENCH_CUDA(cudaMalloc(&buf, bytes));
+    BENCH_CUDA(cudaMemset(buf, 1, bytes));
+    for (int it = 0; it < 3; it++) BENCH_CUDA(bench_read(buf, bytes, sink, stream));
     for (int it = 0; it < iters; it++) {
-      CHECK_CUDA(cudaEventRecord(ev0, stream));
-      CHECK_CUDA(bench_read(buf, bytes, sink, stream));
-      CHECK_CUDA(cudaEventRecord(ev1, stream));
-      CHECK_CUDA(cudaEventSynchronize(ev1));
-      CHECK_CUDA(cudaEventElapsedTime(&times[it], ev0, ev1));
+      BENCH_CUDA(cudaEventRecord(ev0, stream));
+      BENCH_CUDA(bench_read(buf, bytes, sink, stream));
+      BENCH_CUDA(cudaEventRecord(ev1, stream));
+      BENCH_CUDA(cudaEventSynchronize(ev1));
+      BENCH_CUDA(cudaEventElapsedTime(&times[it], ev0, ev1));
     }
     stats(times, iters, &med, &p99);
     hbm_gbs = (double)bytes / (med * 1e-3) / 1e9;
     printf("hbm read       %8.1f MB  median %9.1f us  p99 %9.1f us  %7.0f GB/s\n", bytes / 1e6,
            med * 1e3, p99 * 1e3, hbm_gbs);
-    CHECK_CUDA(cudaFree(buf));
+    BENCH_CUDA(cudaFree(buf));
   }
 
   for (size_t si = 0; si < sizeof kShapes / sizeof kShapes[0]; si++) {
@@ -178,19 +157,19 @@ int main(int argc, char **argv) {
       w.weight_dtype = fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
       void *gu, *dn;
       float *gus = NULL, *dns = NULL;
-      CHECK_CUDA(cudaMalloc(&gu, gu_bytes));
-      CHECK_CUDA(cudaMalloc(&dn, dn_bytes));
+      BENCH_CUDA(cudaMalloc(&gu, gu_bytes));
+      BENCH_CUDA(cudaMalloc(&dn, dn_bytes));
       if (fp8) {
         const size_t n_gus = E * (2 * I / 128) * (H / 128), n_dns = E * (H / 128) * (I / 128);
-        CHECK_CUDA(cudaMalloc((void **)&gus, n_gus * 4));
-        CHECK_CUDA(cudaMalloc((void **)&dns, n_dns * 4));
-        CHECK_CUDA(bench_fill_fp8(gu, gu_bytes, seed + 1));
-        CHECK_CUDA(bench_fill_fp8(dn, dn_bytes, seed + 2));
-        CHECK_CUDA(bench_fill_f32(gus, n_gus, 0.5f / 448.f / 85.f, 1.5f / 448.f / 85.f, seed + 3));
-        CHECK_CUDA(bench_fill_f32(dns, n_dns, 0.5f / 448.f / 45.f, 1.5f / 448.f / 45.f, seed + 4));
+        BENCH_CUDA(cudaMalloc((void **)&gus, n_gus * 4));
+        BENCH_CUDA(cudaMalloc((void **)&dns, n_dns * 4));
+        BENCH_CUDA(bench_fill_fp8(gu, gu_bytes, seed + 1));
+        BENCH_CUDA(bench_fill_fp8(dn, dn_bytes, seed + 2));
+        BENCH_CUDA(bench_fill_f32(gus, n_gus, 0.5f / 448.f / 85.f, 1.5f / 448.f / 85.f, seed + 3));
+        BENCH_CUDA(bench_fill_f32(dns, n_dns, 0.5f / 448.f / 45.f, 1.5f / 448.f / 45.f, seed + 4));
       } else {
-        CHECK_CUDA(bench_fill_bf16(gu, gu_bytes / 2, 1.f / 85.f, seed + 1));
-        CHECK_CUDA(bench_fill_bf16(dn, dn_bytes / 2, 1.f / 45.f, seed + 2));
+        BENCH_CUDA(bench_fill_bf16(gu, gu_bytes / 2, 1.f / 85.f, seed + 1));
+        BENCH_CUDA(bench_fill_bf16(dn, dn_bytes / 2, 1.f / 45.f, seed + 2));
       }
       w.gate_up = gu, w.down = dn, w.gate_up_scales = gus, w.down_scales = dns;
 
@@ -204,25 +183,25 @@ int main(int argc, char **argv) {
         long long rows = 0;
         int active = 0;
         for (int e = 0; e < local; e++) rows += count[e], active += count[e] > 0;
-        CHECK_CUDA(cudaMalloc((void **)&count_dev, sizeof(int) * E));
-        CHECK_CUDA(cudaMemcpy(count_dev, count, sizeof(int) * E, cudaMemcpyHostToDevice));
+        BENCH_CUDA(cudaMalloc((void **)&count_dev, sizeof(int) * E));
+        BENCH_CUDA(cudaMemcpy(count_dev, count, sizeof(int) * E, cudaMemcpyHostToDevice));
         void *x, *out, *ws;
         size_t ws_bytes;
-        CHECK_CUDA(cudaMalloc(&x, (size_t)num_rows * H * 2));
-        CHECK_CUDA(cudaMalloc(&out, (size_t)num_rows * H * 2));
-        CHECK_CUDA(bench_fill_bf16(x, (size_t)num_rows * H, 2.f, seed + 5));
-        CHECK_EPX(epx_experts_ffn_workspace_size(&w, num_rows, EPX_DTYPE_BF16, &ws_bytes));
-        CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+        BENCH_CUDA(cudaMalloc(&x, (size_t)num_rows * H * 2));
+        BENCH_CUDA(cudaMalloc(&out, (size_t)num_rows * H * 2));
+        BENCH_CUDA(bench_fill_bf16(x, (size_t)num_rows * H, 2.f, seed + 5));
+        BENCH_EPX(epx_experts_ffn_workspace_size(&w, num_rows, EPX_DTYPE_BF16, &ws_bytes));
+        BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
         epx_experts_ffn_args_t a = EPX_EXPERTS_FFN_ARGS_INIT;
         a.x = x, a.num_rows = num_rows, a.expert_count = count_dev, a.rows_per_expert = rpe;
         a.out = out, a.workspace = ws, a.workspace_bytes = ws_bytes;
-        for (int it = 0; it < 3; it++) CHECK_EPX(epx_experts_ffn(&w, &a, stream));
+        for (int it = 0; it < 3; it++) BENCH_EPX(epx_experts_ffn(&w, &a, stream));
         for (int it = 0; it < iters; it++) {
-          CHECK_CUDA(cudaEventRecord(ev0, stream));
-          CHECK_EPX(epx_experts_ffn(&w, &a, stream));
-          CHECK_CUDA(cudaEventRecord(ev1, stream));
-          CHECK_CUDA(cudaEventSynchronize(ev1));
-          CHECK_CUDA(cudaEventElapsedTime(&times[it], ev0, ev1));
+          BENCH_CUDA(cudaEventRecord(ev0, stream));
+          BENCH_EPX(epx_experts_ffn(&w, &a, stream));
+          BENCH_CUDA(cudaEventRecord(ev1, stream));
+          BENCH_CUDA(cudaEventSynchronize(ev1));
+          BENCH_CUDA(cudaEventElapsedTime(&times[it], ev0, ev1));
         }
         stats(times, iters, &med, &p99);
         const double per_expert = (double)(2 * I * H + H * I) * elem;
@@ -234,20 +213,26 @@ int main(int argc, char **argv) {
             sh->name, fp8 ? "fp8" : "bf16", T, local, rows, active, med * 1e3, p99 * 1e3,
             bytes / 1e6, gbs, gbs / hbm_gbs);
         fflush(stdout);
-        CHECK_CUDA(cudaFree(x));
-        CHECK_CUDA(cudaFree(out));
-        CHECK_CUDA(cudaFree(ws));
-        CHECK_CUDA(cudaFree(count_dev));
+        BENCH_CUDA(cudaFree(x));
+        BENCH_CUDA(cudaFree(out));
+        BENCH_CUDA(cudaFree(ws));
+        BENCH_CUDA(cudaFree(count_dev));
         free(count);
       }
-      CHECK_CUDA(cudaFree(gu));
-      CHECK_CUDA(cudaFree(dn));
+      BENCH_CUDA(cudaFree(gu));
+      BENCH_CUDA(cudaFree(dn));
       if (fp8) {
-        CHECK_CUDA(cudaFree(gus));
-        CHECK_CUDA(cudaFree(dns));
+        BENCH_CUDA(cudaFree(gus));
+        BENCH_CUDA(cudaFree(dns));
       }
     }
   }
   free(times);
   return 0;
+}
+
+int main(int argc, char **argv) {
+  bench_program = "epx_experts_bench";
+  const int r = run(argc, argv);
+  return r < 0 ? 1 : r;
 }

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "common/runner.h"
 #include "gpu/gpu_util.h"
 #include "gpu/one_gpu_ctx.h"
@@ -38,24 +39,6 @@ typedef struct options {
   uint64_t seed;
 } options_t;
 
-#define CHECK_CUDA(call)                                                                     \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return -1;                                                                             \
-    }                                                                                        \
-  } while (0)
-
-#define CHECK_EPX(call)                                                                \
-  do {                                                                                 \
-    epx_status_t s_ = (call);                                                          \
-    if (s_ != EPX_OK) {                                                                \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, epx_last_error()); \
-      return -1;                                                                       \
-    }                                                                                  \
-  } while (0)
-
 static void usage(FILE *f) {
   fprintf(f,
           "usage: epx_layout_bench [flags]\n"
@@ -69,19 +52,6 @@ static void usage(FILE *f) {
           "  --warmup N         untimed iterations before them (default 20)\n"
           "  --seed N           routing seed (default 1)\n"
           "  --device D         CUDA device (default 0)\n");
-}
-
-static int parse_list(const char *s, int *out, int *n) {
-  *n = 0;
-  while (*s) {
-    char *end;
-    long v = strtol(s, &end, 10);
-    if (end == s || v < 0 || v > EPX_MAX_TOKENS_PER_RANK || *n == MAX_LIST) return -1;
-    out[(*n)++] = (int)v;
-    s = *end == ',' ? end + 1 : end;
-    if (*end && *end != ',') return -1;
-  }
-  return *n > 0 ? 0 : -1;
 }
 
 /* 0 to run, 1 after --help, 2 for a bad flag. */
@@ -112,9 +82,9 @@ static int parse_options(int argc, char **argv, options_t *o) {
     } else if (!v) {
       bad = 1;
     } else if (!strcmp(a, "--tokens")) {
-      bad = parse_list(v, o->tokens, &o->num_tokens);
+      bad = bench_parse_list(a, v, 0, EPX_MAX_TOKENS_PER_RANK, MAX_LIST, o->tokens, &o->num_tokens);
     } else if (!strcmp(a, "--ranks")) {
-      bad = parse_list(v, o->ranks, &o->num_ranks);
+      bad = bench_parse_list(a, v, 0, EPX_MAX_TOKENS_PER_RANK, MAX_LIST, o->ranks, &o->num_ranks);
     } else if (!strcmp(a, "--experts")) {
       o->num_experts = atoi(v);
     } else if (!strcmp(a, "--topk")) {
@@ -197,30 +167,30 @@ static int compare_double(const void *x, const void *y) {
 /* Time `iters` iterations into us[0..iters). */
 static int time_shape(const options_t *o, one_gpu_ctx_t *c, const buffers_t *b, const shape_t *s,
                       cudaStream_t stream, cudaEvent_t *ev, cudaEvent_t ready, double *us) {
-  for (int i = 0; i < o->warmup; i++) CHECK_EPX(launch(o, c, b, s, stream));
-  CHECK_CUDA(cudaStreamSynchronize(stream));
+  for (int i = 0; i < o->warmup; i++) BENCH_EPX(launch(o, c, b, s, stream));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
   uint64_t spin_ns = FIRST_SPIN_NS;
   for (int done = 0; done < o->iters;) {
     const int n = o->iters - done < BATCH ? o->iters - done : BATCH;
-    CHECK_CUDA(test_spin_ns(spin_ns, stream));
-    CHECK_CUDA(cudaEventRecord(ready, stream));
+    BENCH_CUDA(test_spin_ns(spin_ns, stream));
+    BENCH_CUDA(cudaEventRecord(ready, stream));
     for (int i = 0; i < n; i++) {
-      CHECK_CUDA(cudaEventRecord(ev[2 * i], stream));
-      CHECK_EPX(launch(o, c, b, s, stream));
-      CHECK_CUDA(cudaEventRecord(ev[2 * i + 1], stream));
+      BENCH_CUDA(cudaEventRecord(ev[2 * i], stream));
+      BENCH_EPX(launch(o, c, b, s, stream));
+      BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], stream));
     }
     /* The spin already over: the GPU may have waited for the host inside this batch. */
     const cudaError_t q = cudaEventQuery(ready);
-    if (q != cudaSuccess && q != cudaErrorNotReady) CHECK_CUDA(q);
+    if (q != cudaSuccess && q != cudaErrorNotReady) BENCH_CUDA(q);
     (void)cudaGetLastError(); /* cudaErrorNotReady is a status, not an error */
-    CHECK_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CUDA(cudaStreamSynchronize(stream));
     if (q == cudaSuccess && spin_ns < MAX_SPIN_NS) {
       spin_ns *= 2;
       continue;
     }
     for (int i = 0; i < n; i++) {
       float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+      BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
       us[done + i] = 1000.0 * ms;
     }
     done += n;
@@ -272,9 +242,9 @@ static int run(const options_t *o) {
   for (int i = 0; i < o->num_ranks; i++) max_r = o->ranks[i] > max_r ? o->ranks[i] : max_r;
   const int K = o->top_k, E = o->num_experts;
 
-  CHECK_CUDA(cudaSetDevice(o->device));
+  BENCH_CUDA(cudaSetDevice(o->device));
   struct cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, o->device));
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, o->device));
   const char *commit = getenv("EPX_COMMIT");
   printf(
       "# epx_layout_bench: %s, %d SMs%s%s; top-%d of %d experts, %s ids%s; seed %llu; %d "
@@ -301,26 +271,26 @@ static int run(const options_t *o) {
   for (size_t i = 0; i < (size_t)max_t * K; i++) idx32[i] = (int32_t)idx[i];
 
   one_gpu_ctx_t c;
-  CHECK_CUDA(one_gpu_ctx_create(&c, max_t > 0 ? max_t : 1, 10000));
+  BENCH_CUDA(one_gpu_ctx_create(&c, max_t > 0 ? max_t : 1, 10000));
   buffers_t b;
   memset(&b, 0, sizeof b);
-  CHECK_CUDA(cudaMalloc(&b.idx, sizeof(int64_t) * ((size_t)max_t * K + 1)));
-  CHECK_CUDA(cudaMalloc((void **)&b.mask_in, (size_t)max_t * max_r + 1));
-  CHECK_CUDA(cudaMalloc((void **)&b.per_expert_in, sizeof(int) * E));
-  CHECK_CUDA(cudaMalloc((void **)&b.per_rank, sizeof(int) * max_r));
-  CHECK_CUDA(cudaMalloc((void **)&b.per_expert, sizeof(int) * E));
-  CHECK_CUDA(cudaMalloc((void **)&b.in_rank, (size_t)max_t * max_r + 1));
-  CHECK_CUDA(cudaMalloc((void **)&b.pos, sizeof(int) * ((size_t)max_t * max_r + 1)));
+  BENCH_CUDA(cudaMalloc(&b.idx, sizeof(int64_t) * ((size_t)max_t * K + 1)));
+  BENCH_CUDA(cudaMalloc((void **)&b.mask_in, (size_t)max_t * max_r + 1));
+  BENCH_CUDA(cudaMalloc((void **)&b.per_expert_in, sizeof(int) * E));
+  BENCH_CUDA(cudaMalloc((void **)&b.per_rank, sizeof(int) * max_r));
+  BENCH_CUDA(cudaMalloc((void **)&b.per_expert, sizeof(int) * E));
+  BENCH_CUDA(cudaMalloc((void **)&b.in_rank, (size_t)max_t * max_r + 1));
+  BENCH_CUDA(cudaMalloc((void **)&b.pos, sizeof(int) * ((size_t)max_t * max_r + 1)));
   if (o->int32_ids)
-    CHECK_CUDA(
+    BENCH_CUDA(
         cudaMemcpy(b.idx, idx32, sizeof(int32_t) * (size_t)max_t * K, cudaMemcpyHostToDevice));
   else
-    CHECK_CUDA(cudaMemcpy(b.idx, idx, sizeof(int64_t) * (size_t)max_t * K, cudaMemcpyHostToDevice));
+    BENCH_CUDA(cudaMemcpy(b.idx, idx, sizeof(int64_t) * (size_t)max_t * K, cudaMemcpyHostToDevice));
   cudaStream_t stream;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int i = 0; i < 2 * BATCH; i++) CHECK_CUDA(cudaEventCreate(&ev[i]));
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int i = 0; i < 2 * BATCH; i++) BENCH_CUDA(cudaEventCreate(&ev[i]));
   cudaEvent_t ready;
-  CHECK_CUDA(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  BENCH_CUDA(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
 
   int failed = 0;
   for (int ri = 0; ri < o->num_ranks; ri++) {
@@ -332,7 +302,7 @@ static int run(const options_t *o) {
       if (!ref_rank || !pos) return -1;
       epx_ref_layout(idx, max_t, K, E, R, ref_rank, per_expert, mask, pos);
       free(ref_rank), free(pos);
-      CHECK_CUDA(cudaMemcpy(b.mask_in, mask, (size_t)max_t * R, cudaMemcpyHostToDevice));
+      BENCH_CUDA(cudaMemcpy(b.mask_in, mask, (size_t)max_t * R, cudaMemcpyHostToDevice));
     }
     for (int ti = 0; ti < o->num_tokens; ti++) {
       shape_t s = {o->tokens[ti], R, idx, mask, per_expert};
@@ -342,13 +312,13 @@ static int run(const options_t *o) {
         if (!ref_rank) return -1;
         epx_ref_layout(idx, s.T, K, E, R, ref_rank, per_expert, NULL, NULL);
         free(ref_rank);
-        CHECK_CUDA(
+        BENCH_CUDA(
             cudaMemcpy(b.per_expert_in, per_expert, sizeof(int) * E, cudaMemcpyHostToDevice));
       }
       if (time_shape(o, &c, &b, &s, stream, ev, ready, us)) return -1;
       const long long wrong = count_wrong(o, &b, &s);
       epx__error_record_t err;
-      CHECK_CUDA(one_gpu_ctx_take_error(&c, &err));
+      BENCH_CUDA(one_gpu_ctx_take_error(&c, &err));
       if (err.status != 0)
         fprintf(stderr, "  async error %d, stage %d, position %lld, value %lld\n", err.status,
                 err.stage, err.position, err.value);
@@ -375,6 +345,7 @@ static int run(const options_t *o) {
 }
 
 int main(int argc, char **argv) {
+  bench_program = "epx_layout_bench";
   options_t o;
   const int p = parse_options(argc, argv, &o);
   if (p == 1) return 0;

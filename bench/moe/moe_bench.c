@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "common/ranks.h"
 #include "epx.h"
 #include "experts/bench_kernels.h"
@@ -39,23 +40,6 @@ typedef struct {
   int fp8[2], num_dtypes;
   int iters, warmup, ranks;
 } options_t;
-
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    cudaError_t e_ = (call);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      fprintf(stderr, "epx_moe_bench: %s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      return 1;                                                                                  \
-    }                                                                                            \
-  } while (0)
-#define EK(call)                                                                           \
-  do {                                                                                     \
-    epx_status_t s_ = (call);                                                              \
-    if (s_ != EPX_OK) {                                                                    \
-      fprintf(stderr, "epx_moe_bench: %s:%d: %s\n", __FILE__, __LINE__, epx_last_error()); \
-      return 1;                                                                            \
-    }                                                                                      \
-  } while (0)
 
 static int cmp_float(const void *a, const void *b) {
   const float x = *(const float *)a, y = *(const float *)b;
@@ -84,15 +68,15 @@ static int time_graph(cudaGraphExec_t exec, cudaStream_t stream, const options_t
                       float *min) {
   float *ms = malloc(sizeof(float) * o->iters);
   cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < o->warmup; i++) CK(cudaGraphLaunch(exec, stream));
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < o->warmup; i++) BENCH_CUDA(cudaGraphLaunch(exec, stream));
   for (int i = 0; i < o->iters; i++) {
-    CK(cudaEventRecord(a, stream));
-    CK(cudaGraphLaunch(exec, stream));
-    CK(cudaEventRecord(b, stream));
-    CK(cudaEventSynchronize(b));
-    CK(cudaEventElapsedTime(&ms[i], a, b));
+    BENCH_CUDA(cudaEventRecord(a, stream));
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaEventRecord(b, stream));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    BENCH_CUDA(cudaEventElapsedTime(&ms[i], a, b));
   }
   qsort(ms, o->iters, sizeof(float), cmp_float);
   *median = ms[o->iters / 2] * 1000.f;
@@ -139,24 +123,24 @@ static int queue_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
     a.x = c->x, a.topk_idx = c->ids, a.topk_weights = c->w, a.num_tokens = c->T;
     a.dispatch_dtype = c->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
     a.out = c->out, a.workspace = c->ws, a.workspace_bytes = c->ws_bytes;
-    EK(epx_moe_decode(c->g, &c->ex, &a, stream));
+    BENCH_EPX(epx_moe_decode(c->g, &c->ex, &a, stream));
     return 0;
   }
   if (v == V_FFN) {
     const epx_experts_ffn_args_t f = ffn_args(c, &c->held);
-    EK(epx_experts_ffn(&c->ex, &f, stream));
+    BENCH_EPX(epx_experts_ffn(&c->ex, &f, stream));
     return 0;
   }
   const epx_ll_dispatch_args_t d = dispatch_args(c);
   epx_ll_dispatch_result_t r;
-  EK(epx_ll_dispatch(c->g, &d, &r, stream));
+  BENCH_EPX(epx_ll_dispatch(c->g, &d, &r, stream));
   if (v == V_CHAIN) {
     const epx_experts_ffn_args_t f = ffn_args(c, &r);
-    EK(epx_experts_ffn(&c->ex, &f, stream));
+    BENCH_EPX(epx_experts_ffn(&c->ex, &f, stream));
   }
   epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
   ca.dispatch = &r, ca.out = c->out;
-  EK(epx_ll_combine(c->g, &ca, stream));
+  BENCH_EPX(epx_ll_combine(c->g, &ca, stream));
   return 0;
 }
 
@@ -164,26 +148,26 @@ static int alloc_experts(const shape_t *s, int L, int fp8, uint64_t seed, epx_ex
   const size_t H = s->hidden, I = s->intermediate, n_gu = (size_t)L * 2 * I * H,
                n_dn = (size_t)L * H * I, elem = fp8 ? 1 : 2;
   void *gu, *dn;
-  CK(cudaMalloc(&gu, n_gu * elem));
-  CK(cudaMalloc(&dn, n_dn * elem));
+  BENCH_CUDA(cudaMalloc(&gu, n_gu * elem));
+  BENCH_CUDA(cudaMalloc(&dn, n_dn * elem));
   *ex = (epx_experts_t)EPX_EXPERTS_INIT;
   ex->num_experts = L, ex->hidden = s->hidden, ex->intermediate = s->intermediate;
   ex->weight_dtype = fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
   ex->gate_up = gu, ex->down = dn;
   if (!fp8) {
-    CK(bench_fill_bf16(gu, n_gu, 0.02f, seed));
-    CK(bench_fill_bf16(dn, n_dn, 0.02f, seed + 1));
+    BENCH_CUDA(bench_fill_bf16(gu, n_gu, 0.02f, seed));
+    BENCH_CUDA(bench_fill_bf16(dn, n_dn, 0.02f, seed + 1));
     return 0;
   }
   float *gus, *dns;
   const size_t s_gu = (size_t)L * (2 * I / 128) * (H / 128),
                s_dn = (size_t)L * (H / 128) * (I / 128);
-  CK(cudaMalloc((void **)&gus, s_gu * 4));
-  CK(cudaMalloc((void **)&dns, s_dn * 4));
-  CK(bench_fill_fp8(gu, n_gu, seed));
-  CK(bench_fill_fp8(dn, n_dn, seed + 1));
-  CK(bench_fill_f32(gus, s_gu, 1e-4f, 2e-4f, seed + 2));
-  CK(bench_fill_f32(dns, s_dn, 1e-4f, 2e-4f, seed + 3));
+  BENCH_CUDA(cudaMalloc((void **)&gus, s_gu * 4));
+  BENCH_CUDA(cudaMalloc((void **)&dns, s_dn * 4));
+  BENCH_CUDA(bench_fill_fp8(gu, n_gu, seed));
+  BENCH_CUDA(bench_fill_fp8(dn, n_dn, seed + 1));
+  BENCH_CUDA(bench_fill_f32(gus, s_gu, 1e-4f, 2e-4f, seed + 2));
+  BENCH_CUDA(bench_fill_f32(dns, s_dn, 1e-4f, 2e-4f, seed + 3));
   ex->gate_up_scales = gus, ex->down_scales = dns;
   return 0;
 }
@@ -203,47 +187,48 @@ static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int f
   cfg.max_tokens_per_rank = T, cfg.hidden = s->hidden, cfg.num_experts = s->experts;
   cfg.top_k = TOP_K, cfg.modes = EPX_MODE_LOW_LATENCY;
   cfg.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
-  EK(epx_group_create(comm, &cfg, &c.g));
+  BENCH_EPX(epx_group_create(comm, &cfg, &c.g));
   const int L = s->experts / R;
-  if (alloc_experts(s, L, fp8, 1000u + (uint64_t)rank, &c.ex)) return 1;
+  if (alloc_experts(s, L, fp8, 1000u + (uint64_t)rank, &c.ex)) return -1;
   int64_t *ids = malloc(sizeof(int64_t) * T * TOP_K);
   float *w = malloc(sizeof(float) * T * TOP_K);
   route(ids, w, T, s->experts, 77u + (uint64_t)rank);
-  CK(cudaMalloc(&c.x, (size_t)T * s->hidden * 2 + 16));
-  CK(cudaMalloc(&c.out, (size_t)T * s->hidden * 2 + 16));
-  CK(cudaMalloc(&c.ids, sizeof(int64_t) * T * TOP_K + 16));
-  CK(cudaMalloc(&c.w, sizeof(float) * T * TOP_K + 16));
-  CK(bench_fill_bf16(c.x, (size_t)T * s->hidden, 1.f, 5u + (uint64_t)rank));
-  CK(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * TOP_K, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(c.w, w, sizeof(float) * T * TOP_K, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMalloc(&c.x, (size_t)T * s->hidden * 2 + 16));
+  BENCH_CUDA(cudaMalloc(&c.out, (size_t)T * s->hidden * 2 + 16));
+  BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * TOP_K + 16));
+  BENCH_CUDA(cudaMalloc(&c.w, sizeof(float) * T * TOP_K + 16));
+  BENCH_CUDA(bench_fill_bf16(c.x, (size_t)T * s->hidden, 1.f, 5u + (uint64_t)rank));
+  BENCH_CUDA(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * TOP_K, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(c.w, w, sizeof(float) * T * TOP_K, cudaMemcpyHostToDevice));
   free(ids), free(w);
-  EK(epx_moe_workspace_size(c.g, &c.ex, fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, &c.ws_bytes));
-  CK(cudaMalloc(&c.ws, c.ws_bytes));
+  BENCH_EPX(
+      epx_moe_workspace_size(c.g, &c.ex, fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, &c.ws_bytes));
+  BENCH_CUDA(cudaMalloc(&c.ws, c.ws_bytes));
   /* The ffn variant's rows: a dispatch of the same routing (its counts are what matter). */
   const epx_ll_dispatch_args_t d = dispatch_args(&c);
-  EK(epx_ll_dispatch(c.g, &d, &c.held, stream));
+  BENCH_EPX(epx_ll_dispatch(c.g, &d, &c.held, stream));
   epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
   ca.dispatch = &c.held, ca.out = c.out;
-  EK(epx_ll_combine(c.g, &ca, stream));
-  CK(cudaStreamSynchronize(stream));
+  BENCH_EPX(epx_ll_combine(c.g, &ca, stream));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
 
   float med[NUM_VARIANTS], mn[NUM_VARIANTS];
   for (int v = 0; v < NUM_VARIANTS; v++) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    if (queue_variant(&c, v, stream)) return 1;
-    CK(cudaStreamEndCapture(stream, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    EK(epx_group_barrier(c.g, stream));
-    if (time_graph(exec, stream, o, &med[v], &mn[v])) return 1;
+    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    if (queue_variant(&c, v, stream)) return -1;
+    BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+    BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    BENCH_EPX(epx_group_barrier(c.g, stream));
+    if (time_graph(exec, stream, o, &med[v], &mn[v])) return -1;
     cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
   }
   epx_async_error_t err;
-  EK(epx_group_get_async_error(c.g, &err));
+  BENCH_EPX(epx_group_get_async_error(c.g, &err));
   if (err.status != EPX_OK) {
-    fprintf(stderr, "epx_moe_bench: rank %d: async error: %s\n", rank, err.message);
-    return 1;
+    bench_report_failure(__FILE__, __LINE__, "epx_group_get_async_error", err.message);
+    return -1;
   }
   if (rank == 0) {
     const float base = med[V_FFN] > med[V_COMM] ? med[V_FFN] : med[V_COMM];
@@ -254,20 +239,21 @@ static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int f
   }
   free_experts(&c.ex);
   cudaFree(c.x), cudaFree(c.out), cudaFree(c.ids), cudaFree(c.w), cudaFree(c.ws);
-  EK(epx_group_destroy(c.g));
+  BENCH_EPX(epx_group_destroy(c.g));
   return 0;
 }
 
 static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   const options_t *o = (const options_t *)arg;
-  CK(cudaSetDevice(rank));
+  bench_log_rank = rank;
+  BENCH_CUDA(cudaSetDevice(rank));
   ncclComm_t comm;
   if (ncclCommInitRank(&comm, R, *id, rank) != ncclSuccess) {
-    fprintf(stderr, "epx_moe_bench: rank %d: ncclCommInitRank failed\n", rank);
-    return 1;
+    bench_report_failure(__FILE__, __LINE__, "ncclCommInitRank", "failed");
+    return -1;
   }
   cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   if (rank == 0) {
     printf("# median and min of %d graph replays (us, events on rank 0), after %d warm-up\n",
            o->iters, o->warmup);
@@ -285,24 +271,15 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   return rc;
 }
 
-static int parse_list(const char *s, int *out, int max) {
-  int n = 0;
-  for (const char *p = s; *p && n < max;) {
-    out[n++] = atoi(p);
-    const char *q = strchr(p, ',');
-    if (!q) break;
-    p = q + 1;
-  }
-  return n;
-}
-
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
+  bench_program = "epx_moe_bench";
   options_t o = {{128}, 1, {0, 1}, 2, {0, 1}, 2, 20, 3, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--tokens") && v) {
-      o.num_tokens = parse_list(v, o.tokens, MAX_LIST), i++;
+      if (bench_parse_list(a, v, 1, 4096, MAX_LIST, o.tokens, &o.num_tokens)) return 2;
+      i++;
     } else if (!strcmp(a, "--shape") && v) {
       o.num_shapes = 1, o.shapes[0] = !strcmp(v, "qwen3"), i++;
     } else if (!strcmp(a, "--dtype") && v) {
@@ -319,12 +296,7 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (o.iters < 1 || o.num_tokens < 1) return 2;
-  for (int k = 0; k < o.num_tokens; k++)
-    if (o.tokens[k] < 1 || o.tokens[k] > 4096) {
-      fprintf(stderr, "epx_moe_bench: --tokens %d: 1..4096\n", o.tokens[k]);
-      return 2;
-    }
+  if (o.iters < 1) return 2;
   const int visible = ranks_count_gpus("epx_moe_bench", 60);
   if (visible < 1) {
     printf("epx_moe_bench: no GPU visible\nskipped\n");
