@@ -90,15 +90,35 @@ static epx_moe_args_t args_of(const moe_fixture_t *f, const moe_case_t *c, int m
   return a;
 }
 
+/* What this rank's output must be for one world: computed once, checked after every call. */
+typedef struct {
+  double *want, *mag; /* [T, H]: the oracle's output and the magnitude it is a sum of */
+  double rms;         /* of every FFN output row */
+} moe_oracle_t;
+
+static int oracle_make(const moe_fixture_t *f, const world_t *w, const moe_case_t *c, int me,
+                       moe_oracle_t *o) {
+  const size_t n = (size_t)w->ranks[me].num_tokens * w->H;
+  o->want = malloc(sizeof(double) * (n + 1));
+  o->mag = malloc(sizeof(double) * (n + 1));
+  EXPECT(o->want && o->mag);
+  EXPECT(epx_ref_moe_decode(&w->ref, f->ref, w->M, c->fp8_dispatch, me, o->want, o->mag, &o->rms) ==
+         0);
+  return TEST_PASS;
+}
+
+static void oracle_free(moe_oracle_t *o) {
+  free(o->want), free(o->mag);
+}
+
 /* This rank's output (device) against the oracle of world w. */
-static int check_out(const moe_fixture_t *f, const world_t *w, const moe_case_t *c, int me,
+static int check_out(const moe_fixture_t *f, const world_t *w, const moe_oracle_t *o, int me,
                      const char *label) {
   const int T = w->ranks[me].num_tokens, H = w->H, K = w->K;
   const size_t n = (size_t)T * H;
-  double *want = malloc(sizeof(double) * (n + 1)), *mag = malloc(sizeof(double) * (n + 1)), rms;
+  const double *want = o->want, *mag = o->mag, rms = o->rms;
   uint16_t *got = malloc(n * 2 + 2);
-  EXPECT(want && mag && got);
-  EXPECT(epx_ref_moe_decode(&w->ref, f->ref, w->M, c->fp8_dispatch, me, want, mag, &rms) == 0);
+  EXPECT(got);
   EXPECT_CUDA(cudaMemcpy(got, f->d.out, n * 2, cudaMemcpyDeviceToHost));
   double worst = 0;
   int rc = TEST_PASS;
@@ -123,18 +143,19 @@ static int check_out(const moe_fixture_t *f, const world_t *w, const moe_case_t 
   }
   if (rc == TEST_PASS && me == 0)
     printf("  %s: ok, worst |err| / bound %.3f (rms of FFN rows %.3g)\n", label, worst, rms);
-  free(want), free(mag), free(got);
+  free(got);
   return rc;
 }
 
-static int one_call(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c, const char *label) {
+static int one_call(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c,
+                    const moe_oracle_t *o, const char *label) {
   const int me = t->rank;
   EXPECT_CUDA(cudaMemsetAsync(f->d.out, 0xff, (size_t)f->w.M * f->w.H * 2, t->stream));
   const epx_moe_args_t a = args_of(f, c, me);
   EXPECT_OK(epx_moe_decode(f->g, &f->ex[me].dev, &a, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   EXPECT_NO_ASYNC_ERROR(f->g, label);
-  return check_out(f, &f->w, c, me, label);
+  return check_out(f, &f->w, o, me, label);
 }
 
 /*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  fp8 dispatch */
@@ -154,12 +175,15 @@ EPX_GPU_TEST(moe_decode_matches_reference, 900) {
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     const moe_case_t *c = &cases[i];
     moe_fixture_t f;
+    moe_oracle_t o;
     if (fixture_make(t, c, &rng, &f) != TEST_PASS) return TEST_FAIL;
-    for (int call = 0; call < 3; call++) {
+    if (oracle_make(&f, &f.w, c, t->rank, &o) != TEST_PASS) return TEST_FAIL;
+    for (int call = 0; call < 3; call++) { /* the same world: one oracle */
       char label[160];
       snprintf(label, sizeof label, "%s (%d ranks, call %d)", c->name, t->num_ranks, call);
-      if (one_call(t, &f, c, label) != TEST_PASS) return TEST_FAIL;
+      if (one_call(t, &f, c, &o, label) != TEST_PASS) return TEST_FAIL;
     }
+    oracle_free(&o);
     if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
   }
   return TEST_PASS;
@@ -199,7 +223,11 @@ EPX_GPU_TEST(moe_decode_graph_replay, 300) {
     char label[96];
     snprintf(label, sizeof label, "graph replay %d (%d ranks)", replay, t->num_ranks);
     EXPECT_NO_ASYNC_ERROR(f.g, label);
-    if (check_out(&f, &w, &c, me, label) != TEST_PASS) return TEST_FAIL;
+    moe_oracle_t o;
+    if (oracle_make(&f, &w, &c, me, &o) != TEST_PASS) return TEST_FAIL;
+    const int rc = check_out(&f, &w, &o, me, label);
+    oracle_free(&o);
+    if (rc != TEST_PASS) return TEST_FAIL;
   }
   EXPECT_CUDA(cudaGraphExecDestroy(exec));
   EXPECT_CUDA(cudaGraphDestroy(graph));
@@ -255,7 +283,10 @@ EPX_GPU_TEST(moe_decode_refusals, 300) {
                  "bytes");
 
   /* The refusals queued nothing: the next call is right on every rank. */
-  if (one_call(t, &f, &c, "after the refusals") != TEST_PASS) return TEST_FAIL;
+  moe_oracle_t o;
+  if (oracle_make(&f, &f.w, &c, me, &o) != TEST_PASS) return TEST_FAIL;
+  if (one_call(t, &f, &c, &o, "after the refusals") != TEST_PASS) return TEST_FAIL;
+  oracle_free(&o);
   if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
 
   /* A group without low-latency mode, and one whose route has no packed layout. */
