@@ -195,6 +195,6 @@ int main(int argc, char **argv) {
     fprintf(stderr, "epx_bench: at %d ranks: %s\n", num_ranks, epx_last_error());
     return 2;
   }
-  const ranks_config_t rc = {"epx_bench", opt.timeout_s, FAILURE_GRACE_S, 0, "--timeout"};
+  const ranks_config_t rc = {"epx_bench", opt.timeout_s, FAILURE_GRACE_S, 0, "--timeout", 0};
   return ranks_run(&rc, num_ranks, rank_main, &opt, NULL) ? 1 : 0;
 }

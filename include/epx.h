@@ -215,7 +215,11 @@ epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config,
 
 /* epx_group_destroy - release the workspace and everything the group holds. COLLECTIVE.
  * Synchronizes the device first. destroy(NULL) returns EPX_OK; a destroyed handle passed to any
- * call returns EPX_ERR_INVALID_USAGE (as long as its memory was not reused). */
+ * call returns EPX_ERR_INVALID_USAGE (as long as its memory was not reused). Bounded when a
+ * peer is dead: EPX's kernels end within timeout_ms, and with EPX_TRACE the dump gives up
+ * within two budgets (a warning, nothing written). After one of EPX's NCCL operations timed
+ * out (an EPX_ERR_TIMEOUT that says so), destroy waits for nothing and leaves the workspace
+ * allocated; abort the communicator next (docs/api.md, "After a fault"). */
 epx_status_t epx_group_destroy(epx_group_t group);
 
 /* Queries. Not collective; no GPU work.
@@ -626,10 +630,12 @@ epx_status_t epx_group_mask_peer(epx_group_t group, int peer, cudaStream_t strea
 
 /* epx_group_clear_peer_mask - unmask every peer once the failed ranks are back (DeepEP's
  * low_latency_clean_mask_buffer). COLLECTIVE over
- * every rank (the recovered ones included); synchronizes the device and the ranks (an NCCL
- * all-reduce), then moves every low-latency epoch of every rank to one common value so that no
- * signal of the failed period can be mistaken for a new one. The async error record is kept
- * (clear it with epx_group_clear_async_error). */
+ * every rank (the recovered ones included); synchronizes the device and the ranks (an
+ * agreement through the workspace, bounded by timeout_ms), then moves every low-latency epoch
+ * of every rank to one common value so that no signal of the failed period can be mistaken for
+ * a new one. The async error record is kept (clear it with epx_group_clear_async_error).
+ * Returns EPX_ERR_TIMEOUT, with nothing cleared, when some rank does not take part within
+ * timeout_ms (it is dead, stalled or late; a late one gets the same error at once). */
 epx_status_t epx_group_clear_peer_mask(epx_group_t group);
 
 /* ---------------------------------------------------------------------------------------------
@@ -675,8 +681,10 @@ epx_status_t epx_trace_start(epx_group_t group, int capacity, cudaStream_t strea
  *   summary - [OUT] optional: counts and clock figures, filled on every rank.
  *   stream  - [IN] the stream the traced work was queued on; not a capturing one.
  * Returns EPX_OK; EPX_ERR_INVALID_USAGE if some rank was not tracing (every rank returns it,
- * naming the rank; nothing is written); EPX_ERR_SYSTEM on rank 0 if the file cannot be
- * written; EPX_ERR_CUDA / EPX_ERR_NCCL. */
+ * naming the rank; nothing is written); EPX_ERR_TIMEOUT if some rank does not take part within
+ * timeout_ms (dead, stalled or late: every rank, the late one too, returns it; nothing is
+ * written; tracing is off); EPX_ERR_SYSTEM on rank 0 if the file cannot be written;
+ * EPX_ERR_CUDA / EPX_ERR_NCCL. */
 epx_status_t epx_trace_dump(epx_group_t group, const char *path, epx_trace_summary_t *summary,
                             cudaStream_t stream);
 

@@ -23,6 +23,7 @@
 #include "debug.h"
 #include "group.h"
 #include "kernels/api.h"
+#include "param.h"
 #include "registry.h"
 #include "trace_hooks.h"
 #include "transport.h"
@@ -94,13 +95,22 @@ static const char *const fp_names[FP_COUNT] = {"local status",
                                                "config.ll_route",
                                                "config.ll_max_tokens_per_rank"};
 
+/* How long creation's NCCL steps may wait for the slowest rank: ranks reach epx_group_create
+ * at times further apart than calls of a running group (model loading), so ten wait budgets,
+ * and at least a minute. */
+int epx__group_create_timeout_ms(int timeout_ms) {
+  if (timeout_ms <= 0) timeout_ms = (int)epx__param_TimeoutMs();
+  return timeout_ms >= 6000 ? 10 * timeout_ms : 60000;
+}
+
 /* All-gather `mine` over comm into all[num_ranks][FP_COUNT], on a stream of its own (the group
  * and its setup stream do not exist yet). */
 static epx_status_t allgather_fingerprint(ncclComm_t comm, int num_ranks, const long long *mine,
-                                          long long *all) {
+                                          long long *all, int timeout_ms) {
   cudaStream_t stream = NULL;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const epx__agree_t agree = {comm, num_ranks, stream, NULL};
+  const epx__agree_t agree = {comm, num_ranks, stream, NULL,
+                              epx__group_create_timeout_ms(timeout_ms)};
   const epx_status_t res = epx__agree_allgather(&agree, mine, FP_COUNT, all);
   cudaStreamDestroy(stream);
   return res;
@@ -169,7 +179,10 @@ static epx_status_t local_checks(ncclComm_t comm, int num_ranks, const epx_group
 static void group_release_prepared(epx_group_t g) {
   if (!g) return;
   epx__registry_remove(g);
-  if (g->error_host) cudaFreeHost((void *)g->error_host);
+  if (!g->nccl_pending) { /* (freeing device memory waits for the device) */
+    if (g->error_host) cudaFreeHost((void *)g->error_host);
+    if (g->agree_dev) cudaFree(g->agree_dev);
+  }
   if (g->setup_stream) cudaStreamDestroy(g->setup_stream);
   free(g);
 }
@@ -195,7 +208,22 @@ static epx_status_t group_prepare(ncclComm_t comm, int rank, int num_ranks,
   CUDA_CHECK(cudaHostAlloc((void **)&g->error_host, sizeof *g->error_host, cudaHostAllocMapped));
   memset((void *)g->error_host, 0, sizeof *g->error_host);
   CUDA_CHECK(cudaHostGetDevicePointer((void **)&g->error_dev, (void *)g->error_host, 0));
+  CUDA_CHECK(cudaMalloc((void **)&g->agree_dev, EPX_AGREE_GROUP_SCRATCH_BYTES));
   return epx__registry_add(g);
+}
+
+/* After one of EPX's NCCL operations timed out (g->nccl_pending), it may still wait on the
+ * device for a dead peer, holding the workspace: waiting for the device or deregistering the
+ * window would wait with it. The workspace and the transport's state are left behind (a leak,
+ * logged) and only host state is freed; the application aborts the communicator next. */
+static void leave_to_pending_nccl(epx_group_t g) {
+  EPX_WARN(
+      "an NCCL operation of this group timed out and may still be pending: %zu bytes of "
+      "workspace (and a few small buffers) are left allocated; abort the communicator "
+      "(ncclCommAbort) next",
+      g->layout.total_bytes);
+  g->transport_state = NULL;
+  g->workspace = NULL;
 }
 
 EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config,
@@ -234,7 +262,7 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
     group_release_prepared(g);
     return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
   }
-  epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all);
+  epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all, cfg.timeout_ms);
   int trace_ranks = 0; /* ranks whose EPX_TRACE asks for tracing */
   if (res == EPX_OK) {
     if (local != EPX_OK) epx__set_error(local, "%s", local_msg); /* restore the local reason */
@@ -258,7 +286,10 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   *group = g;
   return EPX_OK;
 fail:
-  g->transport->close(g); /* releases whatever part of the transport was opened */
+  if (g->nccl_pending)
+    leave_to_pending_nccl(g); /* the transport's memory may be in the pending operation */
+  else
+    g->transport->close(g); /* releases whatever part of the transport was opened */
   group_release_prepared(g);
   return res;
 }
@@ -267,14 +298,29 @@ EPX_EXPORT epx_status_t epx_group_destroy(epx_group_t g) {
   if (!g) return EPX_OK;
   EPX_CHECK(epx__group_check(g));
   epx__registry_remove(g);
-  epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
-  epx__trace_on_group_destroy(g); /* collective: EPX_TRACE's file, then the trace buffers */
-  epx_status_t r2 = g->transport->close(g);
-  if (res == EPX_OK) res = r2;
-  if (g->error_host) cudaFreeHost((void *)g->error_host);
-  if (g->setup_stream) cudaStreamDestroy(g->setup_stream);
-  free(g);
+  /* EPX's own kernels all end within the wait budget, so this wait is bounded unless an NCCL
+   * operation of EPX timed out (then nothing here waits for the device). */
+  epx_status_t res = g->nccl_pending ? EPX_OK : CUDA_STATUS(cudaDeviceSynchronize());
+  /* Collective but bounded: EPX_TRACE's file (skipped, with a warning, when a rank does not
+   * take part in time), then the trace buffers. */
+  epx__trace_on_group_destroy(g);
+  if (g->nccl_pending) {
+    leave_to_pending_nccl(g);
+  } else {
+    const epx_status_t r2 = g->transport->close(g);
+    if (res == EPX_OK) res = r2;
+  }
+  group_release_prepared(g);
   return res;
+}
+
+epx_status_t epx__group_check_collective(epx_group_t g, const char *fn) {
+  if (!g->nccl_pending) return EPX_OK;
+  return epx__set_error(EPX_ERR_INVALID_USAGE,
+                        "%s: an earlier NCCL operation of this group timed out on a dead or "
+                        "stalled peer and may still be pending; destroy the group, then abort "
+                        "the communicator (docs/api.md, \"After a fault\")",
+                        fn);
 }
 
 /* A query: g is a live group and `out` is not NULL (named `arg` in the message), then the

@@ -323,9 +323,10 @@ EPX_EXPORT epx_status_t epx_group_get_peer_mask(epx_group_t g, unsigned int *mas
 
 EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
   EPX_CHECK(epx__group_check(g));
+  EPX_CHECK(epx__group_check_collective(g, "epx_group_clear_peer_mask"));
   epx_status_t res = EPX_OK;
   const size_t num_epochs = 2 * 2 * EPX_LL_MAX_BLOCKS;
-  uint32_t *host = NULL, *dev = NULL;
+  uint32_t *host = NULL;
   epx__control_t *ctrl = epx__group_control(g);
   uint32_t *epochs = (uint32_t *)(g->workspace + g->layout.ll_offset + g->layout.ll_epoch_offset);
   const int ll = (g->config.modes & EPX_MODE_LOW_LATENCY) != 0;
@@ -333,10 +334,10 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
   CUDA_CHECK(cudaDeviceSynchronize());
   host = (uint32_t *)calloc(num_epochs, sizeof *host);
   if (!host) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_clear_peer_mask: out of memory");
-  CUDA_CHECK_GOTO(cudaMalloc((void **)&dev, sizeof *dev), res, exit);
-  /* 2. The largest epoch any block of any rank has used: after this all-reduce (which is also
-   *    the barrier) every rank restarts from it, so no signal or header of the failed period
-   *    can carry the epoch of a new call. */
+  /* 2. The largest epoch any block of any rank has used: after this agreement (which is also
+   *    the barrier, bounded: a dead peer makes every rank return EPX_ERR_TIMEOUT with nothing
+   *    cleared) every rank restarts from it, so no signal or header of the failed period can
+   *    carry the epoch of a new call. */
   uint32_t largest = 0;
   if (ll) {
     CUDA_CHECK_GOTO(cudaMemcpyAsync(host, epochs, num_epochs * sizeof *host, cudaMemcpyDeviceToHost,
@@ -347,8 +348,12 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
       if (host[i] > largest) largest = host[i];
   }
   {
-    const epx__agree_t agree = {g->comm, g->num_ranks, g->setup_stream, dev};
-    EPX_CHECK_GOTO(epx__agree_max_u32(&agree, largest, &largest), res, exit);
+    long long all[EPX_MAX_RANKS];
+    const long long mine = largest;
+    EPX_CHECK_GOTO(epx__agree_group(g, g->setup_stream, &mine, 1, all, "epx_group_clear_peer_mask"),
+                   res, exit);
+    for (int q = 0; q < g->num_ranks; q++)
+      if ((uint32_t)all[q] > largest) largest = (uint32_t)all[q];
   }
   /* 3. Every epoch of this rank to that value, the mask to 0, the bookkeeping to its start. */
   if (ll) {
@@ -367,10 +372,6 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
     g->ll.seq = seq;
   }
 exit:
-  if (dev) {
-    const epx_status_t freed = CUDA_STATUS(cudaFree(dev));
-    if (res == EPX_OK) res = freed;
-  }
   free(host);
   return res;
 }

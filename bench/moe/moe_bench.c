@@ -304,6 +304,6 @@ int main(int argc, char **argv) {
   }
   int R = visible < EPX_MAX_RANKS ? visible : EPX_MAX_RANKS;
   if (o.ranks > 0) R = o.ranks < R ? o.ranks : R;
-  const ranks_config_t cfg = {"epx_moe_bench", 1200, 30, 0, "the bench's own limit"};
+  const ranks_config_t cfg = {"epx_moe_bench", 1200, 30, 0, "the bench's own limit", 0};
   return ranks_run(&cfg, R, run_rank, &o, NULL) ? 1 : 0;
 }

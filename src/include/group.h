@@ -28,12 +28,24 @@ struct epx_group {
   char *workspace;                /* local base of the symmetric workspace */
   char *peer_base[EPX_MAX_RANKS]; /* resolved by the transport */
   epx__error_record_t *error_host, *error_dev;
-  cudaStream_t setup_stream;          /* internal work at create/destroy/clear */
+  cudaStream_t setup_stream; /* internal work at create/destroy/clear */
+  long long *agree_dev;      /* EPX_AGREE_GROUP_SCRATCH_BYTES for epx__agree_group */
+  /* An NCCL operation of EPX on comm timed out and may still be pending on setup_stream or a
+   * trace stream: destroy then neither waits for the device nor closes the transport (it would
+   * wait for that operation) and leaves the workspace allocated; steps that would queue behind
+   * the operation refuse. */
+  int nccl_pending;
   struct epx__trace *trace;           /* host state of tracing (src/trace/), or NULL */
   struct epx__trace_ring *trace_ring; /* what kernels record into; NULL when not tracing */
   epx__ll_host_t ll;                  /* low-latency bookkeeping; zero at creation */
 };
 
+/* How long group creation's NCCL steps wait for the slowest rank, from config.timeout_ms (0:
+ * the default). */
+int epx__group_create_timeout_ms(int timeout_ms);
+/* EPX_OK, or EPX_ERR_INVALID_USAGE naming fn when an earlier NCCL operation of g timed out
+ * (g->nccl_pending): collective steps of the group would queue behind it. */
+epx_status_t epx__group_check_collective(epx_group_t g, const char *fn);
 /* The kernel context of g (by value into every launch). */
 void epx__group_kernel_ctx(epx_group_t g, epx__kernel_ctx_t *ctx);
 /* This rank's control region (host view of the workspace). */

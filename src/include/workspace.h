@@ -6,7 +6,8 @@
  * (epx_workspace_size) and kernels use it for pointers, so the two can never disagree.
  * Invariant: every region starts on a 4096-byte boundary and the total is a multiple of 4096.
  *
- *   control  epx__control_t: barrier inboxes and epochs, the async-error claim word
+ *   control  epx__control_t: barrier and agreement inboxes and epochs, the async-error claim
+ *            word
  *   notify   count exchange: R sources x (R + E/R) epoch-tagged 64-bit words (sized R x (R + E))
  *   layout   the layout kernel's tile scan, this rank's own (no peer reads it): the ticket word
  *            (epoch << 24 | next tile), then [EPX_MAX_RANKS + 1][layout_tiles] epoch-tagged
@@ -52,6 +53,10 @@
 
 #define EPX_WS_ALIGN 4096
 
+/* Words one rank contributes to an agreement of a live group (the trace dump's header is the
+ * largest: 4 + 2 x EPX_TRACE_SYNC_ROUNDS). */
+#define EPX_AGREE_MAX_WORDS 24
+
 /* The control region. Peers write the inboxes; the other words are the owner's alone. */
 typedef struct epx__control {
   /* barrier_inbox[p]: the last barrier epoch rank p announced to this rank (written by p). */
@@ -89,7 +94,21 @@ typedef struct epx__control {
   /* combine_finished[s]: combines rank s has completed (stored by s with release semantics).
    * Rank d writes call n into s's slab parity n & 1 only once s has finished call n - 2. */
   unsigned long long combine_finished[EPX_MAX_RANKS];
+  /* The bounded agreement of a live group (kernels/agree.cu, agree.h), by epoch parity (rank
+   * p can start agreement e + 1 before this rank has read e, never e + 2): agree_flag[e & 1][p]
+   * is 2e once p's words of agreement e are in agree_words[e & 1][p], 2e + 1 once p gave e up
+   * (both written by p); agree_epoch: this rank's agreements so far (the owner's, advanced by
+   * the kernel). */
+  unsigned long long agree_flag[2][EPX_MAX_RANKS];
+  unsigned long long agree_epoch;
+  long long agree_words[2][EPX_MAX_RANKS][EPX_AGREE_MAX_WORDS];
 } epx__control_t;
+
+#ifdef __cplusplus
+static_assert(sizeof(epx__control_t) <= EPX_WS_ALIGN, "the control region stays one page");
+#else
+_Static_assert(sizeof(epx__control_t) <= EPX_WS_ALIGN, "the control region stays one page");
+#endif
 
 /* Tokens of one tile of the layout kernel (its block size): the layout region holds one scan
  * word per tile and column. */

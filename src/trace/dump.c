@@ -5,8 +5,10 @@
  * A dump is collective and never leaves a rank waiting: every rank runs the clock kernel (so
  * the barrier epochs stay in step) and all-gathers a small header (status, event count,
  * capacity, clock stamps) even when it has nothing to send; every rank then takes the same
- * decision from the same data (agree.h). Events travel to rank 0 with NCCL send/recv, sized by
- * the headers (zero-sized transfers are skipped). Rank 0 writes the file.
+ * decision from the same data. The all-gathers are the group's bounded agreement (agree.h,
+ * through the workspace), so a dead or late peer costs a budget and an error, not a hang.
+ * Events travel to rank 0 with NCCL send/recv, sized by the headers (zero-sized transfers are
+ * skipped), waited for within the budget. Rank 0 writes the file.
  * Invariant: from the header all-gather on, every rank takes the same branches.
  */
 #include <errno.h>
@@ -21,6 +23,7 @@
 
 #define K EPX_TRACE_SYNC_ROUNDS
 #define HDR EPX_TRACE_HDR_WORDS
+_Static_assert(EPX_TRACE_HDR_WORDS <= EPX_AGREE_MAX_WORDS, "a header is one agreement's words");
 
 /* 1. Local: the second clock measurement and the ring's counter, into this rank's header
  * mine[HDR]. Returns the local status (its message in epx_last_error()). */
@@ -96,9 +99,8 @@ static void rank_from_headers(const long long *all, int q, epx__trace_rank_t *r)
 /* Events of every rank into `host` on rank 0 ([sum of n] events; others send theirs and pass
  * NULL). Rank 0 first tells everyone whether it could make room (an agreement in which the
  * other ranks are always ready), so that a rank 0 out of memory never leaves a sender waiting. */
-static epx_status_t gather_events(epx_group_t g, const epx__agree_t *agree,
-                                  const unsigned long long *n, epx__trace_event_t *host,
-                                  cudaStream_t stream) {
+static epx_status_t gather_events(epx_group_t g, const unsigned long long *n,
+                                  epx__trace_event_t *host, cudaStream_t stream) {
   const int R = g->num_ranks, me = g->rank;
   const size_t ev = sizeof(epx__trace_event_t);
   const epx__trace_event_t *mine = g->trace->ring ? epx__trace_events(g->trace->ring) : NULL;
@@ -114,7 +116,12 @@ static epx_status_t gather_events(epx_group_t g, const epx__agree_t *agree,
       ready = 0;
     }
   }
-  EPX_CHECK_GOTO(epx__agree_all(agree, ready, &ready), res, exit);
+  {
+    long long words[EPX_MAX_RANKS] = {0};
+    const long long mine_ready = ready;
+    EPX_CHECK_GOTO(epx__agree_group(g, stream, &mine_ready, 1, words, "epx_trace_dump"), res, exit);
+    ready = words[0] != 0;
+  }
   if (!ready) {
     res = epx__set_error(EPX_ERR_SYSTEM,
                          "epx_trace_dump: rank 0 has no memory for %llu events (nothing written)",
@@ -141,7 +148,13 @@ static epx_status_t gather_events(epx_group_t g, const epx__agree_t *agree,
   if (me == 0 && remote)
     CUDA_CHECK_GOTO(cudaMemcpyAsync(host + n[0], recv, remote * ev, cudaMemcpyDeviceToHost, stream),
                     res, exit);
-  CUDA_CHECK_GOTO(cudaStreamSynchronize(stream), res, exit);
+  /* Every rank agreed just before, so the peers are there; a peer that dies in between leaves
+   * the transfer pending, and the wait gives up after the budget instead of hanging. */
+  res = epx__agree_wait_stream(stream, g->config.timeout_ms, "epx_trace_dump's NCCL transfer");
+  if (res == EPX_ERR_TIMEOUT) {
+    g->nccl_pending = 1;
+    return res; /* recv stays with the pending transfer */
+  }
 exit:
   if (recv) cudaFree(recv);
   return res;
@@ -201,6 +214,7 @@ epx_status_t epx__trace_dump(epx_group_t g, const char *path, epx_trace_summary_
   if (epx__trace_stream_capturing(stream))
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "epx_trace_dump: stream is being captured into a CUDA graph");
+  EPX_CHECK(epx__group_check_collective(g, "epx_trace_dump"));
   EPX_CHECK(epx__trace_state_ensure(g));
   const int tracing = g->trace_ring != NULL;
   g->trace_ring = NULL; /* kernels launched from now on do not record */
@@ -214,8 +228,7 @@ epx_status_t epx__trace_dump(epx_group_t g, const char *path, epx_trace_summary_
   /* 2. Everyone learns everyone's status, counts and clock stamps. */
   long long *all = (long long *)calloc((size_t)R * HDR, sizeof(long long));
   if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_trace_dump: out of host memory");
-  const epx__agree_t agree = {g->comm, R, stream, g->trace->hdr_dev};
-  epx_status_t res = epx__agree_allgather(&agree, mine, HDR, all);
+  epx_status_t res = epx__agree_group(g, stream, mine, HDR, all, "epx_trace_dump");
   epx__trace_rank_t *ranks = NULL;
   epx__trace_event_t *host = NULL;
   /* 3. The same decision on every rank. */
@@ -235,7 +248,7 @@ epx_status_t epx__trace_dump(epx_group_t g, const char *path, epx_trace_summary_
   }
   if (me == 0) host = (epx__trace_event_t *)malloc((total + 1) * sizeof *host);
   /* rank 0 without host memory: all fail, none waits */
-  res = gather_events(g, &agree, n, host, stream);
+  res = gather_events(g, n, host, stream);
   if (res != EPX_OK) goto exit;
 
   if (summary) summarize(R, ranks, summary);

@@ -9,7 +9,6 @@
  */
 #include <stdlib.h>
 
-#include "agree.h"
 #include "checks.h"
 #include "kernels/api.h"
 #include "param.h"
@@ -24,9 +23,6 @@ epx_status_t epx__trace_state_ensure(epx_group_t g) {
   CUDA_CHECK_GOTO(
       cudaMalloc((void **)&tr->sync_dev, 2 * EPX_TRACE_SYNC_WORDS * sizeof(unsigned long long)),
       res, fail);
-  CUDA_CHECK_GOTO(
-      cudaMalloc((void **)&tr->hdr_dev, EPX_AGREE_SCRATCH_BYTES(g->num_ranks, EPX_TRACE_HDR_WORDS)),
-      res, fail);
   g->trace = tr;
   return EPX_OK;
 fail:
@@ -39,11 +35,13 @@ void epx__trace_state_free(epx_group_t g) {
   struct epx__trace *tr = g->trace;
   if (!tr) return;
   g->trace_ring = NULL;
-  /* Teardown goes on whatever fails; CUDA_STATUS logs each failure. */
-  if (tr->ring) (void)CUDA_STATUS(cudaFree(tr->ring));
-  if (tr->sync_dev) (void)CUDA_STATUS(cudaFree(tr->sync_dev));
-  if (tr->hdr_dev) (void)CUDA_STATUS(cudaFree(tr->hdr_dev));
-  for (int i = 0; i < tr->num_retired; i++) (void)CUDA_STATUS(cudaFree(tr->retired[i]));
+  /* Teardown goes on whatever fails; CUDA_STATUS logs each failure. Freeing device memory
+   * waits for the device, which a pending NCCL operation may never let go (group.h). */
+  if (!g->nccl_pending) {
+    if (tr->ring) (void)CUDA_STATUS(cudaFree(tr->ring));
+    if (tr->sync_dev) (void)CUDA_STATUS(cudaFree(tr->sync_dev));
+    for (int i = 0; i < tr->num_retired; i++) (void)CUDA_STATUS(cudaFree(tr->retired[i]));
+  }
   free(tr->env_path);
   free(tr);
   g->trace = NULL;

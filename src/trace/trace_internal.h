@@ -38,9 +38,7 @@ struct epx__trace {
   epx__trace_ring_t *ring;      /* device: header + capacity events; NULL before the first start */
   unsigned long long capacity;  /* of ring */
   unsigned long long *sync_dev; /* device [2][EPX_TRACE_SYNC_WORDS]: the clock at start, at dump */
-  /* device scratch of a dump's agreements: EPX_AGREE_SCRATCH_BYTES(R, EPX_TRACE_HDR_WORDS) */
-  long long *hdr_dev;
-  char *env_path; /* EPX_TRACE destination of this group, or NULL */
+  char *env_path;               /* EPX_TRACE destination of this group, or NULL */
   /* Rings of earlier capacities, freed at destroy: graphs captured while tracing may hold them. */
   epx__trace_ring_t *retired[EPX_TRACE_MAX_RETIRED];
   int num_retired;

@@ -189,6 +189,9 @@ static int wait_ranks(launch_t *l, double deadline, int *codes) {
       done[r] = 1;
       remaining--;
       codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      if (c->killed_rank_ok && r == l->num_ranks - 1 && WIFSIGNALED(status) &&
+          WTERMSIG(status) == SIGKILL)
+        codes[r] = 0; /* it was meant to die */
       if (codes[r] == 0 || (c->quiet_code && codes[r] == c->quiet_code)) continue;
       if (WIFEXITED(status))
         fprintf(stderr, "%s: rank %d exited with code %d\n", c->name, r, codes[r]);

@@ -35,6 +35,8 @@ typedef struct ranks_config {
   int grace_s;            /* once a rank has failed, the others are killed after this; 0: never */
   int quiet_code;         /* an exit code that is no failure and not reported (TEST_SKIP), or 0 */
   const char *limit_name; /* how the timeout is named in the message of its expiry ("--timeout") */
+  int killed_rank_ok;     /* 1: the last rank ending by SIGKILL is no failure (a test that kills
+                             it on purpose, epx_test_die); 0: every signal is one */
 } ranks_config_t;
 
 /* ranks_count_gpus - GPUs visible to a forked child (the caller never touches CUDA).

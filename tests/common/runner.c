@@ -9,6 +9,7 @@
  */
 #include "common/runner.h"
 
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
@@ -25,8 +26,9 @@ typedef struct {
   epx_host_test_fn host_fn;
   epx_gpu_test_fn gpu_fn;
   int timeout_s;
-  int one_gpu;   /* host_fn needs one GPU: run once, in its own process, when one is visible */
-  int min_ranks; /* a GPU test's smallest meaningful rank count (2: it needs a peer) */
+  int one_gpu;        /* host_fn needs one GPU: run once, in its own process, when one is visible */
+  int min_ranks;      /* a GPU test's smallest meaningful rank count (2: it needs a peer) */
+  int last_rank_dies; /* EPX_DYING_PEER_TEST: its last rank kills itself (epx_test_die) */
 } test_entry_t;
 
 static test_entry_t tests[MAX_TESTS];
@@ -34,22 +36,31 @@ static int num_tests;
 static uint64_t current_seed;
 
 static void add_test(const char *name, epx_host_test_fn h, epx_gpu_test_fn g, int timeout_s,
-                     int one_gpu, int min_ranks) {
+                     int one_gpu, int min_ranks, int last_rank_dies) {
   if (num_tests == MAX_TESTS) {
     fprintf(stderr, "runner: more than %d tests; raise MAX_TESTS\n", MAX_TESTS);
     exit(2);
   }
-  tests[num_tests++] =
-      (test_entry_t){name, h, g, timeout_s > 0 ? timeout_s : 60, one_gpu, min_ranks};
+  tests[num_tests++] = (test_entry_t){
+      name, h, g, timeout_s > 0 ? timeout_s : 60, one_gpu, min_ranks, last_rank_dies};
 }
 void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s) {
-  add_test(name, fn, NULL, timeout_s, 0, 0);
+  add_test(name, fn, NULL, timeout_s, 0, 0, 0);
 }
 void epx_test_register_one_gpu(const char *name, epx_host_test_fn fn, int timeout_s) {
-  add_test(name, fn, NULL, timeout_s, 1, 0);
+  add_test(name, fn, NULL, timeout_s, 1, 0, 0);
 }
 void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s, int min_ranks) {
-  add_test(name, NULL, fn, timeout_s, 0, min_ranks);
+  add_test(name, NULL, fn, timeout_s, 0, min_ranks, 0);
+}
+void epx_test_register_dying_peer(const char *name, epx_gpu_test_fn fn, int timeout_s) {
+  add_test(name, NULL, fn, timeout_s, 0, 2, 1);
+}
+void epx_test_die(void) {
+  fflush(stdout);
+  fflush(stderr);
+  kill(getpid(), SIGKILL);
+  for (;;) pause();
 }
 uint64_t epx_test_seed(void) {
   return current_seed;
@@ -82,9 +93,10 @@ static int run_rank(int rank, int num_ranks, const ncclUniqueId *id, void *arg) 
   int code = t->gpu_fn(&ctx);
   if (code != TEST_PASS)
     fprintf(stderr, "  rank %d: %s\n", rank, code == TEST_SKIP ? "skipped" : "failed");
-  if (code == TEST_FAIL) {
-    /* Peers may be waiting for this rank in a collective: leave without waiting for them
-     * (ncclCommDestroy or a stream sync could hang until the test's timeout). */
+  if (code == TEST_FAIL || t->last_rank_dies) {
+    /* Peers may be waiting for this rank in a collective, or a peer is dead on purpose: leave
+     * without waiting for them (ncclCommDestroy or a stream sync could hang until the test's
+     * timeout); aborting is what an application does after a peer died. */
     ncclCommAbort(ctx.comm);
     return code;
   }
@@ -98,7 +110,7 @@ static int run_rank(int rank, int num_ranks, const ncclUniqueId *id, void *arg) 
  * codes. No deadline of its own: the runner kills the whole process group at the timeout. */
 static int run_leader(const test_entry_t *t, int num_ranks) {
   /* Once a rank has failed, the others get 20 s (they may wait for it in a collective). */
-  const ranks_config_t config = {"epx_test", 0, 20, TEST_SKIP, NULL};
+  const ranks_config_t config = {"epx_test", 0, 20, TEST_SKIP, NULL, t->last_rank_dies};
   int codes[EPX_MAX_RANKS];
   if (ranks_run(&config, num_ranks, run_rank, (void *)t, codes) != 0) return TEST_FAIL;
   for (int r = 0; r < num_ranks; r++)

@@ -37,6 +37,10 @@ typedef int (*epx_gpu_test_fn)(epx_test_rank_t *t);
 void epx_test_register_host(const char *name, epx_host_test_fn fn, int timeout_s);
 void epx_test_register_gpu(const char *name, epx_gpu_test_fn fn, int timeout_s, int min_ranks);
 void epx_test_register_one_gpu(const char *name, epx_host_test_fn fn, int timeout_s);
+void epx_test_register_dying_peer(const char *name, epx_gpu_test_fn fn, int timeout_s);
+/* The calling rank process ends now by SIGKILL (no cleanup, no flush by CUDA or NCCL), as a
+ * crashed one does. Only for EPX_DYING_PEER_TEST's last rank. */
+void epx_test_die(void) __attribute__((noreturn));
 /* Seed of the current test (host tests too). */
 uint64_t epx_test_seed(void);
 
@@ -59,6 +63,17 @@ uint64_t epx_test_seed(void);
 /* A group test about what peers do to each other (a missing, late or mismatched peer): it
  * means nothing in a one-rank group, where it is skipped. */
 #define EPX_PEER_TEST(name, timeout_s) EPX_GPU_TEST_MIN_RANKS(name, 2, timeout_s)
+
+/* A group test in which the last rank dies on purpose (epx_test_die: SIGKILL, as a crashed or
+ * OOM-killed process) and the others must get errors within the budget, never hang. Its death
+ * is no failure; the survivors' communicator is aborted after the test, as an application
+ * would after a peer died. Needs 2+ ranks. */
+#define EPX_DYING_PEER_TEST(name, timeout_s)                       \
+  static int name(epx_test_rank_t *t);                             \
+  __attribute__((constructor)) static void register_##name(void) { \
+    epx_test_register_dying_peer(#name, name, (timeout_s));        \
+  }                                                                \
+  static int name(epx_test_rank_t *t)
 
 /* A test of one GPU's kernels (no group, no NCCL): runs once, in its own process, when a GPU
  * is visible, whatever --ranks says; skipped otherwise. */

@@ -24,6 +24,9 @@
  *   ll_peer_masking               the last rank stops answering: the others finish within the
  *                                 budget, report PEER_FAILED and the mask, keep serving; after
  *                                 epx_group_clear_peer_mask every rank works again
+ *   ll_clear_peer_mask_after_peer_killed  the last rank is killed: the others mask it within
+ *                                 the budget with every live token right; clearing the mask
+ *                                 returns TIMEOUT within the budget (never hangs); destroy works
  *   ll_traced_cycle               every route, traced (docs/profiling.md): results still match;
  *                                 the file holds each block's send, wait and receive spans of
  *                                 dispatch and combine on every rank
@@ -656,6 +659,79 @@ EPX_PEER_TEST(ll_peer_masking, 300) {
     world_free(&w);
     EXPECT_OK(epx_group_destroy(g));
   }
+  return TEST_PASS;
+}
+
+/* The last rank dies (SIGKILL) after creation. The others' low-latency calls finish within the
+ * budget, mask it (PEER_FAILED) and still deliver every live token right; clearing the mask is
+ * collective and the dead rank cannot take part: it returns EPX_ERR_TIMEOUT within the budget
+ * instead of hanging, with the mask still set, and the group is destroyed cleanly. */
+EPX_DYING_PEER_TEST(ll_clear_peer_mask_after_peer_killed, 120) {
+  const int me = t->rank, R = t->num_ranks, dead = R - 1;
+  const int budget_ms = 1000;
+  uint64_t rng = t->seed;
+  const ll_case_t c = {"killed", {32, 256, 4 * R, 4, ROUTE_HOLES, -1, -1}, 1, 0, 0, 1, 0};
+  world_t w;
+  ll_world_make(&w, R, &c, &rng);
+  epx_group_config_t cfg = ll_config(&w, EPX_AUTO);
+  cfg.timeout_ms = budget_ms;
+  epx_group_t g = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  world_dev_t d;
+  if (ll_dev_alloc(&w, &d) != TEST_PASS) return TEST_FAIL;
+  if (run_cycle(t, g, &w, &c, &d, "before the death") != TEST_PASS) return TEST_FAIL;
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  if (me == dead) epx_test_die();
+
+  world_t live;
+  ll_world_without(&w, dead, &live);
+  if (world_upload(&w, me, &d) != TEST_PASS) return TEST_FAIL;
+  const double t0 = epx_test_now_s();
+  epx_ll_dispatch_args_t a = EPX_LL_DISPATCH_ARGS_INIT;
+  a.x = d.x;
+  a.topk_idx = d.idx; /* the real ids, experts of the dead rank included */
+  a.topk_weights = (const float *)d.w;
+  a.num_tokens = w.ranks[me].num_tokens;
+  a.recv_dtype = EPX_DTYPE_FP8_E4M3;
+  epx_ll_dispatch_result_t res;
+  EXPECT_OK(epx_ll_dispatch(g, &a, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  if (ll_check_dispatch(&live, me, &res, 1, 0, "after the death") != TEST_PASS) return TEST_FAIL;
+  uint16_t *y[EPX_MAX_RANKS];
+  if (ll_expert_outputs(&live, y) != TEST_PASS) return TEST_FAIL;
+  if (ll_upload_outputs(&live, me, y, d.y) != TEST_PASS) return TEST_FAIL;
+  epx_ll_combine_args_t ca = EPX_LL_COMBINE_ARGS_INIT;
+  ca.x = d.y;
+  ca.dispatch = &res;
+  ca.out = d.out;
+  EXPECT_OK(epx_ll_combine(g, &ca, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  const double t1 = epx_test_now_s();
+  if (ll_check_combine(&live, me, d.out, y, "after the death") != TEST_PASS) return TEST_FAIL;
+  for (int q = 0; q < R; q++) free(y[q]);
+  EXPECTF(t1 - t0 < budget_ms * 1e-3 + 1.0, "dispatch + combine took %.3f s, budget %d ms", t1 - t0,
+          budget_ms);
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  EXPECT_EQ_INT(err.status, EPX_ERR_PEER_FAILED);
+  EXPECT_EQ_INT(err.peer, dead);
+
+  const double t2 = epx_test_now_s();
+  EXPECT_STATUS(epx_group_clear_peer_mask(g), EPX_ERR_TIMEOUT);
+  const double t3 = epx_test_now_s();
+  printf("  rank %d: clear_peer_mask returned after %.3f s: %s\n", me, t3 - t2, epx_last_error());
+  EXPECTF(t3 - t2 < budget_ms * 1e-3 + 1.0, "clear_peer_mask took %.3f s, budget %d ms", t3 - t2,
+          budget_ms);
+  EXPECTF(strstr(epx_last_error(), "rank") != NULL, "message: %s", epx_last_error());
+  unsigned mask = 0;
+  EXPECT_OK(epx_group_get_peer_mask(g, &mask));
+  EXPECT_EQ_INT(mask, 1u << dead);
+  ll_world_without_free(&live);
+  world_dev_free(&d);
+  world_free(&w);
+  const double t4 = epx_test_now_s();
+  EXPECT_OK(epx_group_destroy(g));
+  EXPECTF(epx_test_now_s() - t4 < 5.0, "destroy took %.3f s", epx_test_now_s() - t4);
   return TEST_PASS;
 }
 

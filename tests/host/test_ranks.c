@@ -6,9 +6,12 @@
  *   ranks_relay_one_id_and_fold_exit_codes  every rank runs once and gets rank 0's NCCL unique
  *                                           id; the quiet code is no failure, another nonzero
  *                                           code is; a rank past the deadline is killed, and so
- *                                           is one still running a grace period after a failure
+ *                                           is one still running a grace period after a failure;
+ *                                           a rank killed by SIGKILL fails the run unless it is
+ *                                           the last one and its death is planned
  */
 #include <poll.h>
+#include <signal.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -21,6 +24,7 @@ typedef struct {
   int fd;                 /* write end of the report pipe */
   int code_of[NUM_RANKS]; /* each rank's exit code */
   int hang_rank;          /* a rank that sleeps instead of returning, or -1 */
+  int die_rank;           /* a rank that kills itself (SIGKILL) after reporting, or -1 */
 } plan_t;
 
 typedef struct {
@@ -36,6 +40,7 @@ static int report_rank(int rank, int num_ranks, const ncclUniqueId *id, void *ar
   r.rank = rank, r.num_ranks = num_ranks, r.id = *id;
   if (write(p->fd, &r, sizeof r) != (ssize_t)sizeof r) return 1; /* < PIPE_BUF: atomic */
   if (rank == p->hang_rank) sleep(60);
+  if (rank == p->die_rank) kill(getpid(), SIGKILL);
   return p->code_of[rank];
 }
 
@@ -65,8 +70,8 @@ EPX_HOST_TEST(ranks_relay_one_id_and_fold_exit_codes, 60) {
   }
   int fds[2];
   EXPECT(pipe(fds) == 0);
-  plan_t p = {fds[1], {0, TEST_SKIP, 0, 0}, -1};
-  ranks_config_t c = {"ranks test (expected)", 0, 0, TEST_SKIP, NULL};
+  plan_t p = {fds[1], {0, TEST_SKIP, 0, 0}, -1, -1};
+  ranks_config_t c = {"ranks test (expected)", 0, 0, TEST_SKIP, NULL, 0};
   int codes[NUM_RANKS];
 
   /* All succeed or report the quiet code: no failure. */
@@ -98,6 +103,19 @@ EPX_HOST_TEST(ranks_relay_one_id_and_fold_exit_codes, 60) {
   EXPECTF(epx_test_now_s() - t0 < 10, "the run took %.1f s with a 1 s grace period",
           epx_test_now_s() - t0);
   if (check_reports(fds[0]) != TEST_PASS) return TEST_FAIL;
+
+  /* A rank killed by SIGKILL is a failure, unless it is the last one and the config says that
+   * its death is planned (EPX_DYING_PEER_TEST). */
+  p.code_of[0] = 0, p.hang_rank = -1, c.grace_s = 0;
+  for (int die = NUM_RANKS - 2; die < NUM_RANKS; die++)
+    for (int planned = 0; planned < 2; planned++) {
+      p.die_rank = die, c.killed_rank_ok = planned;
+      const int expect_failed = !(planned && die == NUM_RANKS - 1);
+      EXPECTF(ranks_run(&c, NUM_RANKS, report_rank, &p, codes) == expect_failed,
+              "rank %d killed, killed_rank_ok %d", die, planned);
+      EXPECT_EQ_INT(codes[die], expect_failed ? -1 : 0);
+      if (check_reports(fds[0]) != TEST_PASS) return TEST_FAIL;
+    }
   close(fds[0]), close(fds[1]);
   return TEST_PASS;
 }

@@ -698,7 +698,7 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  const ranks_config_t rc = {"epx_soak", opt.timeout_s, FAILURE_GRACE_S, 0, "--timeout-s"};
+  const ranks_config_t rc = {"epx_soak", opt.timeout_s, FAILURE_GRACE_S, 0, "--timeout-s", 0};
   int codes[EPX_MAX_RANKS];
   const int failed = ranks_run(&rc, want, rank_main, &opt, codes);
   int summarized = 1;
