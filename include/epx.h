@@ -634,8 +634,10 @@ epx_status_t epx_group_mask_peer(epx_group_t group, int peer, cudaStream_t strea
  * agreement through the workspace, bounded by timeout_ms), then moves every low-latency epoch
  * of every rank to one common value so that no signal of the failed period can be mistaken for
  * a new one. The async error record is kept (clear it with epx_group_clear_async_error).
- * Returns EPX_ERR_TIMEOUT, with nothing cleared, when some rank does not take part within
- * timeout_ms (it is dead, stalled or late; a late one gets the same error at once). */
+ * Like every collective call, the ranks must reach it within timeout_ms of each other: it
+ * returns EPX_ERR_TIMEOUT, with nothing cleared, when some rank does not take part in time (it
+ * is dead, stalled or late; a late one gets the same error at once); call it again on every
+ * rank once they are all there. */
 epx_status_t epx_group_clear_peer_mask(epx_group_t group);
 
 /* ---------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (default: $OUT, else ./out)
 # Env:   TEST_ARGS (e.g. "--filter layout"), BENCH_ARGS (extra epx_bench flags), SKIP_BENCH=1,
 #        SKIP_TESTS=1, SKIP_CLEAN=1 (keep earlier build outputs), RANKS (default "1,2,4" for the tests, "2,4" for the soak),
+#        TEST_FILTERS="a b": instead of one whole run, one epx_test run per --filter word,
+#        SANITIZE="memcheck synccheck racecheck": compute-sanitizer (each tool, every rank
+#        process; NCCL's own probing API errors not reported) over epx_test $SANITIZE_ARGS
+#        (default "--ranks 2 --filter trace_dispatch_combine"), its ERROR SUMMARY in the summary,
 #        SOAK_ITERS=N: after the tests, build/bin/epx_soak --iters N at each rank count of RANKS
 #        (docs/testing.md, "Soak"; SOAK_ARGS: extra flags, SOAK_TIMEOUT: seconds per run,
 #        default 600 + N/20),
@@ -62,12 +66,32 @@ grep -iE "warning" "$out/build.log" | head -20
 
 test_line="(not run)"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 900 build/bin/epx_test --ranks "${RANKS:-1,2,4}" ${TEST_ARGS:-} >"$out/tests.log" 2>&1
-  test_rc=$?
-  grep -E "^\[ (FAIL|SKIP) \]|FAILED|rank [0-9]+:" "$out/tests.log" | head -60
-  test_line=$(tail -1 "$out/tests.log")
-  [ $test_rc -eq 124 ] && test_line="TIMED OUT after 900 s; $test_line"
+  test_line=
+  for filter in ${TEST_FILTERS:-ALL}; do
+    log="$out/tests.log"
+    args=()
+    [ "$filter" != ALL ] && log="$out/tests-$filter.log" && args=(--filter "$filter")
+    timeout 900 build/bin/epx_test --ranks "${RANKS:-1,2,4}" "${args[@]}" ${TEST_ARGS:-} >"$log" 2>&1
+    test_rc=$?
+    grep -E "^\[ (FAIL|SKIP) \]|FAILED|rank [0-9]+:" "$log" | head -60
+    last=$(tail -1 "$log")
+    [ $test_rc -eq 124 ] && last="TIMED OUT after 900 s; $last"
+    [ "$filter" != ALL ] && last="$filter: $last"
+    test_line="$test_line${test_line:+; }$last"
+  done
 fi
+
+sanitize_lines=
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in ${SANITIZE:-}; do
+  log="$out/sanitize-$tool.log"
+  timeout "${SANITIZE_TIMEOUT:-300}" "$sanitizer" --tool "$tool" --target-processes all \
+    --report-api-errors no build/bin/epx_test ${SANITIZE_ARGS:---ranks 2 --filter trace_dispatch_combine} \
+    >"$log" 2>&1
+  sanitize_rc=$?
+  sanitize_lines="$sanitize_lines
+$tool (exit $sanitize_rc): X"
+done
 
 soak_lines=
 if [ -n "${SOAK_ITERS:-}" ]; then
@@ -162,6 +186,7 @@ echo
 echo "==================== summary ($commit) ===================="
 echo "build: ${build_s}s"
 echo "tests: $test_line"
+[ -n "$sanitize_lines" ] && echo "compute-sanitizer:$sanitize_lines"
 [ -n "$soak_lines" ] && echo "soak:$soak_lines"
 echo "python tests: $py_line"
 [ -n "$one_gpu_lines" ] && echo "one-GPU benches:
