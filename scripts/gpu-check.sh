@@ -90,7 +90,7 @@ for tool in ${SANITIZE:-}; do
     >"$log" 2>&1
   sanitize_rc=$?
   sanitize_lines="$sanitize_lines
-$tool (exit $sanitize_rc): X"
+$tool (exit $sanitize_rc): $(grep -E "ERROR SUMMARY" "$log" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E "^[0-9]+ passed" "$log" | tail -1)"
 done
 
 soak_lines=
