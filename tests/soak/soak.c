@@ -341,9 +341,10 @@ static void report_line(const soak_rank_t *s, const totals_t *t, long long done,
   printf(
       "soak: iteration %lld/%lld (normal %lld, low-latency %lld), %lld wrong, async errors "
       "%lld expected %lld unexpected, device memory %s, host RSS %s, %.0f it/s, %.0f calls/s, "
-      "ETA %s\n",
+      "ETA %s (group %d: shape %d, route %d)\n",
       done, s->opt->iters, s->normal_iters, s->ll_iters, t->sums[SUM_WRONG], t->sums[SUM_EXPECTED],
-      t->sums[SUM_UNEXPECTED], dev, rss, rate, calls, eta);
+      t->sums[SUM_UNEXPECTED], dev, rss, rate, calls, eta, s->epoch.index, s->epoch.shape,
+      s->epoch.ll_route);
   fflush(stdout);
   c->last_t = now, c->last_done = done, c->last_calls = s->calls;
 }
