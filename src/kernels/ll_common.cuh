@@ -111,7 +111,15 @@ __device__ __forceinline__ uint32_t wait_signal(const epx__kernel_ctx_t &ctx, co
       },
       [&] { return (read_mask(ctx) & bit) != 0; });
   if (r == WaitResult::kReady) return (uint32_t)v;
-  if (r == WaitResult::kTimedOut) mask_peer(ctx, peer, stage, epoch);
+  /* This rank's own blocks late (a co-running kernel held the SMs past the budget) is no dead
+   * peer: the call gives up on them and says so (TIMEOUT), but a rank never masks itself, which
+   * would leave it out of every later call (issue 14). */
+  if (r == WaitResult::kTimedOut) {
+    if (peer == ctx.rank)
+      raise_error(ctx, EPX_ERR_TIMEOUT, stage, peer, -1, (long long)epoch);
+    else
+      mask_peer(ctx, peer, stage, epoch);
+  }
   return kNoSignal;
 }
 
