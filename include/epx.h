@@ -217,9 +217,10 @@ epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config_t *config,
  * Synchronizes the device first. destroy(NULL) returns EPX_OK; a destroyed handle passed to any
  * call returns EPX_ERR_INVALID_USAGE (as long as its memory was not reused). Bounded when a
  * peer is dead: EPX's kernels end within timeout_ms, and with EPX_TRACE the dump gives up
- * within two budgets (a warning, nothing written). After one of EPX's NCCL operations timed
- * out (an EPX_ERR_TIMEOUT that says so), destroy waits for nothing and leaves the workspace
- * allocated; abort the communicator next (docs/api.md, "After a fault"). */
+ * within two budgets (a warning, nothing written); it waits for the whole device, so work of
+ * the application's that waits on the dead peer makes it wait too. After one of EPX's NCCL
+ * operations timed out (an EPX_ERR_TIMEOUT that says so), destroy waits for nothing and leaves
+ * the workspace allocated; abort the communicator next (docs/api.md, "After a fault"). */
 epx_status_t epx_group_destroy(epx_group_t group);
 
 /* Queries. Not collective; no GPU work.
@@ -684,9 +685,11 @@ epx_status_t epx_trace_start(epx_group_t group, int capacity, cudaStream_t strea
  *   stream  - [IN] the stream the traced work was queued on; not a capturing one.
  * Returns EPX_OK; EPX_ERR_INVALID_USAGE if some rank was not tracing (every rank returns it,
  * naming the rank; nothing is written); EPX_ERR_TIMEOUT if some rank does not take part within
- * timeout_ms (dead, stalled or late: every rank, the late one too, returns it; nothing is
- * written; tracing is off); EPX_ERR_SYSTEM on rank 0 if the file cannot be written;
- * EPX_ERR_CUDA / EPX_ERR_NCCL. */
+ * timeout_ms (dead, stalled or late: every rank, the late one too, returns it within two
+ * budgets; nothing is written; tracing is off), or if the events' NCCL transfer does not end
+ * within ten budgets (a rank died after agreeing; the message says the operation stays pending:
+ * destroy the group, then abort the communicator); EPX_ERR_SYSTEM on rank 0 if the file cannot
+ * be written; EPX_ERR_CUDA / EPX_ERR_NCCL. */
 epx_status_t epx_trace_dump(epx_group_t group, const char *path, epx_trace_summary_t *summary,
                             cudaStream_t stream);
 

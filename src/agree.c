@@ -34,8 +34,8 @@ static epx_status_t exchange(const epx__agree_t *a, const void *mine, size_t cou
     NCCL_CHECK_GOTO(ncclAllGather(own, dev, count, type, a->comm, a->stream), res, exit);
   else
     NCCL_CHECK_GOTO(ncclAllReduce(own, dev, count, type, op, a->comm, a->stream), res, exit);
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(out, dev, out_bytes, cudaMemcpyDeviceToHost, a->stream), res,
-                  exit);
+  /* The bounded wait comes before the copy back: a copy into pageable host memory returns only
+   * once the stream's earlier work is done, so it would wait for the collective unbounded. */
   res = epx__agree_wait_stream(a->stream, a->timeout_ms,
                                gather ? "an NCCL all-gather of EPX" : "an NCCL all-reduce of EPX");
   if (res == EPX_ERR_TIMEOUT) {
@@ -44,6 +44,10 @@ static epx_status_t exchange(const epx__agree_t *a, const void *mine, size_t cou
       EPX_WARN("agree: %zu bytes of device memory left to the pending collective", out_bytes);
     return res;
   }
+  if (res != EPX_OK) goto exit;
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(out, dev, out_bytes, cudaMemcpyDeviceToHost, a->stream), res,
+                  exit);
+  CUDA_CHECK_GOTO(cudaStreamSynchronize(a->stream), res, exit); /* the collective is done */
 exit:
   if (dev != a->scratch) cudaFree(dev);
   return res;
@@ -84,28 +88,34 @@ epx_status_t epx__agree_wait_stream(cudaStream_t stream, int timeout_ms, const c
 }
 
 epx_status_t epx__agree_group(epx_group_t g, cudaStream_t stream, const long long *mine, int n,
-                              long long *all, const char *fn) {
+                              long long *all, const char *fn, unsigned skip, unsigned *failed) {
+  if (failed) *failed = 0;
   if (n < 1 || n > EPX_AGREE_MAX_WORDS)
     return epx__set_error(EPX_ERR_INTERNAL, "%s: an agreement of %d words (at most %d)", fn, n,
                           EPX_AGREE_MAX_WORDS);
   long long *dev_mine = g->agree_dev, *dev_all = dev_mine + EPX_AGREE_MAX_WORDS;
   int *dev_outcome = (int *)(dev_all + (size_t)EPX_MAX_RANKS * EPX_AGREE_MAX_WORDS);
-  int outcome = -1;
+  int outcome[2] = {-1, 0};
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   CUDA_CHECK(
       cudaMemcpyAsync(dev_mine, mine, (size_t)n * sizeof *mine, cudaMemcpyHostToDevice, stream));
-  EPX_CHECK(epx__agree_launch(&ctx, dev_mine, n, dev_all, dev_outcome, stream));
+  EPX_CHECK(epx__agree_launch(&ctx, dev_mine, n, dev_all, skip, dev_outcome, stream));
   CUDA_CHECK(cudaMemcpyAsync(all, dev_all, (size_t)g->num_ranks * n * sizeof *all,
                              cudaMemcpyDeviceToHost, stream));
-  CUDA_CHECK(
-      cudaMemcpyAsync(&outcome, dev_outcome, sizeof outcome, cudaMemcpyDeviceToHost, stream));
+  CUDA_CHECK(cudaMemcpyAsync(outcome, dev_outcome, sizeof outcome, cudaMemcpyDeviceToHost, stream));
   /* The kernel gives up within the budget by itself: this wait is bounded. */
   CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (outcome >= 0)
+  if (failed) *failed = (unsigned)outcome[1] | skip;
+  if (outcome[0] >= 0)
     return epx__set_error(EPX_ERR_TIMEOUT,
                           "%s: rank %d did not take part within timeout_ms = %d (it is stalled, "
                           "dead, or it gave up on another rank); nothing was done",
-                          fn, outcome, g->config.timeout_ms);
+                          fn, outcome[0], g->config.timeout_ms);
+  if (skip)
+    return epx__set_error(EPX_ERR_TIMEOUT,
+                          "%s: rank %d did not take part in an earlier step of this call; "
+                          "nothing was done",
+                          fn, __builtin_ctz(skip));
   return EPX_OK;
 }

@@ -68,6 +68,8 @@ EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error
 
 EPX_EXPORT epx_status_t epx_group_clear_async_error(epx_group_t g) {
   EPX_CHECK(epx__group_check(g));
+  /* (waiting for the device would wait for an NCCL operation left pending) */
+  EPX_CHECK(epx__group_check_collective(g, "epx_group_clear_async_error"));
   CUDA_CHECK(cudaDeviceSynchronize());
   epx__control_t *ctrl = epx__group_control(g);
   CUDA_CHECK(cudaMemsetAsync(&ctrl->error_claim, 0, sizeof ctrl->error_claim, g->setup_stream));

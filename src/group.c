@@ -95,10 +95,10 @@ static const char *const fp_names[FP_COUNT] = {"local status",
                                                "config.ll_route",
                                                "config.ll_max_tokens_per_rank"};
 
-/* How long creation's NCCL steps may wait for the slowest rank: ranks reach epx_group_create
- * at times further apart than calls of a running group (model loading), so ten wait budgets,
- * and at least a minute. */
-int epx__group_create_timeout_ms(int timeout_ms) {
+/* Ranks reach epx_group_create at times further apart than calls of a running group (model
+ * loading), and a transfer's length grows with its bytes: ten wait budgets, at least a
+ * minute. */
+int epx__group_nccl_timeout_ms(int timeout_ms) {
   if (timeout_ms <= 0) timeout_ms = (int)epx__param_TimeoutMs();
   return timeout_ms >= 6000 ? 10 * timeout_ms : 60000;
 }
@@ -110,7 +110,7 @@ static epx_status_t allgather_fingerprint(ncclComm_t comm, int num_ranks, const 
   cudaStream_t stream = NULL;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const epx__agree_t agree = {comm, num_ranks, stream, NULL,
-                              epx__group_create_timeout_ms(timeout_ms)};
+                              epx__group_nccl_timeout_ms(timeout_ms)};
   const epx_status_t res = epx__agree_allgather(&agree, mine, FP_COUNT, all);
   cudaStreamDestroy(stream);
   return res;
@@ -263,6 +263,8 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
     return epx__set_error(EPX_ERR_SYSTEM, "epx_group_create: out of host memory");
   }
   epx_status_t res = allgather_fingerprint(comm, num_ranks, mine, all, cfg.timeout_ms);
+  /* Timed out: the all-gather may wait on; freeing device memory would wait with it. */
+  if (res == EPX_ERR_TIMEOUT && g) g->nccl_pending = 1;
   int trace_ranks = 0; /* ranks whose EPX_TRACE asks for tracing */
   if (res == EPX_OK) {
     if (local != EPX_OK) epx__set_error(local, "%s", local_msg); /* restore the local reason */

@@ -330,30 +330,44 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
   epx__control_t *ctrl = epx__group_control(g);
   uint32_t *epochs = (uint32_t *)(g->workspace + g->layout.ll_offset + g->layout.ll_epoch_offset);
   const int ll = (g->config.modes & EPX_MODE_LOW_LATENCY) != 0;
-  /* 1. Nothing of ours is in flight any more. */
-  CUDA_CHECK(cudaDeviceSynchronize());
-  host = (uint32_t *)calloc(num_epochs, sizeof *host);
-  if (!host) return epx__set_error(EPX_ERR_SYSTEM, "epx_group_clear_peer_mask: out of memory");
+  /* 1. Nothing of ours is in flight any more. A local failure here does not return at once:
+   *    it is this rank's word in the agreement, so that every rank fails alike and the ranks'
+   *    agreement counts stay equal. */
+  epx_status_t local = CUDA_STATUS(cudaDeviceSynchronize());
+  char local_msg[512];
+  host = local == EPX_OK ? (uint32_t *)calloc(num_epochs, sizeof *host) : NULL;
+  if (local == EPX_OK && !host)
+    local = epx__set_error(EPX_ERR_SYSTEM, "epx_group_clear_peer_mask: out of memory");
   /* 2. The largest epoch any block of any rank has used: after this agreement (which is also
    *    the barrier, bounded: a dead peer makes every rank return EPX_ERR_TIMEOUT with nothing
    *    cleared) every rank restarts from it, so no signal or header of the failed period can
    *    carry the epoch of a new call. */
   uint32_t largest = 0;
-  if (ll) {
-    CUDA_CHECK_GOTO(cudaMemcpyAsync(host, epochs, num_epochs * sizeof *host, cudaMemcpyDeviceToHost,
-                                    g->setup_stream),
-                    res, exit);
-    CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
-    for (size_t i = 0; i < num_epochs; i++)
+  if (ll && local == EPX_OK) {
+    local = CUDA_STATUS(cudaMemcpyAsync(host, epochs, num_epochs * sizeof *host,
+                                        cudaMemcpyDeviceToHost, g->setup_stream));
+    if (local == EPX_OK) local = CUDA_STATUS(cudaStreamSynchronize(g->setup_stream));
+    for (size_t i = 0; local == EPX_OK && i < num_epochs; i++)
       if (host[i] > largest) largest = host[i];
   }
+  snprintf(local_msg, sizeof local_msg, "%s", epx_last_error());
   {
     long long all[EPX_MAX_RANKS];
-    const long long mine = largest;
-    EPX_CHECK_GOTO(epx__agree_group(g, g->setup_stream, &mine, 1, all, "epx_group_clear_peer_mask"),
-                   res, exit);
-    for (int q = 0; q < g->num_ranks; q++)
+    const long long mine = local == EPX_OK ? (long long)largest : -1;
+    EPX_CHECK_GOTO(
+        epx__agree_group(g, g->setup_stream, &mine, 1, all, "epx_group_clear_peer_mask", 0, NULL),
+        res, exit);
+    for (int q = 0; q < g->num_ranks; q++) {
+      if (all[q] < 0) {
+        res = q == g->rank ? epx__set_error(local, "%s", local_msg)
+                           : epx__set_error(EPX_ERR_INVALID_USAGE,
+                                            "epx_group_clear_peer_mask: rank %d failed its local "
+                                            "steps (see its log); nothing was cleared",
+                                            q);
+        goto exit;
+      }
       if ((uint32_t)all[q] > largest) largest = (uint32_t)all[q];
+    }
   }
   /* 3. Every epoch of this rank to that value, the mask to 0, the bookkeeping to its start. */
   if (ll) {

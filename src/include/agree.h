@@ -61,10 +61,14 @@ epx_status_t epx__agree_wait_stream(cudaStream_t stream, int timeout_ms, const c
  * all[q * n + i] = rank q's mine[i] (n <= EPX_AGREE_MAX_WORDS), on `stream`, which is
  * synchronized. EPX_ERR_TIMEOUT (naming the rank and `fn`) when some rank did not take part
  * in time or gave this agreement up; a rank that arrives after the others gave up fails too.
+ * skip: ranks this rank gave up on in an earlier agreement of the same step (failed of that
+ * one): not waited for again (a dead one would cost another budget), and the call fails.
+ * failed (optional): [OUT] the ranks given up on, skip included.
  * Collective over the group, ordered with its other agreements; every rank must call it, also
- * when its own part failed (put the failure in its words). */
+ * when its own part failed (put the failure in its words), so that the ranks' agreement counts
+ * (their epochs) stay equal. */
 epx_status_t epx__agree_group(epx_group_t g, cudaStream_t stream, const long long *mine, int n,
-                              long long *all, const char *fn);
+                              long long *all, const char *fn, unsigned skip, unsigned *failed);
 /* Device scratch epx__agree_group needs, allocated with the group (group.h: agree_dev). */
 #define EPX_AGREE_GROUP_SCRATCH_BYTES \
   ((size_t)(1 + EPX_MAX_RANKS) * EPX_AGREE_MAX_WORDS * sizeof(long long) + sizeof(long long))

@@ -40,9 +40,11 @@ struct epx_group {
   epx__ll_host_t ll;                  /* low-latency bookkeeping; zero at creation */
 };
 
-/* How long group creation's NCCL steps wait for the slowest rank, from config.timeout_ms (0:
- * the default). */
-int epx__group_create_timeout_ms(int timeout_ms);
+/* How long EPX's own NCCL steps (group creation's agreements, the trace dump's transfer) wait
+ * for the slowest rank, from config.timeout_ms (0: the default): ten budgets, at least 60 s
+ * (ranks reach creation further apart than calls, and a transfer's length grows with its
+ * bytes). */
+int epx__group_nccl_timeout_ms(int timeout_ms);
 /* EPX_OK, or EPX_ERR_INVALID_USAGE naming fn when an earlier NCCL operation of g timed out
  * (g->nccl_pending): collective steps of the group would queue behind it. */
 epx_status_t epx__group_check_collective(epx_group_t g, const char *fn);

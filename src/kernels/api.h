@@ -35,11 +35,12 @@ typedef struct epx__layout_launch_args {
 epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx, const epx__layout_launch_args_t *args,
                                 cudaStream_t stream);
 
-/* The bounded agreement (agree.cu): all[p * n + i] = rank p's mine[i] for every rank p, and
- * *outcome = -1; or *outcome = the first rank that did not come within the budget or gave the
- * agreement up (all[] then incomplete). n <= EPX_AGREE_MAX_WORDS; device memory. */
+/* The bounded agreement (agree.cu): all[p * n + i] = rank p's mine[i] for every rank p not in
+ * the bit mask skip; outcome[0] = -1, or the first rank that did not come within the budget or
+ * gave the agreement up (its words missing), outcome[1] = the mask of all such ranks.
+ * n <= EPX_AGREE_MAX_WORDS; device memory. */
 epx_status_t epx__agree_launch(const epx__kernel_ctx_t *ctx, const long long *mine, int n,
-                               long long *all, int *outcome, cudaStream_t stream);
+                               long long *all, unsigned skip, int *outcome, cudaStream_t stream);
 /* One-block barrier across all ranks through the control region's inboxes. */
 epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stream);
 /* Clock sync of tracing: `rounds` barrier rounds; out[0] = %globaltimer's step, out[1 + r] =

@@ -96,11 +96,15 @@ static void rank_from_headers(const long long *all, int q, epx__trace_rank_t *r)
                          (const unsigned long long *)(h0 + EPX_TRACE_HDR_START), r);
 }
 
-/* Events of every rank into `host` on rank 0 ([sum of n] events; others send theirs and pass
- * NULL). Rank 0 first tells everyone whether it could make room (an agreement in which the
- * other ranks are always ready), so that a rank 0 out of memory never leaves a sender waiting. */
+/* The second agreement, then the events of every rank into `host` on rank 0 ([sum of n]
+ * events; others send theirs and pass NULL). Every rank takes part whatever happened before
+ * (so every rank runs the dump's two agreements and their counts stay equal): local_ready says
+ * whether this rank can transfer (its earlier steps went well; rank 0 has room), and the
+ * transfer happens only if every rank can, so that no sender or receiver is left waiting.
+ * skip: the ranks the first agreement gave up on. */
 static epx_status_t gather_events(epx_group_t g, const unsigned long long *n,
-                                  epx__trace_event_t *host, cudaStream_t stream) {
+                                  epx__trace_event_t *host, cudaStream_t stream, int go,
+                                  int local_ready, unsigned skip) {
   const int R = g->num_ranks, me = g->rank;
   const size_t ev = sizeof(epx__trace_event_t);
   const epx__trace_event_t *mine = g->trace->ring ? epx__trace_events(g->trace->ring) : NULL;
@@ -108,25 +112,30 @@ static epx_status_t gather_events(epx_group_t g, const unsigned long long *n,
   for (int q = 1; q < R; q++) remote += n[q];
   epx__trace_event_t *recv = NULL;
   epx_status_t res = EPX_OK;
-  int ready = 1;
-  if (me == 0) {
-    if (!host) ready = 0;
-    if (ready && remote && cudaMalloc((void **)&recv, remote * ev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      ready = 0;
-    }
+  if (me == 0 && local_ready && remote && cudaMalloc((void **)&recv, remote * ev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    local_ready = 0;
   }
   {
     long long words[EPX_MAX_RANKS] = {0};
-    const long long mine_ready = ready;
-    EPX_CHECK_GOTO(epx__agree_group(g, stream, &mine_ready, 1, words, "epx_trace_dump"), res, exit);
-    ready = words[0] != 0;
-  }
-  if (!ready) {
-    res = epx__set_error(EPX_ERR_SYSTEM,
-                         "epx_trace_dump: rank 0 has no memory for %llu events (nothing written)",
-                         remote + n[0]);
-    goto exit;
+    const long long ready = local_ready;
+    EPX_CHECK_GOTO(epx__agree_group(g, stream, &ready, 1, words, "epx_trace_dump", skip, NULL), res,
+                   exit);
+    if (!go) goto exit; /* every rank decided to stop; the agreement kept the counts equal */
+    if (!words[0]) {
+      res = epx__set_error(EPX_ERR_SYSTEM,
+                           "epx_trace_dump: rank 0 has no memory for %llu events (nothing written)",
+                           remote + n[0]);
+      goto exit;
+    }
+    for (int q = 1; q < R; q++)
+      if (!words[q]) {
+        res = epx__set_error(EPX_ERR_SYSTEM,
+                             "epx_trace_dump: rank %d could not take part in the transfer; "
+                             "nothing written",
+                             q);
+        goto exit;
+      }
   }
   ncclResult_t nr = ncclGroupStart();
   if (nr == ncclSuccess) {
@@ -142,19 +151,25 @@ static epx_status_t gather_events(epx_group_t g, const unsigned long long *n,
     if (nr == ncclSuccess) nr = ne;
   }
   EPX_CHECK_GOTO(NCCL_STATUS(nr), res, exit);
+  /* Every rank agreed just before, so the peers are there; a peer that dies in between leaves
+   * the transfer pending, and this wait gives up instead of hanging. It comes before the copies
+   * to the host: a copy into pageable memory would wait for the transfer unbounded. */
+  res = epx__agree_wait_stream(stream, epx__group_nccl_timeout_ms(g->config.timeout_ms),
+                               "epx_trace_dump's NCCL transfer");
+  if (res == EPX_ERR_TIMEOUT) {
+    g->nccl_pending = 1;
+    EPX_WARN("epx_trace_dump: %llu bytes of device memory left to the pending transfer",
+             remote * (unsigned long long)ev);
+    return res; /* recv stays with the pending transfer */
+  }
+  if (res != EPX_OK) goto exit;
   if (me == 0 && n[0])
     CUDA_CHECK_GOTO(cudaMemcpyAsync(host, mine, n[0] * ev, cudaMemcpyDeviceToHost, stream), res,
                     exit);
   if (me == 0 && remote)
     CUDA_CHECK_GOTO(cudaMemcpyAsync(host + n[0], recv, remote * ev, cudaMemcpyDeviceToHost, stream),
                     res, exit);
-  /* Every rank agreed just before, so the peers are there; a peer that dies in between leaves
-   * the transfer pending, and the wait gives up after the budget instead of hanging. */
-  res = epx__agree_wait_stream(stream, g->config.timeout_ms, "epx_trace_dump's NCCL transfer");
-  if (res == EPX_ERR_TIMEOUT) {
-    g->nccl_pending = 1;
-    return res; /* recv stays with the pending transfer */
-  }
+  CUDA_CHECK_GOTO(cudaStreamSynchronize(stream), res, exit);
 exit:
   if (recv) cudaFree(recv);
   return res;
@@ -225,38 +240,36 @@ epx_status_t epx__trace_dump(epx_group_t g, const char *path, epx_trace_summary_
   char local_msg[512];
   snprintf(local_msg, sizeof local_msg, "%s", epx_last_error());
 
-  /* 2. Everyone learns everyone's status, counts and clock stamps. */
-  long long *all = (long long *)calloc((size_t)R * HDR, sizeof(long long));
-  if (!all) return epx__set_error(EPX_ERR_SYSTEM, "epx_trace_dump: out of host memory");
-  epx_status_t res = epx__agree_group(g, stream, mine, HDR, all, "epx_trace_dump");
-  epx__trace_rank_t *ranks = NULL;
-  epx__trace_event_t *host = NULL;
-  /* 3. The same decision on every rank. */
-  if (res != EPX_OK || !decide(all, R, me, local, local_msg, quiet_if_off, &res)) goto exit;
+  /* 2. Everyone learns everyone's status, counts and clock stamps (the first agreement). */
+  long long all[EPX_MAX_RANKS * HDR];
+  unsigned gave_up = 0;
+  epx_status_t res = epx__agree_group(g, stream, mine, HDR, all, "epx_trace_dump", 0, &gave_up);
+  /* 3. The same decision on every rank that has the headers. */
+  const int go = res == EPX_OK && decide(all, R, me, local, local_msg, quiet_if_off, &res);
+  const epx_status_t first = res;
 
-  /* 4. Clock models and counts, then the events to rank 0. */
-  ranks = (epx__trace_rank_t *)calloc((size_t)R, sizeof *ranks);
-  unsigned long long n[EPX_MAX_RANKS], total = 0;
-  if (!ranks) {
-    res = epx__set_error(EPX_ERR_SYSTEM, "epx_trace_dump: out of host memory");
-    goto exit;
-  }
-  for (int q = 0; q < R; q++) {
+  /* 4. Clock models and counts, room for the events on rank 0, then the second agreement and
+   *    the events to rank 0 (every rank takes part in the agreement, go or not). */
+  epx__trace_rank_t ranks[EPX_MAX_RANKS];
+  memset(ranks, 0, sizeof ranks);
+  epx__trace_event_t *host = NULL;
+  unsigned long long n[EPX_MAX_RANKS] = {0}, total = 0;
+  for (int q = 0; go && q < R; q++) {
     rank_from_headers(all, q, &ranks[q]);
     n[q] = ranks[q].num_events;
     total += n[q];
   }
-  if (me == 0) host = (epx__trace_event_t *)malloc((total + 1) * sizeof *host);
-  /* rank 0 without host memory: all fail, none waits */
-  res = gather_events(g, n, host, stream);
-  if (res != EPX_OK) goto exit;
-
-  if (summary) summarize(R, ranks, summary);
-  if (me == 0) res = write_on_rank0(path, R, ranks, n, host, total);
-exit:
+  if (go && me == 0) host = (epx__trace_event_t *)malloc((total + 1) * sizeof *host);
+  char first_msg[512]; /* not go: the first step's outcome stands, its message too */
+  snprintf(first_msg, sizeof first_msg, "%s", epx_last_error());
+  res = gather_events(g, n, host, stream, go, go && (me != 0 || host), gave_up);
+  if (!go) {
+    free(host);
+    return epx__set_error(first, "%s", first_msg); /* EPX_OK: quiet, nothing written */
+  }
+  if (res == EPX_OK && summary) summarize(R, ranks, summary);
+  if (res == EPX_OK && me == 0) res = write_on_rank0(path, R, ranks, n, host, total);
   free(host);
-  free(ranks);
-  free(all);
   return res;
 }
 

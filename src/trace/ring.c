@@ -130,5 +130,6 @@ epx_status_t epx__trace_start(epx_group_t g, int capacity, cudaStream_t stream, 
 
 EPX_EXPORT epx_status_t epx_trace_start(epx_group_t g, int capacity, cudaStream_t stream) {
   EPX_CHECK(epx__group_check(g));
+  EPX_CHECK(epx__group_check_collective(g, "epx_trace_start"));
   return epx__trace_start(g, capacity, stream, "epx_trace_start");
 }

@@ -88,6 +88,9 @@ EPX_DYING_PEER_TEST(destroy_with_trace_after_peer_killed, 120) {
   epx_group_t g = NULL;
   EXPECT_OK(epx_group_create(t->comm, &c, &g));
   unsetenv("EPX_TRACE");
+  /* EPX_TRACE took: the group is tracing (a start is refused, locally on every rank). */
+  EXPECT_STATUS(epx_trace_start(g, 0, t->stream), EPX_ERR_INVALID_USAGE);
+  EXPECTF(strstr(epx_last_error(), "already tracing") != NULL, "message: %s", epx_last_error());
   EXPECT_OK(epx_group_barrier(g, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
