@@ -13,6 +13,10 @@
  *   normal_dispatch_after_peer_killed    the last rank killed after a good dispatch and
  *                                        combine: the next dispatch returns EPX_ERR_TIMEOUT
  *                                        (num_recv -1) within the budget; destroy works
+ *   normal_combine_after_peer_exited     the last rank exits (a normal process exit, no EPX or
+ *                                        NCCL teardown) between dispatch and combine: the
+ *                                        others' combine records TIMEOUT (stage COMBINE, that
+ *                                        peer) within the budget; destroy works
  * The low-latency case (mask, then clear_peer_mask) is ll_clear_peer_mask_after_peer_killed.
  */
 #include <stdio.h>
@@ -152,5 +156,48 @@ EPX_DYING_PEER_TEST(normal_dispatch_after_peer_killed, 120) {
   f.g = NULL;
   printf("  rank %d: destroy returned after %.3f s\n", me, epx_test_now_s() - t2);
   EXPECTF(epx_test_now_s() - t2 < 5.0, "destroy took %.3f s", epx_test_now_s() - t2);
+  return normal_fixture_free(&f, c.name);
+}
+
+EPX_DYING_PEER_TEST(normal_combine_after_peer_exited, 120) {
+  const int R = t->num_ranks, me = t->rank, dead = R - 1;
+  const int budget_ms = 500;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"exited", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
+  normal_fixture_t f;
+  if (normal_fixture_make(t, &c.world, budget_ms, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = f.d.x;
+  a.topk_idx = f.d.idx;
+  a.num_tokens = f.w.ranks[me].num_tokens;
+  epx_dispatch_result_t res;
+  EXPECT_OK(epx_dispatch(f.g, f.h, &a, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  if (me == dead) {
+    fflush(stdout);
+    _exit(0); /* as a process that ends without tearing anything down */
+  }
+
+  const double t0 = epx_test_now_s();
+  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+  ca.x = res.recv_x;
+  ca.out = f.d.out;
+  EXPECT_OK(epx_combine(f.g, f.h, &ca, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  const double waited = epx_test_now_s() - t0;
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(f.g, &err));
+  printf("  rank %d: combine returned after %.3f s: %s\n", me, waited, err.message);
+  EXPECT_EQ_INT(err.status, EPX_ERR_TIMEOUT);
+  EXPECT_EQ_INT(err.stage, EPX_STAGE_COMBINE);
+  EXPECT_EQ_INT(err.peer, dead);
+  EXPECTF(waited < budget_ms * 1e-3 + 1.0, "combine took %.3f s, budget %d ms", waited, budget_ms);
+  const double t1 = epx_test_now_s();
+  EXPECT_OK(epx_handle_destroy(f.h));
+  f.h = NULL;
+  EXPECT_OK(epx_group_destroy(f.g));
+  f.g = NULL;
+  EXPECTF(epx_test_now_s() - t1 < 5.0, "destroy took %.3f s", epx_test_now_s() - t1);
   return normal_fixture_free(&f, c.name);
 }
