@@ -25,9 +25,9 @@ static epx_status_t exchange(const epx__agree_t *a, const void *mine, size_t cou
                              void *out) {
   const size_t bytes = count * elem_bytes;
   const size_t out_bytes = gather ? (size_t)a->num_ranks * bytes : bytes;
-  char *dev = (char *)a->scratch;
+  char *dev = NULL;
   epx_status_t res = EPX_OK;
-  if (!dev) CUDA_CHECK(cudaMalloc((void **)&dev, gather ? out_bytes + bytes : bytes));
+  CUDA_CHECK(cudaMalloc((void **)&dev, gather ? out_bytes + bytes : bytes));
   char *own = gather ? dev + out_bytes : dev;
   CUDA_CHECK_GOTO(cudaMemcpyAsync(own, mine, bytes, cudaMemcpyHostToDevice, a->stream), res, exit);
   if (gather)
@@ -40,8 +40,7 @@ static epx_status_t exchange(const epx__agree_t *a, const void *mine, size_t cou
                                gather ? "an NCCL all-gather of EPX" : "an NCCL all-reduce of EPX");
   if (res == EPX_ERR_TIMEOUT) {
     /* The collective still owns dev; freeing it would wait for the collective. */
-    if (dev != a->scratch)
-      EPX_WARN("agree: %zu bytes of device memory left to the pending collective", out_bytes);
+    EPX_WARN("agree: %zu bytes of device memory left to the pending collective", out_bytes);
     return res;
   }
   if (res != EPX_OK) goto exit;
@@ -49,7 +48,7 @@ static epx_status_t exchange(const epx__agree_t *a, const void *mine, size_t cou
                   exit);
   CUDA_CHECK_GOTO(cudaStreamSynchronize(a->stream), res, exit); /* the collective is done */
 exit:
-  if (dev != a->scratch) cudaFree(dev);
+  cudaFree(dev);
   return res;
 }
 

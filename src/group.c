@@ -109,8 +109,7 @@ static epx_status_t allgather_fingerprint(ncclComm_t comm, int num_ranks, const 
                                           long long *all, int timeout_ms) {
   cudaStream_t stream = NULL;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const epx__agree_t agree = {comm, num_ranks, stream, NULL,
-                              epx__group_nccl_timeout_ms(timeout_ms)};
+  const epx__agree_t agree = {comm, num_ranks, stream, epx__group_nccl_timeout_ms(timeout_ms)};
   const epx_status_t res = epx__agree_allgather(&agree, mine, FP_COUNT, all);
   cudaStreamDestroy(stream);
   return res;

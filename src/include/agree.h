@@ -11,10 +11,10 @@
  * dead or stalled peer is an error on every rank, not a hang. Either way the caller then
  * decides from data that is the same on every rank. Collective: every rank calls it, in the
  * same order as its other agreements.
- * Invariant: every CUDA and NCCL call is checked. Before the collective a call only copies this
- * rank's words to the device, after allocating a temporary buffer when scratch is NULL; a rank
- * whose copy or allocation fails returns without joining. Callers that must get through a
- * device out of memory pass scratch allocated earlier (a group's agreements do).
+ * Invariant: every CUDA and NCCL call is checked. Before the NCCL collective a call only
+ * allocates a temporary device buffer and copies this rank's words into it; a rank whose
+ * allocation or copy fails returns without joining. A group's agreements use scratch
+ * allocated with the group, so they get through a device out of memory.
  */
 #ifndef EPX_AGREE_H_
 #define EPX_AGREE_H_
@@ -34,13 +34,8 @@ typedef struct epx__agree {
   ncclComm_t comm;
   int num_ranks;       /* of comm */
   cudaStream_t stream; /* the copies and the collective; waited for before each call returns */
-  void *scratch;       /* device memory of EPX_AGREE_SCRATCH_BYTES or more, or NULL (see above) */
   int timeout_ms;      /* the host waits this long for the collective (> 0), then gives up */
 } epx__agree_t;
-
-/* Scratch bytes an all-gather of n int64 words per rank needs (the reductions need 4). */
-#define EPX_AGREE_SCRATCH_BYTES(num_ranks, n) \
-  ((size_t)((num_ranks) + 1) * (size_t)(n) * sizeof(long long))
 
 /* all[q * n + i] = rank q's mine[i], for every rank q.
  *   mine - [IN] host, n int64 words;  all - [OUT] host, num_ranks x n int64 words. */

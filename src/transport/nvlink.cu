@@ -61,7 +61,7 @@ epx_status_t nvlink_open(epx_group_t g) {
   if (local == EPX_OK) local = CUDA_STATUS(cudaMemsetAsync(s->base, 0, s->bytes, g->setup_stream));
   if (local == EPX_OK) local = CUDA_STATUS(cudaStreamSynchronize(g->setup_stream));
   int all = 0;
-  const epx__agree_t agree = {g->comm, g->num_ranks, g->setup_stream, nullptr,
+  const epx__agree_t agree = {g->comm, g->num_ranks, g->setup_stream,
                               epx__group_nccl_timeout_ms(g->config.timeout_ms)};
   const epx_status_t agreed = epx__agree_all(&agree, local == EPX_OK, &all);
   if (agreed == EPX_ERR_TIMEOUT) g->nccl_pending = 1; /* the all-reduce may wait on */
