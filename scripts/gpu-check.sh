@@ -8,10 +8,13 @@
 #        TEST_FILTERS="a b": instead of one whole run, one epx_test run per --filter word,
 #        SANITIZE="memcheck synccheck racecheck": compute-sanitizer (each tool, every rank
 #        process; NCCL's own probing API errors not reported) over epx_test $SANITIZE_ARGS
-#        (default "--ranks 2 --filter trace_dispatch_combine"), its ERROR SUMMARY in the summary,
+#        (default "--ranks 2 --filter trace_dispatch_combine"), its ERROR SUMMARY in the summary;
+#        SANITIZE_FILTERS="a b": one run per tool and --filter word instead (SANITIZE_RANKS,
+#        default 2), SANITIZE_DEVICES=0,1: the GPUs they see,
 #        SOAK_ITERS=N: after the tests, build/bin/epx_soak --iters N at each rank count of RANKS
 #        (docs/testing.md, "Soak"; SOAK_ARGS: extra flags, SOAK_TIMEOUT: seconds per run,
-#        default 600 + N/20),
+#        default 600 + N/20; SOAK_RANKS: rank counts, default RANKS; SOAK_DEVICES: the GPUs),
+#        PARALLEL=1: the sanitizers and the soak at once (give them disjoint *_DEVICES),
 #        PYTHON_TESTS=1: pip-install the Python package (the README's command) into python3 and
 #        run pytest python/tests (GPU tests included; PYTEST_ARGS, e.g. "-k native");
 #        DEEPEP=DIR: a DeepEP V1 source tree (carried, e.g. deepep-v1): DeepEP's own
@@ -81,34 +84,61 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   done
 fi
 
-sanitize_lines=
-sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for tool in ${SANITIZE:-}; do
-  log="$out/sanitize-$tool.log"
-  timeout "${SANITIZE_TIMEOUT:-300}" "$sanitizer" --tool "$tool" --target-processes all \
-    --report-api-errors no build/bin/epx_test ${SANITIZE_ARGS:---ranks 2 --filter trace_dispatch_combine} \
-    >"$log" 2>&1
-  sanitize_rc=$?
-  sanitize_lines="$sanitize_lines
-$tool (exit $sanitize_rc): $(grep -E "ERROR SUMMARY" "$log" | sort | uniq -c | tr -s ' ' | tr '\n' ';') $(grep -E "^[0-9]+ passed" "$log" | tail -1)"
-done
+# Sanitizers and soak: each writes its summary lines to a file; with PARALLEL=1 they run at
+# once, each on its own GPUs (SANITIZE_DEVICES, SOAK_DEVICES), so one call holds both.
+run_sanitizers() {
+  local sanitizer tool filter log args rc
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in ${SANITIZE:-}; do
+    for filter in ${SANITIZE_FILTERS:-DEFAULT}; do
+      log="$out/sanitize-$tool.log"
+      args=(${SANITIZE_ARGS:---ranks 2 --filter trace_dispatch_combine})
+      if [ "$filter" != DEFAULT ]; then
+        log="$out/sanitize-$tool-$filter.log"
+        args=(--ranks "${SANITIZE_RANKS:-2}" --filter "$filter")
+      fi
+      env ${SANITIZE_DEVICES:+CUDA_VISIBLE_DEVICES=$SANITIZE_DEVICES} \
+        timeout "${SANITIZE_TIMEOUT:-300}" "$sanitizer" --tool "$tool" --target-processes all \
+        --report-api-errors no build/bin/epx_test "${args[@]}" >"$log" 2>&1
+      rc=$?
+      echo "$tool ${args[*]} (exit $rc): $(grep -E "ERROR SUMMARY" "$log" | sort | uniq -c |
+        tr -s ' ' | tr '\n' ';') $(grep -E "^[0-9]+ passed" "$log" | tail -1)"
+    done
+  done >"$out/sanitize-summary.txt"
+}
 
-soak_lines=
-if [ -n "${SOAK_ITERS:-}" ]; then
-  for ranks in $(echo "${RANKS:-2,4}" | tr ',' ' '); do
+run_soaks() {
+  local ranks log rc last limit=${SOAK_TIMEOUT:-$((600 + ${SOAK_ITERS:-0} / 20))}
+  for ranks in $(echo "${SOAK_RANKS:-${RANKS:-2,4}}" | tr ',' ' '); do
     log="$out/soak-$ranks.log"
-    timeout "${SOAK_TIMEOUT:-$((600 + SOAK_ITERS / 20))}" build/bin/epx_soak --iters "$SOAK_ITERS" \
-      --ranks "$ranks" ${SOAK_ARGS:-} >"$log" 2>&1
-    soak_rc=$?
-    grep -E "WRONG|unexpected async error|epx_soak" "$log" | head -20
+    env ${SOAK_DEVICES:+CUDA_VISIBLE_DEVICES=$SOAK_DEVICES} \
+      timeout "$limit" build/bin/epx_soak --iters "$SOAK_ITERS" --ranks "$ranks" ${SOAK_ARGS:-} \
+      >"$log" 2>&1
+    rc=$?
+    grep -E "WRONG|unexpected async error|epx_soak" "$log" | head -20 >&2
     last=$(grep -E "^soak: " "$log" | tail -2)
-    [ $soak_rc -eq 124 ] && last="$last
-soak: TIMED OUT after ${SOAK_TIMEOUT:-$((600 + SOAK_ITERS / 20))} s"
-    soak_lines="$soak_lines
---- soak at $ranks ranks (exit $soak_rc, soak-$ranks.log):
+    [ $rc -eq 124 ] && last="$last
+soak: TIMED OUT after $limit s"
+    echo "--- soak at $ranks ranks (exit $rc, soak-$ranks.log):
 $last"
-  done
+  done >"$out/soak-summary.txt"
+}
+
+rm -f "$out/sanitize-summary.txt" "$out/soak-summary.txt"
+if [ -n "${PARALLEL:-}" ]; then
+  [ -n "${SANITIZE:-}" ] && run_sanitizers &
+  [ -n "${SOAK_ITERS:-}" ] && run_soaks &
+  wait
+else
+  [ -n "${SANITIZE:-}" ] && run_sanitizers
+  [ -n "${SOAK_ITERS:-}" ] && run_soaks
 fi
+sanitize_lines=
+[ -f "$out/sanitize-summary.txt" ] && sanitize_lines="
+$(cat "$out/sanitize-summary.txt")"
+soak_lines=
+[ -f "$out/soak-summary.txt" ] && soak_lines="
+$(cat "$out/soak-summary.txt")"
 
 one_gpu_lines=
 if [ -n "${ONE_GPU_BENCH:-}" ]; then
