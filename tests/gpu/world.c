@@ -3,7 +3,6 @@
  */
 #include "gpu/world.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,44 +49,6 @@ static void draw_element(world_t *w, int s, size_t i, uint64_t *rng) {
   }
 }
 
-/* Rank s's routes, weights and payload, from its own stream (rank_rng[s]). */
-typedef struct {
-  world_t *w;
-  const world_spec_t *spec;
-  int s;
-  uint64_t rng;
-} rank_draw_t;
-
-static void *draw_rank(void *arg) {
-  rank_draw_t *d = arg;
-  world_t *w = d->w;
-  const int s = d->s, T = w->ranks[s].num_tokens, normal = w->payload == WORLD_NORMAL;
-  const size_t TK = (size_t)T * w->K, TH = (size_t)T * w->H, TG = (size_t)T * (w->H / 128);
-  for (int t = 0; t < T; t++)
-    world_route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, w->R, d->spec->route, &d->rng);
-  for (size_t i = 0; i < TK; i++) {
-    const float u = epx_test_rand_unit(&d->rng);
-    w->w[s][i] = normal ? u : u + 0.01f;
-  }
-  for (size_t i = 0; i < TH; i++) draw_element(w, s, i, &d->rng);
-  if (normal)
-    for (size_t i = 0; i < TG; i++) w->sc[s][i] = 0.01f + epx_test_rand_unit(&d->rng);
-  return NULL;
-}
-
-void world_for_each_rank(int R, void *(*fn)(void *), void *args, size_t arg_bytes) {
-  pthread_t th[EPX_MAX_RANKS];
-  int started[EPX_MAX_RANKS] = {0};
-  for (int s = 0; s < R; s++)
-    started[s] = pthread_create(&th[s], NULL, fn, (char *)args + (size_t)s * arg_bytes) == 0;
-  for (int s = 0; s < R; s++) {
-    if (started[s])
-      pthread_join(th[s], NULL);
-    else
-      fn((char *)args + (size_t)s * arg_bytes); /* no thread to be had: here, in turn */
-  }
-}
-
 void world_make(world_t *w, int R, const world_spec_t *spec, world_payload_t payload,
                 uint64_t *rng) {
   memset(w, 0, sizeof *w);
@@ -99,7 +60,6 @@ void world_make(world_t *w, int R, const world_spec_t *spec, world_payload_t pay
   w->L = w->E / R;
   w->payload = payload;
   const int normal = payload == WORLD_NORMAL;
-  rank_draw_t draws[EPX_MAX_RANKS];
   for (int s = 0; s < R; s++) {
     int T = spec->tokens >= 0 ? spec->tokens : epx_test_rand_int(rng, spec->max_tokens + 1);
     if (s == spec->empty_rank) T = 0;
@@ -111,12 +71,17 @@ void world_make(world_t *w, int R, const world_spec_t *spec, world_payload_t pay
       w->x8[s] = malloc(TH + 1);
       w->sc[s] = malloc(sizeof(float) * (TG + 1));
     }
+    for (int t = 0; t < T; t++)
+      world_route_token(w->idx[s] + (size_t)t * w->K, w->K, w->E, R, spec->route, rng);
+    for (size_t i = 0; i < TK; i++) {
+      const float u = epx_test_rand_unit(rng);
+      w->w[s][i] = normal ? u : u + 0.01f;
+    }
+    for (size_t i = 0; i < TH; i++) draw_element(w, s, i, rng);
+    if (normal)
+      for (size_t i = 0; i < TG; i++) w->sc[s][i] = 0.01f + epx_test_rand_unit(rng);
     w->ranks[s] = (epx_ref_rank_t){T, w->idx[s], w->w[s], w->x[s], w->x8[s], w->sc[s]};
-    draws[s] = (rank_draw_t){w, spec, s, epx_test_rand(rng)};
   }
-  /* Each rank's draws come from its own stream, so the world is the same whatever the order
-   * the threads run in; the soak's reference, drawing every rank's inputs, runs R times faster. */
-  world_for_each_rank(R, draw_rank, draws, sizeof draws[0]);
   w->ref = (epx_ref_world_t){R, w->E, w->K, w->H, w->ranks};
 }
 

@@ -67,10 +67,7 @@ typedef struct {
 
 /* Draw the K expert ids of one token into ids[0, K). */
 void world_route_token(int64_t *ids, int K, int E, int R, route_t route, uint64_t *rng);
-/* Run fn(args + s * arg_bytes) for s in [0, R), one thread each, and wait for all. */
-void world_for_each_rank(int R, void *(*fn)(void *), void *args, size_t arg_bytes);
-/* The world of spec at R ranks (each rank's inputs from its own stream, drawn from *rng, one
- * thread per rank); free with world_free. */
+/* The world of spec at R ranks; free with world_free. */
 void world_make(world_t *w, int R, const world_spec_t *spec, world_payload_t payload,
                 uint64_t *rng);
 void world_free(world_t *w);

@@ -210,35 +210,20 @@ static int run_combine(soak_rank_t *s, const world_t *w, const soak_combine_t *c
   return 0;
 }
 
-/* Rank r's new payload, from its own stream. */
-typedef struct {
-  world_t *w;
-  int r, fp8;
-  uint64_t rng;
-} payload_draw_t;
-
-static void *draw_payload(void *arg) {
-  payload_draw_t *d = arg;
-  world_t *w = d->w;
-  const int r = d->r;
-  const size_t H = (size_t)w->H, G = H / 128, T = (size_t)w->ranks[r].num_tokens;
-  for (size_t i = 0; i < T * H; i++)
-    w->x[r][i] = epx_ref_bf16_from_float(4.f * epx_test_rand_unit(&d->rng) - 2.f);
-  if (!d->fp8) return NULL;
-  for (size_t i = 0; i < T * H; i++) {
-    uint8_t b = (uint8_t)epx_test_rand(&d->rng);
-    w->x8[r][i] = (b & 0x7f) == 0x7f ? b ^ 1 : b; /* no NaN codes */
-  }
-  for (size_t i = 0; i < T * G; i++) w->sc[r][i] = 0.01f + epx_test_rand_unit(&d->rng);
-  return NULL;
-}
-
 /* New payload for every rank (the same draws on every rank), this rank's uploaded. */
 static int fresh_payload(soak_rank_t *s, world_t *w, int fp8, uint64_t *rng) {
   const size_t H = (size_t)w->H, G = H / 128;
-  payload_draw_t draws[EPX_MAX_RANKS];
-  for (int r = 0; r < w->R; r++) draws[r] = (payload_draw_t){w, r, fp8, epx_test_rand(rng)};
-  world_for_each_rank(w->R, draw_payload, draws, sizeof draws[0]);
+  for (int r = 0; r < w->R; r++) {
+    const size_t T = (size_t)w->ranks[r].num_tokens;
+    for (size_t i = 0; i < T * H; i++)
+      w->x[r][i] = epx_ref_bf16_from_float(4.f * epx_test_rand_unit(rng) - 2.f);
+    if (!fp8) continue;
+    for (size_t i = 0; i < T * H; i++) {
+      uint8_t b = (uint8_t)epx_test_rand(rng);
+      w->x8[r][i] = (b & 0x7f) == 0x7f ? b ^ 1 : b; /* no NaN codes */
+    }
+    for (size_t i = 0; i < T * G; i++) w->sc[r][i] = 0.01f + epx_test_rand_unit(rng);
+  }
   const size_t T = (size_t)w->ranks[s->rank].num_tokens;
   cudaStream_t st = s->t.stream;
   SOAK_CUDA(s, cudaMemcpyAsync(s->d.x, w->x[s->rank], T * H * 2, cudaMemcpyHostToDevice, st));
