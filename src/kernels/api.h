@@ -30,6 +30,9 @@ typedef struct epx__layout_launch_args {
   int from_mask;
   const uint8_t *in_rank_mask;
   const int *in_tokens_per_expert;
+  /* Expert-major positions (epx_dispatch_expand; ids only): [T, K], slot k of token t = its
+   * position among this rank's tokens listing expert topk[t][k] (-1: empty slot). NULL: off. */
+  int *expand_pos;
 } epx__layout_launch_args_t;
 
 epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx, const epx__layout_launch_args_t *args,
