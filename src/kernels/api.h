@@ -65,7 +65,10 @@ typedef struct epx__routing {
 typedef struct epx__notify_launch_args {
   epx__routing_t routing;
   int num_experts, expert_alignment, max_tokens;
-  int *host_counts; /* device alias of mapped host [1 + E/R]: num_recv, per-expert; or NULL */
+  int *host_counts; /* device alias of mapped host [2 + E/R]: num_recv, per-expert (expand:
+                       the real counts, then the rows); or NULL */
+  int expand;       /* 1: epx_dispatch_expand's exchange: all E counts to every rank, and the
+                       meta's expand_* fields (notify.cu) */
 } epx__notify_launch_args_t;
 
 typedef struct epx__dispatch_launch_args {
