@@ -89,6 +89,30 @@ typedef struct epx__dispatch_launch_args {
   int recv_idx_int64; /* recv_topk_idx as int64 */
 } epx__dispatch_launch_args_t;
 
+/* Expert-major dispatch (expand_dispatch.cu): d's payload, formats, ids and weights as for
+ * epx__dispatch_launch (write_meta and recv_idx_int64 unused), plus the layout's positions. */
+typedef struct epx__expand_dispatch_launch_args {
+  epx__dispatch_launch_args_t d;
+  const int *expand_pos; /* [T, K] the handle's: position of t among this rank's tokens listing
+                            expert topk[t][k] */
+} epx__expand_dispatch_launch_args_t;
+
+/* Expert-major combine, expert side (expand_combine.cu): partial[i] = BF16(sum over received
+ * token i's rows r (token_rows, ascending) of w_r * x[r]), w_r = the row's weight or 1. */
+typedef struct epx__expand_reduce_launch_args {
+  const epx__recv_meta_t *meta; /* num_recv */
+  const void *x;                /* [rows, H] BF16 expert outputs, expanded order */
+  void *partial;                /* [num_recv, H] BF16 */
+  int weighted, hidden, top_k, num_blocks;
+} epx__expand_reduce_launch_args_t;
+
+epx_status_t epx__expand_dispatch_launch(const epx__kernel_ctx_t *ctx,
+                                         const epx__expand_dispatch_launch_args_t *args,
+                                         cudaStream_t stream);
+epx_status_t epx__expand_reduce_launch(const epx__kernel_ctx_t *ctx,
+                                       const epx__expand_reduce_launch_args_t *args,
+                                       cudaStream_t stream);
+
 /* Rows [num_recv, num_worst) of recv_topk_idx = -1, of recv_topk_weights = 0 (notify.cu); a
  * num_recv above num_worst is raised as EPX_ERR_INVALID_ARGUMENT, stage DISPATCH. */
 typedef struct epx__worst_tail_launch_args {
