@@ -491,14 +491,14 @@ epx_status_t epx_combine(epx_group_t group, epx_handle_t handle, const epx_combi
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct epx_dispatch_expand_result {
-  int num_rows;            /* begin[L], padding included (sync_counts = 1), else -1 */
-  int num_recv;            /* tokens received, one per (source, token) (sync_counts = 1), else
-                              -1 */
-  int capacity;            /* config.expand_max_rows: rows the outputs can hold */
-  int num_local_experts;   /* L */
-  void *recv_x;            /* [capacity, H] BF16 or FP8 in the workspace, rows as above */
-  float *recv_x_scales;    /* [capacity, H/128] float32 (FP8 dispatch, float32 scales), else
-                              NULL */
+  int num_rows;                  /* begin[L], padding included (sync_counts = 1), else -1 */
+  int num_recv;                  /* tokens received, one per (source, token) (sync_counts = 1), else
+                                    -1 */
+  int capacity;                  /* config.expand_max_rows: rows the outputs can hold */
+  int num_local_experts;         /* L */
+  void *recv_x;                  /* [capacity, H] BF16 or FP8 in the workspace, rows as above */
+  float *recv_x_scales;          /* [capacity, H/128] float32 (FP8 dispatch, float32 scales), else
+                                    NULL */
   int32_t *recv_x_scales_packed; /* [capacity, ceil(H/512)] int32 UE8M0 words (FP8 dispatch
                                     with x_scales_dtype = INT32), else NULL */
   int *recv_src_info;            /* [capacity, 4] int32 per row: source rank, source token, first

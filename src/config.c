@@ -147,8 +147,7 @@ epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
 
 void epx__config_layout(const epx_group_config_t *c, int num_ranks, epx__ws_layout_t *layout) {
   epx__ws_layout_init(layout, num_ranks, c->max_tokens_per_rank, c->hidden, c->num_experts,
-                      c->top_k, c->dtypes, c->modes, c->ll_max_tokens_per_rank,
-                      c->expand_max_rows);
+                      c->top_k, c->dtypes, c->modes, c->ll_max_tokens_per_rank, c->expand_max_rows);
 }
 
 EPX_EXPORT epx_status_t epx_config_validate(const epx_group_config_t *config, int num_ranks) {

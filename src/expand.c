@@ -24,8 +24,12 @@
 #include "registry.h"
 
 static epx__routing_t routing_of(epx_handle_t h) {
-  epx__routing_t r = {h->is_token_in_rank,     h->token_pos_in_rank, h->num_tokens_per_rank,
-                      h->num_tokens_per_expert, h->meta,              h->num_tokens};
+  epx__routing_t r = {h->is_token_in_rank,
+                      h->token_pos_in_rank,
+                      h->num_tokens_per_rank,
+                      h->num_tokens_per_expert,
+                      h->meta,
+                      h->num_tokens};
   return r;
 }
 
@@ -184,9 +188,8 @@ EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
   epx__group_kernel_ctx(g, &ctx);
   /* The partial rows go where epx_dispatch's received rows would be (BF16: the group has it). */
   void *partial = g->workspace + g->layout.normal_offset + g->layout.recv_x_offset;
-  const epx__expand_reduce_launch_args_t ra = {h->meta,         a->x,          partial,
-                                               a->weighted,     g->config.hidden, g->config.top_k,
-                                               g->config.num_sms};
+  const epx__expand_reduce_launch_args_t ra = {
+      h->meta, a->x, partial, a->weighted, g->config.hidden, g->config.top_k, g->config.num_sms};
   EPX_CHECK(epx__expand_reduce_launch(&ctx, &ra, stream));
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);

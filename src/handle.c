@@ -32,10 +32,9 @@ EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   h->group_serial = epx__registry_serial(g);
   h->num_tokens = -1;
   epx_status_t res = EPX_OK;
-  CUDA_CHECK_GOTO(
-      cudaMalloc(&h->device_block,
-                 meta_bytes + pos_bytes + rank_bytes + expert_bytes + in_bytes + expand_bytes),
-      res, fail);
+  CUDA_CHECK_GOTO(cudaMalloc(&h->device_block, meta_bytes + pos_bytes + rank_bytes + expert_bytes +
+                                                   in_bytes + expand_bytes),
+                  res, fail);
   char *p = (char *)h->device_block;
   h->meta = (epx__recv_meta_t *)p;
   h->token_pos_in_rank = (int *)(p += meta_bytes);

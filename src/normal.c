@@ -114,9 +114,12 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   h->num_worst_tokens = a->num_worst_tokens;
   h->expand = 0;
   EPX_CHECK(enqueue_layout(g, h, a, stream));
-  epx__notify_launch_args_t na = {routing_of(h), g->config.num_experts, a->expert_alignment,
+  epx__notify_launch_args_t na = {routing_of(h),
+                                  g->config.num_experts,
+                                  a->expert_alignment,
                                   g->config.max_tokens_per_rank,
-                                  a->sync_counts ? h->host_counts_dev : NULL, 0};
+                                  a->sync_counts ? h->host_counts_dev : NULL,
+                                  0};
   EPX_CHECK(epx__notify_launch(&ctx, &na, stream));
   if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
   if (a->num_worst_tokens > 0) {

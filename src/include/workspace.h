@@ -162,13 +162,13 @@ typedef struct epx__ws_layout {
   size_t combine_weights_bytes;  /* one parity: R x max_tokens x K x 4, rounded up to 256 */
   /* Expert-major layout (config.expand_max_rows > 0; else expand_rows = 0 and the offsets are
    * unused). Offsets relative to normal_offset, except expand_words_offset (to layout_offset). */
-  size_t expand_rows;               /* config.expand_max_rows */
-  size_t expand_x_offset;           /* [expand_rows, H] payload */
-  size_t expand_scales_offset;      /* [expand_rows, H/128] float32 (FP8) */
-  size_t expand_src_info_offset;    /* [expand_rows] int4: rank, token, slot, 0 */
-  size_t expand_weights_offset;     /* [expand_rows] float32 */
-  size_t expand_token_rows_offset;  /* [R x max_tokens, K] int32 */
-  size_t expand_words_offset;       /* [E][layout_tiles] scan words, in the layout region */
+  size_t expand_rows;              /* config.expand_max_rows */
+  size_t expand_x_offset;          /* [expand_rows, H] payload */
+  size_t expand_scales_offset;     /* [expand_rows, H/128] float32 (FP8) */
+  size_t expand_src_info_offset;   /* [expand_rows] int4: rank, token, slot, 0 */
+  size_t expand_weights_offset;    /* [expand_rows] float32 */
+  size_t expand_token_rows_offset; /* [R x max_tokens, K] int32 */
+  size_t expand_words_offset;      /* [E][layout_tiles] scan words, in the layout region */
 } epx__ws_layout_t;
 
 /* Counts of one normal dispatch, kept in its handle (device memory), written by notify. */
@@ -183,11 +183,11 @@ typedef struct epx__recv_meta {
   int aborted;        /* 1: that count exchange failed: the dispatch sends nothing, waits for
                          nothing, and the counts above are 0 */
   /* Expert-major dispatch only (notify's expand variant; 0 otherwise, and 0 when aborted). */
-  int expand_rows;                         /* this rank's begin[L]: rows, padding included */
-  int expand_begin[EPX_MAX_EXPERTS + 1];   /* [L + 1] this rank's segment begins */
-  int expand_count[EPX_MAX_EXPERTS];       /* [L] this rank's real rows per local expert */
-  int expand_base[EPX_MAX_EXPERTS];        /* [E] row on rank e / L where this rank's rows for
-                                              expert e start: begin + rows of earlier sources */
+  int expand_rows;                       /* this rank's begin[L]: rows, padding included */
+  int expand_begin[EPX_MAX_EXPERTS + 1]; /* [L + 1] this rank's segment begins */
+  int expand_count[EPX_MAX_EXPERTS];     /* [L] this rank's real rows per local expert */
+  int expand_base[EPX_MAX_EXPERTS];      /* [E] row on rank e / L where this rank's rows for
+                                            expert e start: begin + rows of earlier sources */
 } epx__recv_meta_t;
 
 EPX_HD size_t epx__align_up(size_t x, size_t a) {

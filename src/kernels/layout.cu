@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     first_bad = ~0ull;
   }
   for (int e = tid; e < E; e += kThreads) expert_count[e] = 0;
-  unsigned *ex_mask = (unsigned *)expand_smem;                       /* [kWarps][E] */
+  unsigned *ex_mask = (unsigned *)expand_smem;                        /* [kWarps][E] */
   unsigned short *ex_warp = (unsigned short *)(ex_mask + kWarps * E); /* [kWarps][E] */
   unsigned *ex_tile = (unsigned *)(ex_warp + kWarps * E);             /* [E] */
   if constexpr (kExpand)
@@ -328,7 +328,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!last) epx::st_relaxed_gpu(words + tile, tag | (kAggregate << kStateShift) | run);
         prefix = look_back_thread(ctx, words, tile, tag);
       }
-      if (!last) epx::st_relaxed_gpu(words + tile, tag | (kInclusive << kStateShift) | (prefix + run));
+      if (!last)
+        epx::st_relaxed_gpu(words + tile, tag | (kInclusive << kStateShift) | (prefix + run));
       ex_tile[e] = prefix;
     }
   }
@@ -401,7 +402,6 @@ extern "C" epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx,
     if (args->expand_pos)
       return epx::launch<layout_kernel<IdxT, false, true>>(
           blocks, kThreads, expand_smem_bytes(args->num_experts), stream, *ctx, *args);
-    return epx::launch<layout_kernel<IdxT, false, false>>(blocks, kThreads, 0, stream, *ctx,
-                                                          *args);
+    return epx::launch<layout_kernel<IdxT, false, false>>(blocks, kThreads, 0, stream, *ctx, *args);
   });
 }
