@@ -102,6 +102,7 @@ typedef enum epx_mode {
 #define EPX_MAX_EXPERTS 1024
 #define EPX_MAX_HIDDEN 32768
 #define EPX_MAX_TOKENS_PER_RANK 65536
+#define EPX_MAX_EXPAND_ROWS (1 << 24) /* config.expand_max_rows */
 
 /* 0 in a config field marked "0 = auto" selects the library default. */
 #define EPX_AUTO 0
@@ -130,12 +131,17 @@ typedef struct epx_group_config {
                                  sizes the low-latency region alone, so one group can serve
                                  prefill (max_tokens_per_rank = 4096) and decode (128); 0 = auto:
                                  max_tokens_per_rank (DeepEP's num_max_dispatch_tokens_per_rank) */
+  int expand_max_rows; /* rows of the expert-major receive buffer of epx_dispatch_expand on each
+                          rank, padding included, 0..EPX_MAX_EXPAND_ROWS; 0 = none (the expand
+                          calls are refused, nothing is allocated for them). Needs
+                          EPX_MODE_NORMAL and EPX_DTYPE_BF16. Worst case: R x max_tokens_per_rank
+                          x min(top_k, E/R) + (E/R) x (expert_alignment - 1) */
 } epx_group_config_t;
 
 #define EPX_GROUP_CONFIG_INIT                                                             \
   {                                                                                       \
     sizeof(epx_group_config_t), EPX_VERSION_CODE, 0, 0, 0, 0, 0u, 0u, EPX_AUTO, EPX_AUTO, \
-        EPX_AUTO, EPX_AUTO, EPX_AUTO                                                      \
+        EPX_AUTO, EPX_AUTO, EPX_AUTO, 0                                                   \
   }
 
 /* How low-latency mode moves a token to the experts of one rank. Every rank of a group uses the
@@ -463,6 +469,100 @@ typedef struct epx_combine_args {
  * group still works); EPX_ERR_INVALID_USAGE (no dispatch in the handle yet). */
 epx_status_t epx_combine(epx_group_t group, epx_handle_t handle, const epx_combine_args_t *args,
                          cudaStream_t stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * Expert-major ("expanded") normal mode (docs/moe.md, "Expert-major layout"): dispatch writes
+ * one row per (token, local expert) straight into its final row, each local expert's rows
+ * contiguous and its segment padded to expert_alignment, so a grouped GEMM (DeepGEMM's
+ * contiguous layout) reads them in place; combine takes the experts' outputs in that layout,
+ * weights and sums a token's rows on the expert side and sends one BF16 row per (token, rank)
+ * home, where today's combine sums the ranks' rows. Needs config.expand_max_rows > 0.
+ *
+ * With L = E/R local experts, on each rank:
+ *  - local expert j's rows are [begin[j], begin[j] + count[j]), in source-rank then
+ *    source-token order; count[j] counts a token once even if it lists j twice; begin[0] = 0,
+ *    begin[j + 1] = begin[j] + count[j] rounded up to expert_alignment; rows
+ *    [begin[j] + count[j], begin[j + 1]) are padding;
+ *  - a row carries (source rank, source token, first top-k slot of the token listing the
+ *    expert) and a weight: the sum, in float32 from 0 in ascending slot order, of the token's
+ *    topk_weights over the slots listing the expert (0 without topk_weights). Padding rows
+ *    carry (-1, -1, -1) and weight 0; their payload is not written.
+ * tests/ref/epx_ref_expand.h is the definition, bit for bit.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct epx_dispatch_expand_result {
+  int num_rows;                  /* begin[L], padding included (sync_counts = 1), else -1 */
+  int num_recv;                  /* tokens received, one per (source, token) (sync_counts = 1), else
+                                    -1 */
+  int capacity;                  /* config.expand_max_rows: rows the outputs can hold */
+  int num_local_experts;         /* L */
+  void *recv_x;                  /* [capacity, H] BF16 or FP8 in the workspace, rows as above */
+  float *recv_x_scales;          /* [capacity, H/128] float32 (FP8 dispatch, float32 scales), else
+                                    NULL */
+  int32_t *recv_x_scales_packed; /* [capacity, ceil(H/512)] int32 UE8M0 words (FP8 dispatch
+                                    with x_scales_dtype = INT32), else NULL */
+  int *recv_src_info;            /* [capacity, 4] int32 per row: source rank, source token, first
+                                    slot, 0 (padding: -1, -1, -1, 0) */
+  float *recv_weights;           /* [capacity] float32 per row (padding: 0) */
+  const int *expert_begin_device; /* device [L + 1]: begin[j]; begin[L] = the rows in all */
+  const int *expert_count_device; /* device [L]: count[j], the real rows of j */
+  const int *num_rows_device;     /* device int: begin[L] */
+  const int *token_rows;          /* [R x max_tokens_per_rank, K] int32 in the workspace: per
+                                     received token (source-rank major, as epx_dispatch's rows),
+                                     its rows in ascending local expert, then -1 */
+  const int *recv_rank_prefix;    /* device [R+1]: received tokens of source s are
+                                     [prefix[s], prefix[s+1]) in token_rows */
+  const int *num_recv_device;     /* device int: tokens received */
+} epx_dispatch_expand_result_t;
+
+/* epx_dispatch_expand - epx_dispatch into the expert-major layout. COLLECTIVE: every rank
+ * calls it (T may be 0), in the same order as the group's other collectives. Ordered on
+ * stream; with sync_counts = 1 the host waits for the count exchange only (as epx_dispatch).
+ *   handle - [IN/OUT] records the routing for epx_combine_expand (and epx_combine, whose x is
+ *            then in epx_dispatch's row order).
+ *   args   - [IN] as epx_dispatch's, with these differences: topk_idx is required (no rank-mask
+ *            routing: is_token_in_rank and num_tokens_per_expert must be NULL); num_worst_tokens
+ *            must be 0; recv_topk_idx_dtype is ignored (no recv_topk_idx is written);
+ *            expert_alignment (0 or 1: none) pads each local expert's segment;
+ *            num_recv_per_expert (sync_counts = 1) gets count[j], the real rows of each local
+ *            expert (epx_dispatch gives the aligned counts).
+ *   result - [OUT] where the rows are; valid until the next dispatch of the group.
+ * Rows past the capacity are not written (their token_rows entries are -1): the receiver
+ * raises EPX_ERR_INVALID_ARGUMENT asynchronously (stage DISPATCH, position = capacity, value =
+ * the rows needed), and with sync_counts = 1 the call returns EPX_ERR_INVALID_ARGUMENT with
+ * result filled in (num_rows = the rows needed).
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent);
+ * EPX_ERR_INVALID_USAGE (group without config.expand_max_rows, sync_counts on a capturing
+ * stream); EPX_ERR_TIMEOUT as epx_dispatch. Capturable with sync_counts = 0. */
+epx_status_t epx_dispatch_expand(epx_group_t group, epx_handle_t handle,
+                                 const epx_dispatch_args_t *args,
+                                 epx_dispatch_expand_result_t *result, cudaStream_t stream);
+
+typedef struct epx_combine_expand_args {
+  size_t size;   /* sizeof(epx_combine_expand_args_t); set by EPX_COMBINE_EXPAND_ARGS_INIT */
+  const void *x; /* [IN] [num_rows, H] BF16 expert outputs, row for row as epx_dispatch_expand
+                    delivered them (padding rows are not read); 16-byte aligned. May be the
+                    dispatch's recv_x (BF16 dispatch) */
+  int weighted;  /* 1: each row times its recv_weights entry; 0: plain sum */
+  void *out;     /* [OUT] [T, H] BF16, T = the dispatch's num_tokens */
+} epx_combine_expand_args_t;
+
+#define EPX_COMBINE_EXPAND_ARGS_INIT \
+  { sizeof(epx_combine_expand_args_t), NULL, 1, NULL }
+
+/* epx_combine_expand - combine of an expert-major dispatch: rank d computes, for each token it
+ * received, partial = BF16(sum over the token's rows on d, ascending local expert, of w x y),
+ * w = the row's weight (weighted) or 1, each product and sum rounded to float32 (no fused
+ * multiply-add), and sends it home into the combine slab; the home rank writes
+ * out[t] = BF16(sum over ranks d holding t, d ascending, of partial_d), +0 for a token on no
+ * rank. Bit for bit tests/ref/epx_ref_expand.h's epx_ref_combine_expand. COLLECTIVE, ordered
+ * on stream, no host synchronization, capturable. The handle's last dispatch must be an
+ * epx_dispatch_expand, and no dispatch of the group may have run since (its token_rows and
+ * weights are in the workspace).
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent);
+ * EPX_ERR_INVALID_USAGE (no expand dispatch in the handle). Timeouts as epx_combine. */
+epx_status_t epx_combine_expand(epx_group_t group, epx_handle_t handle,
+                                const epx_combine_expand_args_t *args, cudaStream_t stream);
 
 /* ---------------------------------------------------------------------------------------------
  * Low-latency mode (decode): fixed-slot dispatch and combine. Needs EPX_MODE_LOW_LATENCY and a

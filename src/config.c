@@ -82,6 +82,22 @@ static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
     return epx__set_error(EPX_ERR_UNSUPPORTED,
                           "config.ll_max_tokens_per_rank = %d: at most %d supported",
                           c->ll_max_tokens_per_rank, EPX_MAX_TOKENS_PER_RANK);
+  EPX_ARG_CHECK(c->expand_max_rows >= 0,
+                "config.expand_max_rows = %d: must be 0 (no expert-major dispatch) or > 0",
+                c->expand_max_rows);
+  if (c->expand_max_rows > EPX_MAX_EXPAND_ROWS)
+    return epx__set_error(EPX_ERR_UNSUPPORTED, "config.expand_max_rows = %d: at most %d supported",
+                          c->expand_max_rows, EPX_MAX_EXPAND_ROWS);
+  if (c->expand_max_rows > 0) {
+    EPX_ARG_CHECK(c->modes & EPX_MODE_NORMAL,
+                  "config.expand_max_rows = %d: expert-major dispatch is normal mode; config.modes "
+                  "= 0x%x lacks EPX_MODE_NORMAL",
+                  c->expand_max_rows, c->modes);
+    EPX_ARG_CHECK(c->dtypes & EPX_DTYPE_BF16,
+                  "config.expand_max_rows = %d: expert-major combine needs EPX_DTYPE_BF16 in "
+                  "config.dtypes = 0x%x (its partial rows are BF16)",
+                  c->expand_max_rows, c->dtypes);
+  }
   if (c->modes & EPX_MODE_LOW_LATENCY) {
     EPX_ARG_CHECK(c->hidden % 128 == 0,
                   "config.hidden = %d: low-latency mode needs a multiple of 128", c->hidden);
@@ -131,7 +147,7 @@ epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
 
 void epx__config_layout(const epx_group_config_t *c, int num_ranks, epx__ws_layout_t *layout) {
   epx__ws_layout_init(layout, num_ranks, c->max_tokens_per_rank, c->hidden, c->num_experts,
-                      c->top_k, c->dtypes, c->modes, c->ll_max_tokens_per_rank);
+                      c->top_k, c->dtypes, c->modes, c->ll_max_tokens_per_rank, c->expand_max_rows);
 }
 
 EPX_EXPORT epx_status_t epx_config_validate(const epx_group_config_t *config, int num_ranks) {

@@ -75,6 +75,7 @@ enum {
   FP_LL_NUM_SMS,
   FP_LL_ROUTE,
   FP_LL_MAX_TOKENS,
+  FP_EXPAND_ROWS,
   FP_TRACE, /* EPX_TRACE set: not compared (no name); tracing starts if every rank has it */
   FP_COUNT
 };
@@ -93,7 +94,8 @@ static const char *const fp_names[FP_COUNT] = {"local status",
                                                "config.timeout_ms",
                                                "config.ll_num_sms",
                                                "config.ll_route",
-                                               "config.ll_max_tokens_per_rank"};
+                                               "config.ll_max_tokens_per_rank",
+                                               "config.expand_max_rows"};
 
 /* Ranks reach epx_group_create at times further apart than calls of a running group (model
  * loading), and a transfer's length grows with its bytes: ten wait budgets, at least a
@@ -251,6 +253,7 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
                               cfg.dtypes,     cfg.modes,         cfg.num_sms,
                               cfg.timeout_ms, cfg.ll_num_sms,    cfg.ll_route};
   mine[FP_LL_MAX_TOKENS] = cfg.ll_max_tokens_per_rank;
+  mine[FP_EXPAND_ROWS] = cfg.expand_max_rows;
   mine[FP_TRACE] = epx__trace_env_requested();
   /* On the stack for every supported rank count: no allocation that could fail here alone. */
   long long all_small[EPX_MAX_RANKS * FP_COUNT];

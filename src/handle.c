@@ -23,26 +23,30 @@ EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   const size_t meta_bytes = epx__align_up(sizeof(epx__recv_meta_t), 256);
   const size_t pos_bytes = epx__align_up(T * R * 4, 256), rank_bytes = epx__align_up(R * 4, 256);
   const size_t expert_bytes = epx__align_up(E * 4, 256), in_bytes = epx__align_up(T * R, 256);
+  /* ... | expand_pos [T, K] (groups with expert-major dispatch only) */
+  const size_t expand_bytes =
+      g->layout.expand_rows ? epx__align_up(T * (size_t)g->config.top_k * 4, 256) : 0;
   epx_handle_t h = (epx_handle_t)calloc(1, sizeof *h);
   if (!h) return epx__set_error(EPX_ERR_SYSTEM, "epx_handle_create: out of host memory");
   h->group = g;
   h->group_serial = epx__registry_serial(g);
   h->num_tokens = -1;
   epx_status_t res = EPX_OK;
-  CUDA_CHECK_GOTO(
-      cudaMalloc(&h->device_block, meta_bytes + pos_bytes + rank_bytes + expert_bytes + in_bytes),
-      res, fail);
+  CUDA_CHECK_GOTO(cudaMalloc(&h->device_block, meta_bytes + pos_bytes + rank_bytes + expert_bytes +
+                                                   in_bytes + expand_bytes),
+                  res, fail);
   char *p = (char *)h->device_block;
   h->meta = (epx__recv_meta_t *)p;
   h->token_pos_in_rank = (int *)(p += meta_bytes);
   h->num_tokens_per_rank = (int *)(p += pos_bytes);
   h->num_tokens_per_expert = (int *)(p += rank_bytes);
   h->is_token_in_rank = (uint8_t *)(p += expert_bytes);
+  h->expand_pos = expand_bytes ? (int *)(p += in_bytes) : NULL;
   CUDA_CHECK_GOTO(cudaMemset(h->meta, 0, sizeof *h->meta), res, fail);
   CUDA_CHECK_GOTO(cudaDeviceSynchronize(), res,
                   fail); /* the legacy-stream memset is done before any use */
   CUDA_CHECK_GOTO(
-      cudaHostAlloc((void **)&h->host_counts, (1 + E / R) * sizeof(int), cudaHostAllocMapped), res,
+      cudaHostAlloc((void **)&h->host_counts, (2 + E / R) * sizeof(int), cudaHostAllocMapped), res,
       fail);
   CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&h->host_counts_dev, h->host_counts, 0), res,
                   fail);

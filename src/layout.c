@@ -49,7 +49,7 @@ EPX_EXPORT epx_status_t epx_layout(epx_group_t g, const epx_layout_args_t *args,
 
 /* The launch arguments of args; rank-mask routing when in_rank_mask or in_per_expert is set. */
 static epx_status_t enqueue(epx_group_t g, const epx_layout_args_t *args,
-                            const uint8_t *in_rank_mask, const int *in_per_expert,
+                            const uint8_t *in_rank_mask, const int *in_per_expert, int *expand_pos,
                             cudaStream_t stream) {
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
@@ -65,17 +65,23 @@ static epx_status_t enqueue(epx_group_t g, const epx_layout_args_t *args,
                                   args->token_pos_in_rank,
                                   in_rank_mask || in_per_expert,
                                   in_rank_mask,
-                                  in_per_expert};
+                                  in_per_expert,
+                                  expand_pos};
   return epx__layout_launch(&ctx, &la, stream);
 }
 
 epx_status_t epx__layout_enqueue(epx_group_t g, const epx_layout_args_t *args,
                                  cudaStream_t stream) {
-  return enqueue(g, args, NULL, NULL, stream);
+  return enqueue(g, args, NULL, NULL, NULL, stream);
+}
+
+epx_status_t epx__layout_expand_enqueue(epx_group_t g, const epx_layout_args_t *args,
+                                        int *expand_pos, cudaStream_t stream) {
+  return enqueue(g, args, NULL, NULL, expand_pos, stream);
 }
 
 epx_status_t epx__layout_mask_enqueue(epx_group_t g, const epx_layout_args_t *args,
                                       const uint8_t *in_rank_mask, const int *in_per_expert,
                                       cudaStream_t stream) {
-  return enqueue(g, args, in_rank_mask, in_per_expert, stream);
+  return enqueue(g, args, in_rank_mask, in_per_expert, NULL, stream);
 }

@@ -112,10 +112,14 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   h->num_tokens = a->num_tokens;
   h->recv_topk_idx_int64 = a->recv_topk_idx_dtype == EPX_DTYPE_INT64;
   h->num_worst_tokens = a->num_worst_tokens;
+  h->expand = 0;
   EPX_CHECK(enqueue_layout(g, h, a, stream));
-  epx__notify_launch_args_t na = {routing_of(h), g->config.num_experts, a->expert_alignment,
+  epx__notify_launch_args_t na = {routing_of(h),
+                                  g->config.num_experts,
+                                  a->expert_alignment,
                                   g->config.max_tokens_per_rank,
-                                  a->sync_counts ? h->host_counts_dev : NULL};
+                                  a->sync_counts ? h->host_counts_dev : NULL,
+                                  0};
   EPX_CHECK(epx__notify_launch(&ctx, &na, stream));
   if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
   if (a->num_worst_tokens > 0) {
@@ -182,6 +186,11 @@ static epx_status_t check_cached(epx_group_t g, epx_handle_t h, const char *fn,
   if (h->num_tokens < 0)
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "%s: the handle holds no routing yet; call epx_dispatch first", fn);
+  if (h->expand)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the handle holds an expert-major routing (epx_dispatch_expand); a "
+                          "cached dispatch delivers epx_dispatch's layout only",
+                          fn);
   return EPX_OK;
 }
 

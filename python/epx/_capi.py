@@ -64,6 +64,7 @@ class epx_group_config_t(ctypes.Structure):
         ("ll_num_sms", ctypes.c_int),
         ("ll_route", ctypes.c_int),
         ("ll_max_tokens_per_rank", ctypes.c_int),
+        ("expand_max_rows", ctypes.c_int),
     ]
 
 
@@ -153,6 +154,35 @@ class epx_combine_args_t(ctypes.Structure):
         ("recv_topk_weights", _ptr),
         ("out_topk_weights", _ptr),
         ("bias", _ptr * 2),
+    ]
+
+
+class epx_dispatch_expand_result_t(ctypes.Structure):
+    _fields_ = [
+        ("num_rows", ctypes.c_int),
+        ("num_recv", ctypes.c_int),
+        ("capacity", ctypes.c_int),
+        ("num_local_experts", ctypes.c_int),
+        ("recv_x", _ptr),
+        ("recv_x_scales", _ptr),
+        ("recv_x_scales_packed", _ptr),
+        ("recv_src_info", _ptr),
+        ("recv_weights", _ptr),
+        ("expert_begin_device", _ptr),
+        ("expert_count_device", _ptr),
+        ("num_rows_device", _ptr),
+        ("token_rows", _ptr),
+        ("recv_rank_prefix", _ptr),
+        ("num_recv_device", _ptr),
+    ]
+
+
+class epx_combine_expand_args_t(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("x", _ptr),
+        ("weighted", ctypes.c_int),
+        ("out", _ptr),
     ]
 
 
@@ -270,7 +300,8 @@ class epx_moe_args_t(ctypes.Structure):
 STRUCTS = {
     cls.__name__: cls
     for cls in (epx_group_config_t, epx_workspace_sizes_t, epx_async_error_t, epx_layout_args_t,
-                epx_dispatch_args_t, epx_dispatch_result_t, epx_combine_args_t, epx_ll_hook_t,
+                epx_dispatch_args_t, epx_dispatch_result_t, epx_combine_args_t,
+                epx_dispatch_expand_result_t, epx_combine_expand_args_t, epx_ll_hook_t,
                 epx_ll_dispatch_args_t, epx_ll_dispatch_result_t, epx_ll_combine_args_t,
                 epx_trace_summary_t, epx_experts_t, epx_experts_ffn_args_t, epx_moe_args_t)
 }
@@ -299,6 +330,10 @@ def EPX_DISPATCH_ARGS_INIT():
 def EPX_COMBINE_ARGS_INIT():
     return epx_combine_args_t(size=ctypes.sizeof(epx_combine_args_t),
                               topk_idx_dtype=EPX_DTYPE_INT64)
+
+
+def EPX_COMBINE_EXPAND_ARGS_INIT():
+    return epx_combine_expand_args_t(size=ctypes.sizeof(epx_combine_expand_args_t), weighted=1)
 
 
 def EPX_LL_DISPATCH_ARGS_INIT():
@@ -330,6 +365,7 @@ INITS = {
     "EPX_LAYOUT_ARGS_INIT": (epx_layout_args_t, EPX_LAYOUT_ARGS_INIT),
     "EPX_DISPATCH_ARGS_INIT": (epx_dispatch_args_t, EPX_DISPATCH_ARGS_INIT),
     "EPX_COMBINE_ARGS_INIT": (epx_combine_args_t, EPX_COMBINE_ARGS_INIT),
+    "EPX_COMBINE_EXPAND_ARGS_INIT": (epx_combine_expand_args_t, EPX_COMBINE_EXPAND_ARGS_INIT),
     "EPX_LL_DISPATCH_ARGS_INIT": (epx_ll_dispatch_args_t, EPX_LL_DISPATCH_ARGS_INIT),
     "EPX_LL_COMBINE_ARGS_INIT": (epx_ll_combine_args_t, EPX_LL_COMBINE_ARGS_INIT),
     "EPX_EXPERTS_INIT": (epx_experts_t, EPX_EXPERTS_INIT),
@@ -411,6 +447,9 @@ PROTOTYPES = {
     "epx_dispatch_cached_args": (c_enum, [_group, _handle, P(epx_dispatch_args_t),
                                           P(epx_dispatch_result_t), _stream]),
     "epx_combine": (c_enum, [_group, _handle, P(epx_combine_args_t), _stream]),
+    "epx_dispatch_expand": (c_enum, [_group, _handle, P(epx_dispatch_args_t),
+                                     P(epx_dispatch_expand_result_t), _stream]),
+    "epx_combine_expand": (c_enum, [_group, _handle, P(epx_combine_expand_args_t), _stream]),
     "epx_ll_dispatch": (c_enum, [_group, P(epx_ll_dispatch_args_t),
                                  P(epx_ll_dispatch_result_t), _stream]),
     "epx_ll_combine": (c_enum, [_group, P(epx_ll_combine_args_t), _stream]),

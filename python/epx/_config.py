@@ -45,7 +45,7 @@ def _route(value):
 
 def make_config(max_tokens_per_rank, hidden, num_experts, top_k, *, modes=("normal",),
                 ll_max_tokens_per_rank=0, num_sms=0, ll_num_sms=0, ll_route=0, timeout_ms=0,
-                dtypes=0):
+                dtypes=0, expand_max_rows=0):
     """An epx_group_config_t (EPX_GROUP_CONFIG_INIT, then these fields; 0 = auto)."""
     c = _capi.EPX_GROUP_CONFIG_INIT()
     c.max_tokens_per_rank = max_tokens_per_rank
@@ -59,6 +59,7 @@ def make_config(max_tokens_per_rank, hidden, num_experts, top_k, *, modes=("norm
     c.ll_num_sms = ll_num_sms
     c.ll_route = _route(ll_route)
     c.ll_max_tokens_per_rank = ll_max_tokens_per_rank
+    c.expand_max_rows = expand_max_rows
     return c
 
 

@@ -19,11 +19,15 @@ struct epx_handle {
   int *num_tokens_per_rank;
   int *num_tokens_per_expert;
   epx__recv_meta_t *meta;
-  int *host_counts, *host_counts_dev; /* mapped [1 + E/R]: num_recv, per-expert */
+  int *host_counts, *host_counts_dev; /* mapped [2 + E/R]: num_recv, per-expert, and after an
+                                         expert-major dispatch its rows (begin[L]) */
+  int *expand_pos; /* [max_tokens, K] (group with expand_max_rows, else NULL): the layout's
+                      position of token t among this rank's tokens listing expert topk[t][k] */
   cudaEvent_t counts_ready;
   int num_tokens;          /* of the dispatch that filled the handle; -1 before */
   int recv_topk_idx_int64; /* the dispatch that filled the handle wrote int64 recv_topk_idx */
   int num_worst_tokens;    /* its num_worst_tokens (0 = off) */
+  int expand;              /* it was an epx_dispatch_expand */
 };
 
 #endif /* EPX_HANDLE_H_ */

@@ -19,6 +19,11 @@ epx_status_t epx__layout_enqueue(epx_group_t g, const epx_layout_args_t *args, c
 epx_status_t epx__layout_mask_enqueue(epx_group_t g, const epx_layout_args_t *args,
                                       const uint8_t *in_rank_mask, const int *in_per_expert,
                                       cudaStream_t stream);
+/* epx__layout_enqueue plus the expert-major positions (epx_dispatch_expand): expand_pos
+ * [T, K] (the handle's) gets, per slot, the token's position among this rank's tokens listing
+ * that expert, -1 for an empty slot. The group must have config.expand_max_rows > 0. */
+epx_status_t epx__layout_expand_enqueue(epx_group_t g, const epx_layout_args_t *args,
+                                        int *expand_pos, cudaStream_t stream);
 #ifdef __cplusplus
 }
 #endif

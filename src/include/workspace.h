@@ -14,11 +14,15 @@
  *            64-bit tile words, layout_tiles = ceil(max_tokens / EPX_LAYOUT_TILE_TOKENS); word
  *            formats in src/kernels/layout.cu. Zeroed at creation and by
  *            epx_group_clear_async_error; otherwise never reset (the epochs make stale words
- *            unreadable)
+ *            unreadable). With config.expand_max_rows, then [E][layout_tiles] words more: the
+ *            per-expert columns of the expert-major positions (same word format)
  *   normal   (EPX_MODE_NORMAL) receive slab of R x max_tokens rows, one array per field, the
  *            combine slab 2 x [R, max_tokens, H] BF16 and its per-chunk arrival counters, then
  *            the combine weights 2 x [R, max_tokens, K] float32 (each returned row's top-k
- *            weights, when a combine asks for them; same parity and chunk counters as the slab)
+ *            weights, when a combine asks for them; same parity and chunk counters as the slab);
+ *            with config.expand_max_rows = X, the expert-major receive arrays: x [X, H],
+ *            scales [X, H/128] (FP8 groups), src_info [X] int4, weights [X] float32, and
+ *            token_rows [R x max_tokens, K] int32 (epx_dispatch_expand)
  *   ll       (EPX_MODE_LOW_LATENCY) 2 buffers ("parities") of the arrays below, then the
  *            per-block epochs. Per parity, with L = E/R, M = ll_max_tokens, RM = R x M:
  *              x           [L, RM, H] payload (2 bytes/element if BF16 is supported, else 1)
@@ -156,6 +160,15 @@ typedef struct epx__ws_layout {
   size_t combine_weights_offset; /* 2 parities x [R, max_tokens, K] float32: row (d, p) = the
                                     top-k weights of the slab's row (d, p) */
   size_t combine_weights_bytes;  /* one parity: R x max_tokens x K x 4, rounded up to 256 */
+  /* Expert-major layout (config.expand_max_rows > 0; else expand_rows = 0 and the offsets are
+   * unused). Offsets relative to normal_offset, except expand_words_offset (to layout_offset). */
+  size_t expand_rows;              /* config.expand_max_rows */
+  size_t expand_x_offset;          /* [expand_rows, H] payload */
+  size_t expand_scales_offset;     /* [expand_rows, H/128] float32 (FP8) */
+  size_t expand_src_info_offset;   /* [expand_rows] int4: rank, token, slot, 0 */
+  size_t expand_weights_offset;    /* [expand_rows] float32 */
+  size_t expand_token_rows_offset; /* [R x max_tokens, K] int32 */
+  size_t expand_words_offset;      /* [E][layout_tiles] scan words, in the layout region */
 } epx__ws_layout_t;
 
 /* Counts of one normal dispatch, kept in its handle (device memory), written by notify. */
@@ -169,6 +182,12 @@ typedef struct epx__recv_meta {
   unsigned int epoch; /* the notify epoch of the dispatch that filled this meta */
   int aborted;        /* 1: that count exchange failed: the dispatch sends nothing, waits for
                          nothing, and the counts above are 0 */
+  /* Expert-major dispatch only (notify's expand variant; 0 otherwise, and 0 when aborted). */
+  int expand_rows;                       /* this rank's begin[L]: rows, padding included */
+  int expand_begin[EPX_MAX_EXPERTS + 1]; /* [L + 1] this rank's segment begins */
+  int expand_count[EPX_MAX_EXPERTS];     /* [L] this rank's real rows per local expert */
+  int expand_base[EPX_MAX_EXPERTS];      /* [E] row on rank e / L where this rank's rows for
+                                            expert e start: begin + rows of earlier sources */
 } epx__recv_meta_t;
 
 EPX_HD size_t epx__align_up(size_t x, size_t a) {
@@ -204,7 +223,7 @@ EPX_HD size_t epx__ll_stage_row_bytes(int hidden, unsigned dtypes) {
  * the normal region, ll_max_tokens the low-latency one. */
 EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_tokens, int hidden,
                                 int num_experts, int top_k, unsigned dtypes, unsigned modes,
-                                int ll_max_tokens) {
+                                int ll_max_tokens, int expand_max_rows) {
   size_t off = 0;
   l->control_offset = off;
   l->control_bytes = epx__align_up(sizeof(epx__control_t), EPX_WS_ALIGN);
@@ -222,8 +241,13 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->layout_offset = off;
   l->layout_tiles = ((size_t)max_tokens + EPX_LAYOUT_TILE_TOKENS - 1) / EPX_LAYOUT_TILE_TOKENS;
   l->layout_words_offset = 256;
+  const int expand = expand_max_rows > 0 && (modes & EPX_MODE_NORMAL);
+  l->expand_rows = expand ? (size_t)expand_max_rows : 0;
+  l->expand_words_offset =
+      l->layout_words_offset + (size_t)(EPX_MAX_RANKS + 1) * l->layout_tiles * 8;
   l->layout_bytes = epx__align_up(
-      l->layout_words_offset + (size_t)(EPX_MAX_RANKS + 1) * l->layout_tiles * 8, EPX_WS_ALIGN);
+      l->expand_words_offset + (expand ? (size_t)num_experts * l->layout_tiles * 8 : 0),
+      EPX_WS_ALIGN);
   off += l->layout_bytes;
 
   /* normal: a compact receive slab of R x max_tokens rows (the worst case: every source sends
@@ -254,6 +278,18 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->combine_weights_offset = n;
   l->combine_weights_bytes = epx__align_up(cap * top_k * 4, 256);
   n += 2 * l->combine_weights_bytes;
+  /* The expert-major receive arrays (epx_dispatch_expand), sized only when asked for. */
+  const size_t xr = l->expand_rows;
+  l->expand_x_offset = n;
+  n += epx__align_up(xr * hidden * epx__payload_elem_bytes(dtypes), 256);
+  l->expand_scales_offset = n;
+  if (dtypes & EPX_DTYPE_FP8_E4M3) n += epx__align_up(xr * (hidden / 128) * 4, 256);
+  l->expand_src_info_offset = n;
+  n += epx__align_up(xr * 16, 256);
+  l->expand_weights_offset = n;
+  n += epx__align_up(xr * 4, 256);
+  l->expand_token_rows_offset = n;
+  if (expand) n += epx__align_up(cap * top_k * 4, 256);
   l->normal_bytes = (modes & EPX_MODE_NORMAL) ? epx__align_up(n, EPX_WS_ALIGN) : 0;
   off += l->normal_bytes;
 

@@ -30,6 +30,9 @@ typedef struct epx__layout_launch_args {
   int from_mask;
   const uint8_t *in_rank_mask;
   const int *in_tokens_per_expert;
+  /* Expert-major positions (epx_dispatch_expand; ids only): [T, K], slot k of token t = its
+   * position among this rank's tokens listing expert topk[t][k] (-1: empty slot). NULL: off. */
+  int *expand_pos;
 } epx__layout_launch_args_t;
 
 epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx, const epx__layout_launch_args_t *args,
@@ -62,7 +65,10 @@ typedef struct epx__routing {
 typedef struct epx__notify_launch_args {
   epx__routing_t routing;
   int num_experts, expert_alignment, max_tokens;
-  int *host_counts; /* device alias of mapped host [1 + E/R]: num_recv, per-expert; or NULL */
+  int *host_counts; /* device alias of mapped host [2 + E/R]: num_recv, per-expert (expand:
+                       the real counts, then the rows); or NULL */
+  int expand;       /* 1: epx_dispatch_expand's exchange: all E counts to every rank, and the
+                       meta's expand_* fields (notify.cu) */
 } epx__notify_launch_args_t;
 
 typedef struct epx__dispatch_launch_args {
@@ -82,6 +88,30 @@ typedef struct epx__dispatch_launch_args {
   int write_meta;     /* 1: write recv_topk_idx / weights / src_token (topk_idx NULL: -1 / 0) */
   int recv_idx_int64; /* recv_topk_idx as int64 */
 } epx__dispatch_launch_args_t;
+
+/* Expert-major dispatch (expand_dispatch.cu): d's payload, formats, ids and weights as for
+ * epx__dispatch_launch (write_meta and recv_idx_int64 unused), plus the layout's positions. */
+typedef struct epx__expand_dispatch_launch_args {
+  epx__dispatch_launch_args_t d;
+  const int *expand_pos; /* [T, K] the handle's: position of t among this rank's tokens listing
+                            expert topk[t][k] */
+} epx__expand_dispatch_launch_args_t;
+
+/* Expert-major combine, expert side (expand_combine.cu): partial[i] = BF16(sum over received
+ * token i's rows r (token_rows, ascending) of w_r * x[r]), w_r = the row's weight or 1. */
+typedef struct epx__expand_reduce_launch_args {
+  const epx__recv_meta_t *meta; /* num_recv */
+  const void *x;                /* [rows, H] BF16 expert outputs, expanded order */
+  void *partial;                /* [num_recv, H] BF16 */
+  int weighted, hidden, top_k, num_blocks;
+} epx__expand_reduce_launch_args_t;
+
+epx_status_t epx__expand_dispatch_launch(const epx__kernel_ctx_t *ctx,
+                                         const epx__expand_dispatch_launch_args_t *args,
+                                         cudaStream_t stream);
+epx_status_t epx__expand_reduce_launch(const epx__kernel_ctx_t *ctx,
+                                       const epx__expand_reduce_launch_args_t *args,
+                                       cudaStream_t stream);
 
 /* Rows [num_recv, num_worst) of recv_topk_idx = -1, of recv_topk_weights = 0 (notify.cu); a
  * num_recv above num_worst is raised as EPX_ERR_INVALID_ARGUMENT, stage DISPATCH. */

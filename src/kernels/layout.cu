@@ -50,6 +50,14 @@
  * token's rank mask read from the caller's [T, R] mask instead of derived from its ids; no ids,
  * no invalid ids (no minimum column), and the caller's per-expert counts are copied (tile 0)
  * instead of counted.
+ *
+ * Expert-major positions (kExpand, epx_dispatch_expand; ids only): also each token's position
+ * among this rank's tokens listing each of its experts, written per slot into expand_pos [T, K]
+ * (-1 for an empty slot; a repeated expert gets its first slot's value). Within the tile: a
+ * lane bitmap per (warp, expert) in dynamic shared memory and the per-expert prefix over warps;
+ * across tiles: one more scan column per expert (the expand words of the layout region, same
+ * format), each with its own look-back, by one thread rather than a warp (E columns), usually
+ * one load since the tile before has published its inclusive prefix by then.
  */
 #include "kernels/launch.cuh"
 #include "kernels/api.h"
@@ -120,6 +128,38 @@ __device__ __forceinline__ unsigned rank_mask_from(const uint8_t *in_rank, int t
   return mask;
 }
 
+/* The exclusive prefix of `tile` in one summing column, by one thread (kExpand's expert
+ * columns): back over the preceding tiles until an inclusive prefix. Bounded as look_back. */
+__device__ __forceinline__ unsigned look_back_thread(const epx__kernel_ctx_t &ctx,
+                                                     const uint64_t *words, int tile,
+                                                     uint64_t tag) {
+  unsigned prefix = 0;
+  for (int p = tile - 1; p >= 0; p--) {
+    uint64_t w = 0;
+    const epx::WaitResult r = epx::wait_until(
+        ctx.timeout_ns,
+        [&] {
+          w = epx::ld_relaxed_gpu(words + p);
+          return (w & ~kLowBits) == tag && state_of(w) != 0;
+        },
+        epx::NeverAbandon());
+    if (r != epx::WaitResult::kReady) { /* counted as an empty inclusive prefix, as look_back */
+      epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_LAYOUT, -1, p,
+                       (long long)(tag >> kEpochShift));
+      return prefix;
+    }
+    prefix += (unsigned)(w & kValueMask);
+    if (state_of(w) == kInclusive) return prefix;
+  }
+  return prefix;
+}
+
+/* kExpand's dynamic shared memory, for E experts: lane bitmaps [kWarps][E] u32, then the
+ * per-warp prefixes [kWarps][E] u16, then the tile's prefix per expert [E] u32. */
+__host__ __device__ constexpr size_t expand_smem_bytes(int E) {
+  return (size_t)E * (kWarps * 4 + kWarps * 2 + 4);
+}
+
 /* A column's operator: the sum of counts, or (kMin) the minimum of positions. */
 template <bool kMin>
 __device__ __forceinline__ unsigned combine(unsigned x, unsigned y) {
@@ -165,9 +205,11 @@ __device__ __forceinline__ unsigned look_back(const epx__kernel_ctx_t &ctx, cons
   }
 }
 
-template <typename IdxT, bool kFromMask>
+template <typename IdxT, bool kFromMask, bool kExpand>
 __global__ void __launch_bounds__(kThreads, 1)
     layout_kernel(epx__kernel_ctx_t ctx, epx__layout_launch_args_t a) {
+  static_assert(!(kFromMask && kExpand), "expert-major positions need ids");
+  extern __shared__ __align__(16) unsigned char expand_smem[];
   __shared__ int expert_count[EPX_MAX_EXPERTS];
   /* warp_count[w][r]: tokens of warp w going to rank r; after the scan, those of warps < w. */
   __shared__ int warp_count[kWarps][EPX_MAX_RANKS];
@@ -196,6 +238,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     first_bad = ~0ull;
   }
   for (int e = tid; e < E; e += kThreads) expert_count[e] = 0;
+  unsigned *ex_mask = (unsigned *)expand_smem;                        /* [kWarps][E] */
+  unsigned short *ex_warp = (unsigned short *)(ex_mask + kWarps * E); /* [kWarps][E] */
+  unsigned *ex_tile = (unsigned *)(ex_warp + kWarps * E);             /* [E] */
+  if constexpr (kExpand)
+    for (int i = tid; i < kWarps * E; i += kThreads) ex_mask[i] = 0;
   __syncthreads();
   const uint64_t tag = ticket & ~kLowBits;
   const int tile = (int)(ticket & kLowBits);
@@ -221,6 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int j = 0; j < k; j++) repeated |= ids[j] == ids[k];
     if (!repeated) atomicAdd(&expert_count[ids[k]], 1);
+    if (kExpand && !repeated) atomicOr(&ex_mask[warp * E + ids[k]], 1u << lane);
   }
   if (my_bad != ~0ull) atomicMin(&first_bad, my_bad);
   int lane_prefix[EPX_MAX_RANKS];
@@ -266,6 +314,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       col_total[warp] = total;
     }
   }
+  if constexpr (kExpand) { /* one thread per expert column: within the tile, then across */
+    uint64_t *ex_words = (uint64_t *)(region + ctx.layout.expand_words_offset);
+    for (int e = tid; e < E; e += kThreads) {
+      unsigned run = 0;
+      for (int w = 0; w < kWarps; w++) {
+        ex_warp[w * E + e] = (unsigned short)run;
+        run += __popc(ex_mask[w * E + e]);
+      }
+      uint64_t *words = ex_words + (size_t)e * ctx.layout.layout_tiles;
+      unsigned prefix = 0;
+      if (tile > 0) {
+        if (!last) epx::st_relaxed_gpu(words + tile, tag | (kAggregate << kStateShift) | run);
+        prefix = look_back_thread(ctx, words, tile, tag);
+      }
+      if (!last)
+        epx::st_relaxed_gpu(words + tile, tag | (kInclusive << kStateShift) | (prefix + run));
+      ex_tile[e] = prefix;
+    }
+  }
   __syncthreads();
 
   /* 4. Outputs. */
@@ -277,6 +344,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int offset = (int)col_prefix[r] + warp_count[warp][r] + lane_prefix[r];
       if (a.is_token_in_rank) a.is_token_in_rank[(size_t)t * R + r] = in_rank ? 1 : 0;
       if (a.token_pos_in_rank) a.token_pos_in_rank[(size_t)t * R + r] = in_rank ? offset : -1;
+    }
+    if constexpr (kExpand) {
+      const unsigned below = (1u << lane) - 1u;
+#pragma unroll
+      for (int k = 0; k < EPX_MAX_TOP_K; k++) {
+        if (k >= K) break;
+        const int e = ids[k];
+        int pos = -1;
+        if (e >= 0)
+          pos = (int)(ex_tile[e] + ex_warp[warp * E + e] + __popc(ex_mask[warp * E + e] & below));
+        a.expand_pos[(size_t)t * K + k] = pos;
+      }
     }
   }
   if (kFromMask) { /* the caller's expert counts; tile 0 copies them */
@@ -310,12 +389,19 @@ extern "C" epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx,
     return epx__set_error(EPX_ERR_INTERNAL,
                           "layout: %d tokens need %d tiles; the workspace has words for %zu",
                           args->num_tokens, blocks, ctx->layout.layout_tiles);
+  if (args->from_mask && args->expand_pos)
+    return epx__set_error(EPX_ERR_INTERNAL, "layout: expert-major positions need ids");
+  if (args->expand_pos && ctx->layout.expand_rows == 0)
+    return epx__set_error(EPX_ERR_INTERNAL, "layout: the workspace has no expert-major columns");
   if (args->from_mask) /* no ids: the expert counts are copied, not summed */
-    return epx::launch<layout_kernel<int, true>>(blocks, kThreads, 0, stream, *ctx, *args);
+    return epx::launch<layout_kernel<int, true, false>>(blocks, kThreads, 0, stream, *ctx, *args);
   if (args->num_tokens_per_expert)
     CUDA_CHECK(cudaMemsetAsync(args->num_tokens_per_expert, 0,
                                sizeof(int) * (size_t)args->num_experts, stream));
   return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
-    return epx::launch<layout_kernel<IdxT, false>>(blocks, kThreads, 0, stream, *ctx, *args);
+    if (args->expand_pos)
+      return epx::launch<layout_kernel<IdxT, false, true>>(
+          blocks, kThreads, expand_smem_bytes(args->num_experts), stream, *ctx, *args);
+    return epx::launch<layout_kernel<IdxT, false, false>>(blocks, kThreads, 0, stream, *ctx, *args);
   });
 }

@@ -8,16 +8,14 @@
  *
  * Roles: num_blocks blocks of kThreads; block b sends a contiguous share of the tokens, one warp
  * per token (w-strided over its warps); block 0's first warp then waits for every source.
- * Invariant (completion): after its last store to rank r, every block adds 1 to r's
- * dispatch_done[me] with release semantics at system scope; r waits (acquire, bounded) until the
- * counter has grown by the grid size. Counters are monotonic, so nothing is ever reset and a
- * captured graph replays correctly. All ranks launch the same grid (config.num_sms, agreed at
- * group creation).
+ * Completion signals and the wait: dispatch_common.cuh (shared with expand_dispatch.cu). All
+ * ranks launch the same grid (config.num_sms, agreed at group creation).
  * Specialised at compile time on the payload's scale format (none, contiguous, strided), the
  * routing index dtype and the received index dtype (int32 or int64 recv_topk_idx).
  */
 #include "checks.h"
 #include "kernels/api.h"
+#include "kernels/dispatch_common.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/trace.cuh"
 #include "kernels/wait.cuh"
@@ -30,24 +28,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 4; /* 16-byte loads in flight per lane */
 static_assert(kThreads % 32 == 0 && kThreads >= EPX_MAX_RANKS, "thread r < R signals rank r");
 static_assert(EPX_MAX_RANKS <= 32, "lane r of a token's warp stands for rank r");
-
-/* Tell every rank that this block's dispatch stores to it are done. NOTE: __syncthreads orders
- * the block's stores before thread r's fence; the system-scope release makes them visible to r
- * before the counter moves. */
-__device__ __forceinline__ void signal_dispatch_done(const epx__kernel_ctx_t &ctx) {
-  __syncthreads();
-  if (threadIdx.x < ctx.num_ranks) {
-    __threadfence_system();
-    epx::red_release_sys_add(&epx::control_of(ctx, threadIdx.x)->dispatch_done[ctx.rank], 1);
-  }
-}
-
-/* [begin, end) of this block's share of n items. */
-__device__ __forceinline__ void block_share(int n, int *begin, int *end) {
-  const long long b = blockIdx.x, g = gridDim.x;
-  *begin = (int)(n * b / g);
-  *end = (int)(n * (b + 1) / g);
-}
 
 /* Copy one row of n16 16-byte words from src to every destination in mask (one warp). */
 __device__ __forceinline__ void copy_row_multicast(const int4 *src, int4 *const *dst, unsigned mask,
@@ -123,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1)
    * the per-peer counters in step, and wait for nothing (one timeout budget per call, not two). */
   const bool aborted = meta->aborted != 0;
   int begin, end;
-  block_share(aborted ? 0 : a.routing.num_tokens, &begin, &end);
+  epx::dispatch::block_share(aborted ? 0 : a.routing.num_tokens, &begin, &end);
   for (int t = begin + warp; t < end; t += kWarps) {
     const uint64_t t_token = epx::trace_begin(ctx);
     const bool in_rank = lane < R && a.routing.is_token_in_rank[(size_t)t * R + lane];
@@ -166,24 +146,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_DISPATCH_TOKEN, t);
   }
 
-  signal_dispatch_done(ctx);
+  epx::dispatch::signal_done(ctx);
   if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_DISPATCH_SEND, end - begin);
-  if (blockIdx.x == 0 && warp == 0) {
-    const uint64_t t_wait = epx::trace_begin(ctx);
-    if (tid < R) {
-      epx__control_t *ctrl = epx::control_of(ctx, me);
-      const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
-      if (!aborted &&
-          epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected,
-                        EPX_STAGE_DISPATCH, tid) &&
-          tid != me && *(volatile unsigned int *)&ctrl->notify_abort[tid] == meta->epoch)
-        /* tid gave up this call's exchange after ours completed: it sent us nothing. Its abort
-         * word was written before its done signals, which we have seen. */
-        epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, tid, -1, meta->epoch);
-      ctrl->dispatch_expected[tid] = expected;
-    }
-    epx::trace_end_last(ctx, t_wait, EPX_TRACE_DISPATCH_WAIT, tid < R ? tid : -1);
-  }
+  epx::dispatch::wait_sources(ctx, meta, aborted);
 }
 
 }  // namespace epx::normal

@@ -10,6 +10,14 @@
  * no separate flag and no ordering between words to get right. Thread i < R x R also writes
  * entry i of the inclusive rank prefix matrix (DeepEP's rank_prefix_matrix).
  *
+ * Expert-major variant (kExpand, epx_dispatch_expand): every source sends all E per-expert
+ * counts to every rank (words w >= R: tokens of s for global expert w - R; R x (R + E) words, the
+ * region's size), so that each rank can place its own rows in every receiver's segments:
+ *   begin_d[j]  = sum over j' < j of align(sum over s of count[s][d * L + j'])
+ *   base[e]     = begin_{e / L}[e % L] + sum over s < me of count[s][e]
+ * (one exclusive scan over the E aligned totals: begin_d[j] = scan[e] - scan[d * L]). The
+ * counts go to dynamic shared memory, then into the meta's expand_* fields.
+ *
  * worst_tail_kernel (num_worst_tokens only): the -1 / 0 tail of the receive metadata.
  */
 #include <type_traits>
@@ -28,11 +36,94 @@ constexpr int kTailThreads = 256;
 /* Thread i < R x R copies count[i / R][i % R] into the handle's meta. */
 static_assert(kThreads >= EPX_MAX_RANKS * EPX_MAX_RANKS, "one thread per count matrix entry");
 
+/* Exclusive prefix sum of a[0, n) in place, n <= EPX_MAX_EXPERTS; every thread of the block
+ * calls it (it synchronizes the block, before and after). */
+__device__ void block_exclusive_scan(int *a, int n) {
+  __shared__ int warp_sum[kThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int per = (n + kThreads - 1) / kThreads, b = min(tid * per, n), e = min(b + per, n);
+  __syncthreads();
+  int sum = 0;
+  for (int i = b; i < e; i++) sum += a[i];
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int u = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += u;
+  }
+  if (lane == 31) warp_sum[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int v = lane < kThreads / 32 ? warp_sum[lane] : 0;
+    int w_incl = v;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int u = __shfl_up_sync(0xffffffffu, w_incl, d);
+      if (lane >= d) w_incl += u;
+    }
+    if (lane < kThreads / 32) warp_sum[lane] = w_incl - v;
+  }
+  __syncthreads();
+  int run = warp_sum[warp] + incl - sum;
+  for (int i = b; i < e; i++) {
+    const int v = a[i];
+    a[i] = run;
+    run += v;
+  }
+  __syncthreads();
+}
+
+/* Experts one thread handles in the expert-major placement (e = tid + i * kThreads). */
+constexpr int kExpertsPerThread = (EPX_MAX_EXPERTS + kThreads - 1) / kThreads;
+
+/* kExpand: the meta's expand_* fields (and the host counts) from every source's E counts in
+ * vals [R][words] (words = R + E). */
+__device__ void place_expand(const epx__kernel_ctx_t &ctx, const epx__notify_launch_args_t &a,
+                             const int *vals, int *scan, int words, bool timed_out) {
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, E = a.num_experts;
+  const int epr = E / R, align = a.expert_alignment > 1 ? a.expert_alignment : 1;
+  epx__recv_meta_t *meta = a.routing.meta;
+  int total[kExpertsPerThread], below[kExpertsPerThread];
+#pragma unroll
+  for (int i = 0; i < kExpertsPerThread; i++) {
+    const int e = tid + i * kThreads;
+    total[i] = below[i] = 0;
+    if (e >= E) continue;
+    for (int s = 0; s < R && !timed_out; s++) {
+      const int v = vals[s * words + R + e];
+      total[i] += v;
+      if (s < me) below[i] += v;
+    }
+    scan[e] = (total[i] + align - 1) / align * align;
+  }
+  block_exclusive_scan(scan, E);
+#pragma unroll
+  for (int i = 0; i < kExpertsPerThread; i++) {
+    const int e = tid + i * kThreads;
+    if (e >= E) continue;
+    const int d = e / epr, j = e - d * epr, begin = scan[e] - scan[d * epr];
+    meta->expand_base[e] = begin + below[i];
+    if (d != me) continue;
+    meta->expand_begin[j] = begin;
+    meta->expand_count[j] = total[i];
+    if (a.host_counts) a.host_counts[1 + j] = total[i];
+    if (j == epr - 1) { /* the segment end: the rows of this rank */
+      const int rows = begin + (total[i] + align - 1) / align * align;
+      meta->expand_begin[epr] = rows;
+      meta->expand_rows = rows;
+      if (a.host_counts) a.host_counts[1 + epr] = rows;
+    }
+  }
+}
+
+template <bool kExpand>
 __global__ void __launch_bounds__(kThreads, 1)
     notify_kernel(epx__kernel_ctx_t ctx, epx__notify_launch_args_t a) {
   const uint64_t t_start = epx::trace_begin(ctx);
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
-  const int epr = a.num_experts / R, words = R + epr;
+  /* Words per source: R rank counts, then this rank's E/R expert counts (kExpand: all E). */
+  const int epr = a.num_experts / R, words = R + (kExpand ? a.num_experts : epr);
+  extern __shared__ int expand_vals[]; /* kExpand: [R][words] counts, then [E] scan */
   __shared__ unsigned epoch;
   __shared__ int count[EPX_MAX_RANKS][EPX_MAX_RANKS];
   __shared__ int expert_sum[EPX_MAX_EXPERTS]; /* E / R experts */
@@ -49,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = tid; i < R * words; i += kThreads) {
     const int r = i / words, w = i % words;
     const int v = w < R ? a.routing.num_tokens_per_rank[w]
-                        : a.routing.num_tokens_per_expert[r * epr + (w - R)];
+                        : a.routing.num_tokens_per_expert[kExpand ? w - R : r * epr + (w - R)];
     unsigned long long *dst =
         (unsigned long long *)(ctx.peer_base[r] + ctx.layout.notify_offset) + me * words + w;
     epx::st_release_sys((uint64_t *)dst, ((uint64_t)epoch << 32) | (uint32_t)v);
@@ -75,10 +166,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     /* Clamp: a count beyond max_tokens can only come from a broken peer; never index past. */
     int value = (int)(uint32_t)v;
     value = value < 0 ? 0 : value > a.max_tokens ? a.max_tokens : value;
+    if (kExpand) expand_vals[i] = value;
     if (w < R)
       count[s][w] = value;
-    else
+    else if (!kExpand)
       atomicAdd(&expert_sum[w - R], value);
+    else if ((w - R) / epr == me)
+      atomicAdd(&expert_sum[w - R - me * epr], value);
   }
   __syncthreads();
   /* A peer that gave up on this epoch (this rank was late) sends no rows in it: fail here too.
@@ -120,8 +214,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int j = tid; j < epr; j += kThreads) {
     const int c = (expert_sum[j] + align - 1) / align * align;
     meta->per_expert[j] = c;
-    if (a.host_counts) a.host_counts[1 + j] = c;
+    if (a.host_counts && !kExpand) a.host_counts[1 + j] = c;
   }
+  if constexpr (kExpand)
+    place_expand(ctx, a, expand_vals, expand_vals + R * words, words, timed_out != 0);
 }
 
 /* num_worst_tokens: grid-stride over the [num_worst - num_recv, K] tail of this rank's
@@ -167,5 +263,8 @@ extern "C" epx_status_t epx__worst_tail_launch(const epx__kernel_ctx_t *ctx,
 extern "C" epx_status_t epx__notify_launch(const epx__kernel_ctx_t *ctx,
                                            const epx__notify_launch_args_t *args,
                                            cudaStream_t stream) {
-  return epx::launch<notify_kernel>(1, kThreads, 0, stream, *ctx, *args);
+  if (!args->expand) return epx::launch<notify_kernel<false>>(1, kThreads, 0, stream, *ctx, *args);
+  const int R = ctx->num_ranks, E = args->num_experts;
+  const size_t smem = ((size_t)R * (R + E) + E) * sizeof(int);
+  return epx::launch<notify_kernel<true>>(1, kThreads, smem, stream, *ctx, *args);
 }

@@ -14,7 +14,8 @@ cudaError_t one_gpu_ctx_create(one_gpu_ctx_t *c, int max_tokens, int timeout_ms)
   memset(c, 0, sizeof *c);
   epx__ws_layout_t l;
   /* modes = 0: no normal or low-latency region; the other sizes only shape those. */
-  epx__ws_layout_init(&l, 1, max_tokens, 128, EPX_MAX_EXPERTS, EPX_MAX_TOP_K, EPX_DTYPE_BF16, 0, 1);
+  epx__ws_layout_init(&l, 1, max_tokens, 128, EPX_MAX_EXPERTS, EPX_MAX_TOP_K, EPX_DTYPE_BF16, 0, 1,
+                      0);
   cudaError_t e = cudaMalloc((void **)&c->workspace, l.total_bytes);
   if (e == cudaSuccess) e = cudaMemset(c->workspace, 0, l.total_bytes);
   if (e == cudaSuccess)

@@ -186,7 +186,7 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   EXPECT_OK(epx_workspace_size(&d, 4, &bytes));
   epx__ws_layout_t l;
   epx__ws_layout_init(&l, 4, 4096, 7168, 256, 8, EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3,
-                      EPX_MODE_NORMAL, 4096);
+                      EPX_MODE_NORMAL, 4096, 0);
   EXPECT_EQ_INT(bytes, l.total_bytes);
   EXPECT_EQ_INT(l.normal_offset % 4096, 0);
   EXPECT_EQ_INT(l.notify_offset % 4096, 0);
@@ -196,7 +196,7 @@ EPX_HOST_TEST(workspace_size_matches_layout, 10) {
   EXPECT_EQ_INT(l.layout_tiles, 8);
   EXPECT(l.layout_words_offset + (EPX_MAX_RANKS + 1) * l.layout_tiles * 8 <= l.layout_bytes);
   epx__ws_layout_init(&l, 8, EPX_MAX_TOKENS_PER_RANK, 7168, 256, 8, EPX_DTYPE_BF16, EPX_MODE_NORMAL,
-                      128);
+                      128, 0);
   EXPECT_EQ_INT(l.layout_tiles, 128);
   EXPECT_EQ_INT(l.layout_bytes, 12288); /* 256 + 9 x 128 x 8 = 9472 */
   return TEST_PASS;
@@ -307,7 +307,7 @@ EPX_HOST_TEST(workspace_size_by_mode, 10) {
     EXPECT_EQ_INT(s->total_bytes, s->common_bytes + s->normal_bytes + s->low_latency_bytes);
     epx__ws_layout_t l;
     epx__ws_layout_init(&l, 8, 4096, 7168, 256, 8, EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3,
-                        EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY, ll_max[i]);
+                        EPX_MODE_NORMAL | EPX_MODE_LOW_LATENCY, ll_max[i], 0);
     EXPECT_EQ_INT(s->total_bytes, l.total_bytes);
     EXPECT_EQ_INT(s->normal_bytes, l.normal_bytes);
     EXPECT_EQ_INT(s->low_latency_bytes, l.ll_bytes);

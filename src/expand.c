@@ -1,0 +1,206 @@
+/*
+ * expand.c - the host side of normal mode's expert-major layout: epx_dispatch_expand and
+ * epx_combine_expand (include/epx.h; docs/moe.md, "Expert-major layout"). Checks every argument
+ * (the payload and routing checks are epx_dispatch's, dispatch_args.c), then queues:
+ *   dispatch: layout with the per-expert positions (layout.cu, kExpand) -> notify's expand
+ *             variant (all E counts to every rank: segment begins and row bases, notify.cu) ->
+ *             the expert-major dispatch kernel (expand_dispatch.cu)
+ *   combine:  the expert-side reduce into BF16 partial rows (expand_combine.cu), in the plain
+ *             receive slab's rows, which an expert-major dispatch does not use -> today's normal
+ *             combine of those rows, unweighted (normal_combine.cu)
+ * With sync_counts the host waits for notify only, as epx_dispatch does.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "arg_check.h"
+#include "checks.h"
+#include "dispatch_args.h"
+#include "group.h"
+#include "handle.h"
+#include "kernels/api.h"
+#include "layout.h"
+#include "registry.h"
+
+static epx__routing_t routing_of(epx_handle_t h) {
+  epx__routing_t r = {h->is_token_in_rank,
+                      h->token_pos_in_rank,
+                      h->num_tokens_per_rank,
+                      h->num_tokens_per_expert,
+                      h->meta,
+                      h->num_tokens};
+  return r;
+}
+
+static int stream_is_capturing(cudaStream_t stream) {
+  enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) return 0;
+  return st != cudaStreamCaptureStatusNone;
+}
+
+/* Where the expanded rows are (workspace) and the device counts (the handle's meta). */
+static void fill_result(epx_group_t g, epx_handle_t h, const epx__dispatch_launch_args_t *d,
+                        int num_recv, int num_rows, epx_dispatch_expand_result_t *out) {
+  char *base = g->workspace + g->layout.normal_offset;
+  void *scales = base + g->layout.expand_scales_offset;
+  memset(out, 0, sizeof *out);
+  out->num_rows = num_rows;
+  out->num_recv = num_recv;
+  out->capacity = (int)g->layout.expand_rows;
+  out->num_local_experts = g->config.num_experts / g->num_ranks;
+  out->recv_x = base + g->layout.expand_x_offset;
+  out->recv_x_scales = d->x_is_fp8 && !d->scales_packed ? (float *)scales : NULL;
+  out->recv_x_scales_packed = d->x_is_fp8 && d->scales_packed ? (int32_t *)scales : NULL;
+  out->recv_src_info = (int *)(base + g->layout.expand_src_info_offset);
+  out->recv_weights = (float *)(base + g->layout.expand_weights_offset);
+  out->expert_begin_device = h->meta->expand_begin;
+  out->expert_count_device = h->meta->expand_count;
+  out->num_rows_device = &h->meta->expand_rows;
+  out->token_rows = (const int *)(base + g->layout.expand_token_rows_offset);
+  out->recv_rank_prefix = h->meta->rank_prefix;
+  out->num_recv_device = &h->meta->num_recv;
+}
+
+/* What epx_dispatch_expand refuses beyond epx_dispatch's checks. */
+static epx_status_t check_expand_args(epx_group_t g, const char *fn, const epx_dispatch_args_t *a) {
+  if (g->layout.expand_rows == 0)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the group was created with config.expand_max_rows = 0 (no "
+                          "expert-major receive buffer); set it at epx_group_create",
+                          fn);
+  EPX_ARG_CHECK(!epx__dispatch_by_mask(a),
+                "%s: args->is_token_in_rank = %p, args->num_tokens_per_expert = %p: must be NULL "
+                "(the expert-major layout places rows by topk_idx)",
+                fn, (const void *)a->is_token_in_rank, (const void *)a->num_tokens_per_expert);
+  EPX_ARG_CHECK(a->num_worst_tokens == 0,
+                "%s: args->num_worst_tokens = %d: must be 0 (worst-case rows are for "
+                "epx_dispatch's layout)",
+                fn, a->num_worst_tokens);
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
+                                            const epx_dispatch_args_t *a,
+                                            epx_dispatch_expand_result_t *out,
+                                            cudaStream_t stream) {
+  static const char fn[] = "epx_dispatch_expand";
+  EPX_CHECK(epx__handle_check(g, h));
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(epx__check_not_null(fn, "result", out));
+  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_dispatch_args_t),
+                                   "EPX_DISPATCH_ARGS_INIT"));
+  EPX_CHECK(check_expand_args(g, fn, a));
+  EPX_CHECK(epx__dispatch_check_routing(g, fn, a));
+  epx__dispatch_launch_args_t d;
+  memset(&d, 0, sizeof d);
+  EPX_CHECK(epx__dispatch_check_payload(g, fn, "args->", a, a->num_tokens, &d));
+  if (a->sync_counts && stream_is_capturing(stream))
+    return epx__set_error(
+        EPX_ERR_INVALID_USAGE,
+        "%s: args->sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs", fn);
+
+  const int error_before = ((volatile epx__error_record_t *)g->error_host)->status;
+  const int L = g->config.num_experts / g->num_ranks;
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  h->num_tokens = a->num_tokens;
+  h->recv_topk_idx_int64 = 0;
+  h->num_worst_tokens = 0;
+  h->expand = 0; /* until everything is queued */
+
+  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
+  la.topk_idx = a->topk_idx;
+  la.topk_idx_dtype = a->topk_idx_dtype;
+  la.num_tokens = a->num_tokens;
+  la.num_tokens_per_rank = h->num_tokens_per_rank;
+  la.num_tokens_per_expert = h->num_tokens_per_expert;
+  la.is_token_in_rank = h->is_token_in_rank;
+  la.token_pos_in_rank = h->token_pos_in_rank;
+  EPX_CHECK(epx__layout_expand_enqueue(g, &la, h->expand_pos, stream));
+  epx__notify_launch_args_t na = {routing_of(h),
+                                  g->config.num_experts,
+                                  a->expert_alignment,
+                                  g->config.max_tokens_per_rank,
+                                  a->sync_counts ? h->host_counts_dev : NULL,
+                                  1};
+  EPX_CHECK(epx__notify_launch(&ctx, &na, stream));
+  if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
+  epx__expand_dispatch_launch_args_t xa;
+  memset(&xa, 0, sizeof xa);
+  xa.d = d;
+  xa.d.routing = routing_of(h);
+  xa.d.hidden = g->config.hidden;
+  xa.d.top_k = g->config.top_k;
+  xa.d.num_experts = g->config.num_experts;
+  xa.d.num_blocks = g->config.num_sms;
+  xa.d.topk_idx = a->topk_idx;
+  xa.d.idx_is_int64 = a->topk_idx_dtype == EPX_DTYPE_INT64;
+  xa.d.topk_weights = a->topk_weights;
+  xa.expand_pos = h->expand_pos;
+  EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
+  h->expand = 1;
+
+  int num_recv = -1, num_rows = -1;
+  if (a->sync_counts) {
+    /* The one host synchronization: wait for the count exchange, not for the data. */
+    CUDA_CHECK(cudaEventSynchronize(h->counts_ready));
+    epx_async_error_t err;
+    if (!error_before && epx_group_get_async_error(g, &err) == EPX_OK &&
+        err.status == EPX_ERR_TIMEOUT && err.stage == EPX_STAGE_NOTIFY) {
+      fill_result(g, h, &d, -1, -1, out);
+      return epx__set_error(EPX_ERR_TIMEOUT,
+                            "%s: %s; the receive counts are unknown (result->num_rows = -1); see "
+                            "epx_group_get_async_error",
+                            fn, err.message);
+    }
+    const volatile int *hc = (const volatile int *)h->host_counts;
+    num_recv = hc[0];
+    num_rows = hc[1 + L];
+    if (a->num_recv_per_expert)
+      for (int j = 0; j < L; j++) a->num_recv_per_expert[j] = hc[1 + j];
+  }
+  fill_result(g, h, &d, num_recv, num_rows, out);
+  if (num_rows > (int)g->layout.expand_rows)
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
+                          "%s: this rank receives %d expert-major rows (padding included), "
+                          "config.expand_max_rows = %zu; the rows past it were not written",
+                          fn, num_rows, g->layout.expand_rows);
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
+                                           const epx_combine_expand_args_t *a,
+                                           cudaStream_t stream) {
+  static const char fn[] = "epx_combine_expand";
+  EPX_CHECK(epx__handle_check(g, h));
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_combine_expand_args_t),
+                                   "EPX_COMBINE_EXPAND_ARGS_INIT"));
+  if (!h->expand)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the handle's last dispatch was not an epx_dispatch_expand", fn);
+  /* The rows may be 0 on this rank, but the pointer must still be valid memory. */
+  EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
+  if (h->num_tokens > 0) EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));
+  EPX_CHECK(epx__check_flag(fn, "args->weighted", a->weighted));
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  /* The partial rows go where epx_dispatch's received rows would be (BF16: the group has it). */
+  void *partial = g->workspace + g->layout.normal_offset + g->layout.recv_x_offset;
+  const epx__expand_reduce_launch_args_t ra = {
+      h->meta, a->x, partial, a->weighted, g->config.hidden, g->config.top_k, g->config.num_sms};
+  EPX_CHECK(epx__expand_reduce_launch(&ctx, &ra, stream));
+  epx__combine_launch_args_t c;
+  memset(&c, 0, sizeof c);
+  c.routing = routing_of(h);
+  c.x = partial;
+  c.idx_is_int64 = 1;
+  c.out = a->out;
+  c.hidden = g->config.hidden;
+  c.top_k = g->config.top_k;
+  c.num_experts = g->config.num_experts;
+  c.max_tokens = g->config.max_tokens_per_rank;
+  c.num_blocks = g->config.num_sms;
+  return epx__combine_launch(&ctx, &c, NULL, stream);
+}

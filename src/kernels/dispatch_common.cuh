@@ -1,0 +1,65 @@
+/*
+ * dispatch_common.cuh - what the normal-mode dispatch kernels share (normal_dispatch.cu, one
+ * row per (token, rank); expand_dispatch.cu, one row per (token, local expert)): the block's
+ * share of the tokens, the per-block completion signal and the receiver's wait for every
+ * source.
+ *
+ * Invariant (completion): after its last store to rank r, every block adds 1 to r's
+ * dispatch_done[me] with release semantics at system scope; r waits (acquire, bounded) until the
+ * counter has grown by the grid size. Counters are monotonic, so nothing is ever reset and a
+ * captured graph replays correctly. Both kernels launch config.num_sms blocks, so their calls
+ * keep the same counters in step.
+ */
+#ifndef EPX_KERNELS_DISPATCH_COMMON_CUH_
+#define EPX_KERNELS_DISPATCH_COMMON_CUH_
+
+#include "kernels/trace.cuh"
+#include "kernels/wait.cuh"
+#include "kernels/workspace.cuh"
+
+namespace epx::dispatch {
+
+/* Tell every rank that this block's dispatch stores to it are done. NOTE: __syncthreads orders
+ * the block's stores before thread r's fence; the system-scope release makes them visible to r
+ * before the counter moves. Needs blockDim.x >= R. */
+__device__ __forceinline__ void signal_done(const epx__kernel_ctx_t &ctx) {
+  __syncthreads();
+  if (threadIdx.x < ctx.num_ranks) {
+    __threadfence_system();
+    epx::red_release_sys_add(&epx::control_of(ctx, threadIdx.x)->dispatch_done[ctx.rank], 1);
+  }
+}
+
+/* [begin, end) of this block's share of n items. */
+__device__ __forceinline__ void block_share(int n, int *begin, int *end) {
+  const long long b = blockIdx.x, g = gridDim.x;
+  *begin = (int)(n * b / g);
+  *end = (int)(n * (b + 1) / g);
+}
+
+/* Block 0's first warp: wait until every source's blocks have signalled (lane s < R for source
+ * s), then consume the signals. A source that gave this call's exchange up after ours completed
+ * sent nothing: raised as a timeout. aborted: our own exchange failed, wait for nothing. */
+__device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
+                                             const epx__recv_meta_t *meta, bool aborted) {
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
+  if (blockIdx.x != 0 || tid >= 32) return;
+  const uint64_t t_wait = epx::trace_begin(ctx);
+  if (tid < R) {
+    epx__control_t *ctrl = epx::control_of(ctx, me);
+    const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
+    if (!aborted &&
+        epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected,
+                      EPX_STAGE_DISPATCH, tid) &&
+        tid != me && *(volatile unsigned int *)&ctrl->notify_abort[tid] == meta->epoch)
+      /* tid gave up this call's exchange after ours completed: it sent us nothing. Its abort
+       * word was written before its done signals, which we have seen. */
+      epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, tid, -1, meta->epoch);
+    ctrl->dispatch_expected[tid] = expected;
+  }
+  epx::trace_end_last(ctx, t_wait, EPX_TRACE_DISPATCH_WAIT, tid < R ? tid : -1);
+}
+
+}  // namespace epx::dispatch
+
+#endif  // EPX_KERNELS_DISPATCH_COMMON_CUH_

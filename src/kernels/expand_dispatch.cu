@@ -1,0 +1,228 @@
+/*
+ * expand_dispatch.cu - normal mode's expert-major ("expanded") dispatch over NVLink
+ * (epx_dispatch_expand; docs/moe.md, "Expert-major layout"; oracle tests/ref/epx_ref_expand.h).
+ *
+ * Each token is written straight into its final row of every local expert it lists, so there is
+ * no permute kernel: on rank d = e / L, for expert e = d * L + j,
+ *   row(me, t, e) = begin_d[j] + rows of sources < me for e + position of t among my tokens
+ *                   listing e
+ *                 = meta->expand_base[e] (notify's expand variant) + expand_pos[t][k] (layout)
+ * A token listing e twice gets one row (its first slot's). With each row go (me, t, first slot)
+ * and the row's weight: the token's weights over the slots listing e, summed in float32 from 0
+ * in ascending slot order. Per (token, rank) the receiver also gets the token's row list
+ * (token_rows [plain row, K], ascending expert, -1 padded) at the row epx_dispatch would have
+ * used, which the expert-side combine walks.
+ *
+ * Roles as normal_dispatch.cu: num_blocks blocks of kThreads, one warp per token over a
+ * contiguous share, lane k < K standing for slot k; then every block's completion signal and
+ * block 0's bounded wait for every source (dispatch_common.cuh, the same counters). Before its
+ * tokens each block marks a share of this rank's padding rows (src_info -1, weight 0; the
+ * payload of a padding row is not written): no peer writes them, and this rank's stream is past
+ * every reader of the previous call's rows.
+ * Rows at or past the capacity (config.expand_max_rows) are never written (their list entries
+ * are -1); block 0 raises EPX_ERR_INVALID_ARGUMENT (stage DISPATCH) when this rank needs more.
+ * Specialised at compile time on the scale format and the routing index dtype; the plain
+ * dispatch is a separate kernel and is unchanged.
+ */
+#include "checks.h"
+#include "kernels/api.h"
+#include "kernels/dispatch_common.cuh"
+#include "kernels/launch.cuh"
+#include "kernels/trace.cuh"
+#include "kernels/wait.cuh"
+#include "kernels/workspace.cuh"
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4; /* 16-byte loads in flight per lane */
+constexpr unsigned kFull = 0xffffffffu;
+static_assert(kThreads % 32 == 0 && kThreads >= EPX_MAX_RANKS, "thread r < R signals rank r");
+static_assert(EPX_MAX_TOP_K <= 32, "lane k of a token's warp stands for slot k");
+
+enum ScaleMode { kNoScales = 0, kContiguousScales = 1, kStridedScales = 2 };
+
+/* Copy one row of n16 16-byte words from src to dst[k] for every slot k in mask (one warp).
+ * The slot loop is unrolled to the compile-time maximum so dst stays in registers. */
+__device__ __forceinline__ void copy_row_to_slots(const int4 *src, int4 *const *dst, unsigned mask,
+                                                  int n16, int lane) {
+  for (int i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++)
+      if (i0 + u * 32 < n16) v[u] = epx::ld_nc_na_v4(src + i0 + u * 32);
+#pragma unroll
+    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
+      if (!((mask >> k) & 1u)) continue;
+#pragma unroll
+      for (int u = 0; u < kUnroll; u++)
+        if (i0 + u * 32 < n16) dst[k][i0 + u * 32] = v[u];
+    }
+  }
+}
+
+/* Mark this block's share of this rank's padding rows: (j, i) for local expert j and i in
+ * [begin[j] + count[j], begin[j + 1]), below the capacity. */
+__device__ __forceinline__ void mark_padding(const epx__kernel_ctx_t &ctx,
+                                             const epx__recv_meta_t *meta, int epr) {
+  const epx__ws_layout_t &L = ctx.layout;
+  char *base = ctx.peer_base[ctx.rank] + L.normal_offset;
+  int4 *info = (int4 *)(base + L.expand_src_info_offset);
+  float *weights = (float *)(base + L.expand_weights_offset);
+  const int cap = (int)L.expand_rows;
+  for (int j = blockIdx.x; j < epr; j += gridDim.x) {
+    const int p0 = meta->expand_begin[j] + meta->expand_count[j];
+    const int p1 = min(meta->expand_begin[j + 1], cap);
+    for (int r = p0 + (int)threadIdx.x; r < p1; r += kThreads) {
+      info[r] = make_int4(-1, -1, -1, 0);
+      weights[r] = 0.f;
+    }
+  }
+}
+
+}  // namespace
+
+/* External linkage so that profilers show it as epx::normal::dispatch_expand. */
+namespace epx::normal {
+
+template <typename IdxT, int kScales>
+__global__ void __launch_bounds__(kThreads, 1)
+    dispatch_expand(epx__kernel_ctx_t ctx, epx__expand_dispatch_launch_args_t xa) {
+  constexpr bool kFp8 = kScales != kNoScales;
+  const epx__dispatch_launch_args_t &a = xa.d;
+  const uint64_t t_send = epx::trace_begin(ctx);
+  const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int H = a.hidden, K = a.top_k, E = a.num_experts, epr = E / R;
+  const epx__recv_meta_t *meta = a.routing.meta;
+  __shared__ int dest_base[EPX_MAX_RANKS]; /* plain rows of sources before me at each rank */
+  if (tid < R) {
+    int base = 0;
+    for (int s = 0; s < me; s++) base += meta->count[s][tid];
+    dest_base[tid] = base;
+  }
+  __syncthreads();
+
+  /* Regions (every rank's layout, relative to its normal region):
+   *   expand_x [cap, H] elem   expand_scales [cap, scale_cols] 4-byte words
+   *   expand_src_info [cap] int4   expand_weights [cap] f32   expand_token_rows [R*M, K] i32 */
+  const epx__ws_layout_t &L = ctx.layout;
+  const int cap = (int)L.expand_rows;
+  const int elem = kFp8 ? 1 : 2, n16 = H * elem / 16;
+  const IdxT *topk = (const IdxT *)a.topk_idx;
+  /* A failed count exchange: send nothing, only the done signals, and wait for nothing. */
+  const bool aborted = meta->aborted != 0;
+  if (!aborted) {
+    if (blockIdx.x == 0 && tid == 0 && meta->expand_rows > cap)
+      epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_DISPATCH, -1, cap,
+                       meta->expand_rows);
+    mark_padding(ctx, meta, epr);
+  }
+  int begin, end;
+  epx::dispatch::block_share(aborted ? 0 : a.routing.num_tokens, &begin, &end);
+  for (int t = begin + warp; t < end; t += kWarps) {
+    const uint64_t t_token = epx::trace_begin(ctx);
+    /* Lane k < K: slot k's expert (invalid ids are empty slots: the layout reported them). */
+    int e = -1;
+    float w = 0.f;
+    if (lane < K) {
+      const long long v = (long long)topk[(size_t)t * K + lane];
+      if (v >= 0 && v < E) {
+        e = (int)v;
+        if (a.topk_weights) w = a.topk_weights[(size_t)t * K + lane];
+      }
+    }
+    /* first: no earlier slot lists e. weight: the sum over the slots listing e, ascending. */
+    bool first = e >= 0;
+    float weight = 0.f;
+    for (int k = 0; k < K; k++) {
+      const int ek = __shfl_sync(kFull, e, k);
+      const float wk = __shfl_sync(kFull, w, k);
+      if (e >= 0 && ek == e) {
+        if (k < lane) first = false;
+        weight = __fadd_rn(weight, wk);
+      }
+    }
+    const unsigned firsts = __ballot_sync(kFull, first);
+    const int d = first ? e / epr : -1;
+    /* order: the rank of e among the token's distinct experts on d (its list entry). */
+    int order = 0;
+    for (int k = 0; k < K; k++) {
+      const int ek = __shfl_sync(kFull, e, k);
+      if (first && ((firsts >> k) & 1u) && ek / epr == d && ek < e) order++;
+    }
+    const int row = first ? meta->expand_base[e] + xa.expand_pos[(size_t)t * K + lane] : -1;
+    const bool writes = first && row >= 0 && row < cap;
+    const unsigned wmask = __ballot_sync(kFull, writes);
+    char *peer = writes ? ctx.peer_base[d] + L.normal_offset : nullptr;
+    int4 *my_dst = writes ? (int4 *)(peer + L.expand_x_offset + (size_t)row * H * elem) : nullptr;
+    int4 *dst[EPX_MAX_TOP_K];
+#pragma unroll
+    for (int k = 0; k < EPX_MAX_TOP_K; k++)
+      dst[k] = (int4 *)__shfl_sync(kFull, (unsigned long long)my_dst, k);
+    copy_row_to_slots((const int4 *)((const char *)a.x + (size_t)t * H * elem), dst, wmask, n16,
+                      lane);
+    if constexpr (kFp8) { /* scale words (float32 or packed UE8M0), moved as 4-byte words */
+      const int cols = a.scale_cols;
+      uint32_t *my_sdst =
+          writes ? (uint32_t *)(peer + L.expand_scales_offset) + (size_t)row * cols : nullptr;
+      uint32_t *sdst[EPX_MAX_TOP_K];
+#pragma unroll
+      for (int k = 0; k < EPX_MAX_TOP_K; k++)
+        sdst[k] = (uint32_t *)__shfl_sync(kFull, (unsigned long long)my_sdst, k);
+      const uint32_t *src = (const uint32_t *)a.x_scales;
+      for (int i = lane; i < cols; i += 32) {
+        const uint32_t sc = kScales == kStridedScales
+                                ? src[t * a.scale_stride_token + i * a.scale_stride_group]
+                                : src[(size_t)t * cols + i];
+#pragma unroll
+        for (int k = 0; k < EPX_MAX_TOP_K; k++)
+          if ((wmask >> k) & 1u) sdst[k][i] = sc;
+      }
+    }
+    if (writes) {
+      ((int4 *)(peer + L.expand_src_info_offset))[row] = make_int4(me, t, lane, 0);
+      ((float *)(peer + L.expand_weights_offset))[row] = weight;
+    }
+    /* The token's row list on every rank it goes to, at its plain row there. */
+    for (unsigned m = __ballot_sync(kFull, first); m;) {
+      const int dd = __shfl_sync(kFull, d, __ffs(m) - 1);
+      const unsigned on_d = __ballot_sync(kFull, first && d == dd);
+      m &= ~on_d;
+      const int n_d = __popc(on_d);
+      const int prow = dest_base[dd] + a.routing.token_pos_in_rank[(size_t)t * R + dd];
+      int *list = (int *)(ctx.peer_base[dd] + L.normal_offset + L.expand_token_rows_offset) +
+                  (size_t)prow * K;
+      if (first && d == dd) list[order] = writes ? row : -1;
+      if (lane < K && lane >= n_d) list[lane] = -1;
+    }
+    if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_DISPATCH_TOKEN, t);
+  }
+
+  epx::dispatch::signal_done(ctx);
+  if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_DISPATCH_SEND, end - begin);
+  epx::dispatch::wait_sources(ctx, meta, aborted);
+}
+
+}  // namespace epx::normal
+
+template <int kScales>
+static epx_status_t launch_scales(const epx__kernel_ctx_t *ctx,
+                                  const epx__expand_dispatch_launch_args_t *args,
+                                  cudaStream_t stream) {
+  const dim3 grid(args->d.num_blocks), block(kThreads);
+  return EPX_INDEX_SWITCH(args->d.idx_is_int64, IdxT, [&] {
+    return epx::launch<epx::normal::dispatch_expand<IdxT, kScales>>(grid, block, 0, stream, *ctx,
+                                                                    *args);
+  });
+}
+
+extern "C" epx_status_t epx__expand_dispatch_launch(const epx__kernel_ctx_t *ctx,
+                                                    const epx__expand_dispatch_launch_args_t *args,
+                                                    cudaStream_t stream) {
+  if (ctx->layout.expand_rows == 0)
+    return epx__set_error(EPX_ERR_INTERNAL, "expand dispatch: the workspace has no expand region");
+  if (!args->d.x_is_fp8) return launch_scales<kNoScales>(ctx, args, stream);
+  if (args->d.scales_strided) return launch_scales<kStridedScales>(ctx, args, stream);
+  return launch_scales<kContiguousScales>(ctx, args, stream);
+}
