@@ -244,6 +244,9 @@ int bench_nccl_destroy(bench_nccl_t *n);
 /* epx_rows.c: EPX's normal-mode rows of one workload, for every --epx-sms entry. */
 int bench_epx_rows(bench_rank_t *b, bench_workload_t *w);
 
+/* expand_rows.c: EPX's expert-major rows of one workload, for every --epx-sms entry. */
+int bench_expand_rows(bench_rank_t *b, bench_workload_t *w);
+
 /* ll_rows.c: EPX's low-latency rows of one workload (its num_tokens), both routes. */
 int bench_ll_rows(bench_rank_t *b, bench_workload_t *w);
 

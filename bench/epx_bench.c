@@ -91,7 +91,8 @@ static int teardown(bench_rank_t *b) {
 static int run_workload(bench_rank_t *b, bench_workload_t *w, bench_nccl_t *nccl, int tokens) {
   BENCH_TRY(bench_workload_fill(b, w, tokens));
   BENCH_TRY(bench_nccl_rows(nccl, w));
-  BENCH_TRY(bench_epx_rows(b, w)); /* epx_rows.c */
+  BENCH_TRY(bench_epx_rows(b, w));    /* epx_rows.c */
+  BENCH_TRY(bench_expand_rows(b, w)); /* expand_rows.c */
   return 0;
 }
 
