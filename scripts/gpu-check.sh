@@ -101,7 +101,7 @@ run_sanitizers() {
         timeout "${SANITIZE_TIMEOUT:-300}" "$sanitizer" --tool "$tool" --target-processes all \
         --report-api-errors no build/bin/epx_test "${args[@]}" >"$log" 2>&1
       rc=$?
-      echo "$tool ${args[*]} (exit $rc): $(grep -E "ERROR SUMMARY" "$log" | sort | uniq -c |
+      echo "$tool ${args[*]} (exit $rc): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | sort | uniq -c |
         tr -s ' ' | tr '\n' ';') $(grep -E "^[0-9]+ passed" "$log" | tail -1)"
     done
   done >"$out/sanitize-summary.txt"

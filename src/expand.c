@@ -188,8 +188,16 @@ EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
   epx__group_kernel_ctx(g, &ctx);
   /* The partial rows go where epx_dispatch's received rows would be (BF16: the group has it). */
   void *partial = g->workspace + g->layout.normal_offset + g->layout.recv_x_offset;
-  const epx__expand_reduce_launch_args_t ra = {
-      h->meta, a->x, partial, a->weighted, g->config.hidden, g->config.top_k, g->config.num_sms};
+  /* The reduce is local HBM traffic, alone on the stream: every SM, two blocks each. At
+   * config.num_sms blocks (24) it was latency-bound: 1.58 ms of the 2.10 ms combine at EP4,
+   * 4096 tokens, H 7168 (bench, 98d7421), against about 0.05 ms of bytes. */
+  const epx__expand_reduce_launch_args_t ra = {h->meta,
+                                               a->x,
+                                               partial,
+                                               a->weighted,
+                                               g->config.hidden,
+                                               g->config.top_k,
+                                               2 * g->num_device_sms};
   EPX_CHECK(epx__expand_reduce_launch(&ctx, &ra, stream));
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);
