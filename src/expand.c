@@ -4,7 +4,9 @@
  * (the payload and routing checks are epx_dispatch's, dispatch_args.c), then queues:
  *   dispatch: layout with the per-expert positions (layout.cu, kExpand) -> notify's expand
  *             variant (all E counts to every rank: segment begins and row bases, notify.cu) ->
- *             the expert-major dispatch kernel (expand_dispatch.cu)
+ *             the expert-major dispatch kernel (payload once per (token, rank), every row's
+ *             source and weight) -> the receiver's fan-out of the payload to the token's other
+ *             rows (both expand_dispatch.cu)
  *   combine:  the expert-side reduce into BF16 partial rows (expand_combine.cu), in the plain
  *             receive slab's rows, which an expert-major dispatch does not use -> today's normal
  *             combine of those rows, unweighted (normal_combine.cu)
@@ -139,6 +141,12 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
   xa.d.topk_weights = a->topk_weights;
   xa.expand_pos = h->expand_pos;
   EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
+  /* The payload came once per (token, rank); copy it to the token's other rows here: local
+   * HBM traffic instead of NVLink's (every SM, two blocks each). */
+  const epx__expand_fan_out_launch_args_t fa = {
+      h->meta, g->config.top_k, g->config.hidden * (d.x_is_fp8 ? 1 : 2),
+      d.x_is_fp8 ? d.scale_cols : 0, 2 * g->num_device_sms};
+  EPX_CHECK(epx__expand_fan_out_launch(&ctx, &fa, stream));
   h->expand = 1;
 
   int num_recv = -1, num_rows = -1;

@@ -97,6 +97,16 @@ typedef struct epx__expand_dispatch_launch_args {
                             expert topk[t][k] */
 } epx__expand_dispatch_launch_args_t;
 
+/* Expert-major dispatch, receiver side (expand_dispatch.cu): each received token's payload
+ * copied from its first row to its other rows (the sender writes it once per rank). */
+typedef struct epx__expand_fan_out_launch_args {
+  const epx__recv_meta_t *meta; /* the handle's: num_recv, aborted */
+  int top_k;
+  int row_bytes;  /* H x payload element bytes, a multiple of 16 */
+  int scale_cols; /* FP8: 4-byte scale words per row (float32 or packed UE8M0); else 0 */
+  int num_blocks;
+} epx__expand_fan_out_launch_args_t;
+
 /* Expert-major combine, expert side (expand_combine.cu): partial[i] = BF16(sum over received
  * token i's rows r (token_rows, ascending) of w_r * x[r]), w_r = the row's weight or 1. */
 typedef struct epx__expand_reduce_launch_args {
@@ -109,6 +119,9 @@ typedef struct epx__expand_reduce_launch_args {
 epx_status_t epx__expand_dispatch_launch(const epx__kernel_ctx_t *ctx,
                                          const epx__expand_dispatch_launch_args_t *args,
                                          cudaStream_t stream);
+epx_status_t epx__expand_fan_out_launch(const epx__kernel_ctx_t *ctx,
+                                        const epx__expand_fan_out_launch_args_t *args,
+                                        cudaStream_t stream);
 epx_status_t epx__expand_reduce_launch(const epx__kernel_ctx_t *ctx,
                                        const epx__expand_reduce_launch_args_t *args,
                                        cudaStream_t stream);
