@@ -18,8 +18,8 @@ from . import _capi, _nccl, errors  # noqa: E402
 from .errors import (AsyncError, EpxCudaError, EpxError, EpxInternalError,  # noqa: E402
                      EpxInvalidArgument, EpxInvalidUsage, EpxNcclError, EpxPeerFailed,
                      EpxSystemError, EpxTimeout, EpxUnsupported, error_for)
-from .group import (DispatchResult, Group, Handle, Hook, Layout, LLDispatchResult,  # noqa: E402
-                    workspace_size)
+from .group import (DispatchResult, ExpandResult, Group, Handle, Hook, Layout,  # noqa: E402
+                    LLDispatchResult, workspace_size)
 from .experts import Experts  # noqa: E402
 
 __version__ = "0.1.0"
@@ -41,7 +41,7 @@ def nccl_version():
 
 
 __all__ = [
-    "AsyncError", "DispatchResult", "EpxCudaError", "Experts", "EpxError", "EpxInternalError",
+    "AsyncError", "DispatchResult", "EpxCudaError", "ExpandResult", "Experts", "EpxError", "EpxInternalError",
     "EpxInvalidArgument", "EpxInvalidUsage", "EpxNcclError", "EpxPeerFailed", "EpxSystemError",
     "EpxTimeout", "EpxUnsupported", "Group", "Handle", "Hook", "Layout", "LLDispatchResult",
     "error_for", "errors", "nccl_version", "version", "workspace_size",

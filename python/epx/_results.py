@@ -31,6 +31,27 @@ class DispatchResult(typing.NamedTuple):
     capacity: int  # rows the receive arrays hold (n when the count is unknown)
 
 
+class ExpandResult(typing.NamedTuple):
+    """An expert-major dispatch (Group.dispatch_expand): views of the workspace and the handle,
+    valid until the next dispatch on the group. Local expert j's rows are
+    [expert_begin[j], expert_begin[j] + expert_count[j]); the rest of its segment is padding
+    (src_info -1, weight 0)."""
+    num_rows: int  # rows, padding included (begin[L]); -1 when unknown on the host
+    num_recv: int  # tokens received (one per (source, token)); -1 when unknown on the host
+    recv_x: typing.Any  # [n, H] bf16 or float8_e4m3fn, n = num_rows, or capacity when unknown
+    recv_x_scales: typing.Any  # [n, H/128] f32, [n, ceil(H/512)] i32 (packed UE8M0), or None
+    recv_src_info: typing.Any  # [n, 4] i32: source rank, source token, first slot, 0
+    recv_weights: typing.Any  # [n] f32
+    expert_begin: typing.Any  # device [L + 1] i32
+    expert_count: typing.Any  # device [L] i32
+    num_rows_device: typing.Any  # device [1] i32
+    token_rows: typing.Any  # [num_recv or R*M, K] i32: each received token's rows, then -1
+    recv_rank_prefix: typing.Any  # [R + 1] i32: source s's tokens in token_rows
+    num_recv_device: typing.Any  # [1] i32
+    num_recv_per_expert: typing.Optional[list]  # host expert_count (sync_counts) or None
+    capacity: int  # config expand_max_rows
+
+
 class LLDispatchResult:
     """A low-latency dispatch: views valid until the dispatch after next. Keeps the C result
     (._c) for ll_combine, and its group alive."""

@@ -26,7 +26,7 @@ from ._checks import (Dims, _scale_strides, check_cached_args, check_combine_arg
 from ._config import (DTYPE_NAMES, LL_ROUTE_NAMES, MODE_NAMES, config_dict,  # noqa: F401
                       make_config, workspace_size)
 from ._resources import Handle, _GroupResources
-from ._results import DispatchResult, Hook, Layout, LLDispatchResult
+from ._results import DispatchResult, ExpandResult, Hook, Layout, LLDispatchResult
 from ._tensors import _torch, data_ptr, invalid_argument
 from ._tensors import stream_ptr as _stream_ptr
 
@@ -62,7 +62,7 @@ class Group:
 
     def __init__(self, max_tokens_per_rank, hidden, num_experts, top_k, *, group=None,
                  borrow_nccl_comm=False, modes=("normal",), ll_max_tokens_per_rank=0, num_sms=0,
-                 ll_num_sms=0, ll_route=0, timeout_ms=0, dtypes=0):
+                 ll_num_sms=0, ll_route=0, timeout_ms=0, dtypes=0, expand_max_rows=0):
         torch = _torch()
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
@@ -73,7 +73,7 @@ class Group:
         cfg = make_config(max_tokens_per_rank, hidden, num_experts, top_k, modes=modes,
                           ll_max_tokens_per_rank=ll_max_tokens_per_rank, num_sms=num_sms,
                           ll_num_sms=ll_num_sms, ll_route=ll_route, timeout_ms=timeout_ms,
-                          dtypes=dtypes)
+                          dtypes=dtypes, expand_max_rows=expand_max_rows)
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
         if borrow_nccl_comm:
@@ -310,6 +310,94 @@ class Group:
         a.bias[0], a.bias[1] = data_ptr(bias[0]), data_ptr(bias[1])
         self._call(lib.epx_combine(self._ptr(fn), hptr, ctypes.byref(a), _stream_ptr(stream)))
         return out, out_w
+
+    # -- expert-major normal mode -----------------------------------------------------------
+    def dispatch_expand(self, h, x, topk_idx, topk_weights=None, *, x_scales=None,
+                        expert_alignment=1, sync_counts=True, stream=None):
+        """Send this rank's tokens to their experts' ranks in the expert-major layout
+        (COLLECTIVE; needs a Group made with expand_max_rows > 0): one row per (token, local
+        expert), each expert's rows contiguous and padded to expert_alignment. x as dispatch.
+        Returns epx.ExpandResult: views valid until the next dispatch on the group."""
+        torch = _torch()
+        fn = "Group.dispatch_expand"
+        hptr = self._check_handle(h, fn)
+        if topk_idx is None:
+            raise invalid_argument("%s: topk_idx is required (the expert-major layout places "
+                                   "rows by expert id)" % fn)
+        T, x_dtype, scales_dtype = check_dispatch_args(self._dims, x, topk_idx, topk_weights,
+                                                       x_scales, None, None)
+        a = _capi.EPX_DISPATCH_ARGS_INIT()
+        a.x, a.x_dtype, a.num_tokens = x.data_ptr(), x_dtype, T
+        if scales_dtype:
+            a.x_scales, a.x_scales_dtype = x_scales.data_ptr(), scales_dtype
+            a.x_scales_stride_token, a.x_scales_stride_group = _scale_strides(x_scales)
+        a.topk_idx, a.topk_idx_dtype = topk_idx.data_ptr(), _tensors.epx_dtype(topk_idx.dtype)
+        a.topk_weights = data_ptr(topk_weights)
+        a.expert_alignment = expert_alignment
+        a.sync_counts = 1 if sync_counts else 0
+        L = self.num_local_experts
+        per_expert = (ctypes.c_int * L)() if sync_counts else None
+        if per_expert is not None:
+            a.num_recv_per_expert = ctypes.addressof(per_expert)
+        r = _capi.epx_dispatch_expand_result_t()
+        self._call(lib.epx_dispatch_expand(self._ptr(fn), hptr, ctypes.byref(a), ctypes.byref(r),
+                                           _stream_ptr(stream)))
+        h.num_tokens, h.num_recv, h.num_worst_tokens = T, r.num_recv, 0
+        h._recv_x_ptr = r.recv_x
+        H, K, R, cap = self._dims.hidden, self._dims.top_k, self.num_ranks, r.capacity
+        n = r.num_rows if r.num_rows >= 0 else cap
+        i32 = torch.int32
+        scales = None
+        if r.recv_x_scales:
+            scales = self._view(r.recv_x_scales, torch.float32, (n, H // 128), cap * (H // 128) * 4)
+        elif r.recv_x_scales_packed:
+            words = (H // 128 + 3) // 4
+            scales = self._view(r.recv_x_scales_packed, i32, (n, words), cap * words * 4)
+        lists = r.num_recv if r.num_recv >= 0 else R * self._dims.max_tokens_per_rank
+        return ExpandResult(
+            num_rows=r.num_rows, num_recv=r.num_recv,
+            recv_x=self._view(r.recv_x, x.dtype, (n, H), cap * H * x.dtype.itemsize),
+            recv_x_scales=scales,
+            recv_src_info=self._view(r.recv_src_info, i32, (n, 4), cap * 16),
+            recv_weights=self._view(r.recv_weights, torch.float32, (n,), cap * 4),
+            expert_begin=self._view(r.expert_begin_device, i32, (L + 1,), owner=h),
+            expert_count=self._view(r.expert_count_device, i32, (L,), owner=h),
+            num_rows_device=self._view(r.num_rows_device, i32, (1,), owner=h),
+            token_rows=self._view(r.token_rows, i32, (lists, K),
+                                  R * self._dims.max_tokens_per_rank * K * 4),
+            recv_rank_prefix=self._view(r.recv_rank_prefix, i32, (R + 1,), owner=h),
+            num_recv_device=self._view(r.num_recv_device, i32, (1,), owner=h),
+            num_recv_per_expert=list(per_expert) if per_expert is not None else None,
+            capacity=cap)
+
+    def combine_expand(self, h, x, *, weighted=True, out=None, stream=None):
+        """Return expert outputs in the expert-major layout (x [num_rows, H] bf16, row for row as
+        dispatch_expand delivered them) to their tokens (COLLECTIVE): each token's rows weighed
+        (weighted: by recv_weights) and summed on the expert side, one row per (token, rank)
+        sent home and summed there. Returns out [T, H] bf16."""
+        torch = _torch()
+        fn = "Group.combine_expand"
+        hptr = self._check_handle(h, fn)
+        if h.num_tokens is None:
+            raise errors.EpxInvalidUsage(errors.EPX_ERR_INVALID_USAGE,
+                                         "%s: the handle holds no routing yet; call "
+                                         "Group.dispatch_expand first" % fn)
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self._dims.hidden \
+                or not x.is_contiguous() or (x.numel() and x.device != self.device):
+            raise invalid_argument("%s: x: expected a contiguous [rows, %d] torch.bfloat16 "
+                                   "tensor on %s, got %s %s on %s" % (
+                                       fn, self._dims.hidden, self.device, x.dtype,
+                                       tuple(x.shape), x.device))
+        T = h.num_tokens
+        if out is None:
+            out = torch.empty((T, self._dims.hidden), dtype=torch.bfloat16, device=self.device)
+        a = _capi.EPX_COMBINE_EXPAND_ARGS_INIT()
+        a.x = x.data_ptr() or h._recv_x_ptr
+        a.weighted = 1 if weighted else 0
+        a.out = out.data_ptr() or h._recv_x_ptr
+        self._call(lib.epx_combine_expand(self._ptr(fn), hptr, ctypes.byref(a),
+                                          _stream_ptr(stream)))
+        return out
 
     # -- low-latency mode -------------------------------------------------------------------
     def ll_dispatch(self, x, topk_idx, topk_weights=None, *, fp8=False, ue8m0=False,

@@ -174,6 +174,81 @@ def combine(world, s, rank_scale, weighted=False, holders=None, bias=()):
     return out, bf16_bound(abs_sum)
 
 
+def expand(world, d, expert_alignment=1):
+    """What an expert-major dispatch (epx_dispatch_expand) delivers to rank d: one row per
+    distinct (token, local expert), local expert j's rows contiguous in source-rank then token
+    order, each segment padded to expert_alignment. Returns a dict: begin [L+1] int32, count [L]
+    int32, x [rows, H] bf16 (padding rows zero, not compared), src_info [rows, 4] int32
+    (rank, token, first slot, 0; padding -1, -1, -1, 0), weights [rows] float32 (the sum of the
+    token's weights over the slots listing the expert, in slot order, from 0; padding 0),
+    padding [rows] bool, and token_rows [n, K] int32: per received token (dispatch's order)
+    its rows in ascending local expert, then -1."""
+    R, L, K, H = world.R, world.L, world.K, world.H
+    lo, a = d * L, max(expert_alignment, 1)
+    rows_of = {}  # (s, t) -> rows, ascending expert
+    begin, count, xs, info, ws, pad = [0], [], [], [], [], []
+    for j in range(L):
+        n = 0
+        for s in range(R):
+            idx, w = world.idx[s], world.w[s]
+            for t in range(idx.shape[0]):
+                slots = [k for k in range(K) if int(idx[t, k]) == lo + j]
+                if not slots:
+                    continue
+                acc = torch.zeros((), dtype=torch.float32)
+                for k in slots:
+                    acc = acc + w[t, k]
+                rows_of.setdefault((s, t), []).append(begin[-1] + n)
+                xs.append(world.x[s][t])
+                info.append([s, t, slots[0], 0])
+                ws.append(float(acc))
+                pad.append(False)
+                n += 1
+        count.append(n)
+        padded = (n + a - 1) // a * a
+        for _ in range(padded - n):
+            xs.append(torch.zeros(H, dtype=torch.bfloat16))
+            info.append([-1, -1, -1, 0])
+            ws.append(0.0)
+            pad.append(True)
+        begin.append(begin[-1] + padded)
+    order = dispatch(world, d)["src"]
+    token_rows = torch.full((len(order), K), -1, dtype=torch.int32)
+    for i, key in enumerate(order):
+        r = rows_of.get(key, [])
+        token_rows[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return {
+        "begin": torch.tensor(begin, dtype=torch.int32),
+        "count": torch.tensor(count, dtype=torch.int32),
+        "x": torch.stack(xs) if xs else torch.zeros(0, H, dtype=torch.bfloat16),
+        "src_info": torch.tensor(info, dtype=torch.int32).reshape(-1, 4),
+        "weights": torch.tensor(ws, dtype=torch.float32),
+        "padding": torch.tensor(pad, dtype=torch.bool),
+        "token_rows": token_rows,
+    }
+
+
+def combine_expand(world, s, rank_scale, weighted=True):
+    """epx_combine_expand of rank s's tokens when every row's expert output is its x times
+    rank_scale[d] on rank d: out[t] = x[t] * sum over ranks d of scale_d * (weighted: the sum of
+    t's weights over its slots on d; else the count of t's distinct experts on d). Returns
+    (out float32, bound): two roundings to BF16 (expert side, home), each within 2^-9 of its
+    sum, stay within bf16_bound of the sum of |terms|."""
+    x = world.x[s].float()
+    idx = world.idx[s]
+    dest = world.rank_of(idx)
+    factor = torch.zeros(x.shape[0])
+    for d in range(world.R):
+        if weighted:
+            f = torch.where(dest == d, world.w[s], torch.zeros(())).sum(dim=1)
+        else:
+            lo = d * world.L
+            f = torch.stack([((idx == lo + j).any(dim=1)).float() for j in range(world.L)],
+                            dim=1).sum(dim=1) if idx.shape[0] else torch.zeros(0)
+        factor += float(rank_scale[d]) * f
+    return x * factor[:, None], bf16_bound(x.abs() * factor.abs()[:, None])
+
+
 # ---------------------------------------------------------------------------------------------
 # Low-latency mode
 # ---------------------------------------------------------------------------------------------

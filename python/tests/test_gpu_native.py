@@ -20,6 +20,9 @@ many sections on one EPX group; spawning costs ~10 s, so checks are grouped per 
                  num_worst_tokens (N rows, ids -1 and weights 0 in the tail), each then combined
     rank mask    is_token_in_rank + num_tokens_per_expert routing, no ids; combine
     adversarial  all tokens to one expert, -1 slots, duplicated experts, a rank with 0 tokens
+    expand       dispatch_expand / combine_expand (a second group with expand_max_rows): rows,
+                 padding, begins, counts, sources, weights, token_rows exact; combine within
+                 BF16 rounding; alignments 1 and 8; the routings above; refusal without the buffer
     cuda graph   dispatch(sync_counts=False) + expert + combine captured once, replayed twice on
                  new inputs; dispatch(sync_counts=True) under capture raises EpxInvalidUsage
     errors       bad arguments -> EpxInvalidArgument (Python's and EPX's messages, status,
@@ -211,7 +214,8 @@ def worker_normal(rank, num_ranks, seed):
     finished = run_sections(ctx, [
         ("group", _n_group), ("layout", _n_layout), ("dispatch + combine", _n_dispatch_combine),
         ("fp8", _n_fp8), ("cached", _n_cached), ("no host sync", _n_no_host_sync),
-        ("rank mask", _n_rank_mask), ("adversarial", _n_adversarial), ("cuda graph", _n_graph),
+        ("rank mask", _n_rank_mask), ("adversarial", _n_adversarial), ("expand", _n_expand),
+        ("cuda graph", _n_graph),
         ("errors", _n_errors), ("communicators", _n_communicators),
     ])
     if finished:  # else the ranks are out of step: a collective destroy could hang
@@ -404,6 +408,51 @@ def _n_adversarial(ctx):
         world = ctx.world(10 + k, routing)
         dispatch_and_combine(ctx, ctx.g, ctx.h, world, routing)
         dispatch_and_combine(ctx, ctx.g, ctx.h, world, routing, weighted=True)
+
+
+def _n_expand(ctx):
+    """Group.dispatch_expand / combine_expand on a group with an expert-major buffer, against
+    gpu_reference.expand / combine_expand: uniform and adversarial routings, alignments 1 and
+    8, weighted and plain sums."""
+    c, epx, me = ctx.checks, ctx.epx, ctx.rank
+    L = ctx.E // ctx.R
+    g = epx.Group(N_M, N_H, ctx.E, N_K, expand_max_rows=ctx.R * N_M * min(N_K, L) + L * 8)
+    h = g.handle()
+    try:
+        for k, routing in enumerate(("uniform", "one_expert", "holes", "duplicates",
+                                     "empty_rank")):
+            world = ctx.world(20 + k, routing)
+            x, idx, w = inputs(ctx, world)
+            for align, weighted in ((1, True), (8, False)):
+                what = f"expand {routing} align {align}"
+                want = ctx.ref.expand(world, me, align)
+                r = g.dispatch_expand(h, x, idx, w, expert_alignment=align)
+                n, real = want["x"].shape[0], ~want["padding"]
+                c.check(r.num_rows == n, f"{what}: num_rows {r.num_rows}, expected {n}")
+                c.check(r.num_recv == want["token_rows"].shape[0],
+                        f"{what}: num_recv {r.num_recv}, expected {want['token_rows'].shape[0]}")
+                c.check(r.num_recv_per_expert == want["count"].tolist(),
+                        lambda: f"{what}: per-expert {r.num_recv_per_expert}, expected "
+                                f"{want['count'].tolist()}")
+                c.equal(r.expert_begin, want["begin"], f"{what}: expert_begin")
+                c.equal(r.expert_count, want["count"], f"{what}: expert_count")
+                c.equal(r.recv_x[:n][real.to(ctx.device)], want["x"][real], f"{what}: recv_x")
+                c.equal(r.recv_src_info[:n], want["src_info"], f"{what}: recv_src_info")
+                c.equal(r.recv_weights[:n], want["weights"], f"{what}: recv_weights")
+                c.equal(r.token_rows, want["token_rows"], f"{what}: token_rows")
+                y = r.recv_x[:n] * ctx.scale[me]
+                out = g.combine_expand(h, y, weighted=weighted)
+                exp, bound = ctx.ref.combine_expand(world, me, ctx.scale, weighted=weighted)
+                c.close(out, exp, bound, f"{what}: combine_expand weighted={weighted}")
+                ctx.barrier()
+    finally:
+        h.destroy()
+        g.destroy()
+    try:  # the suite's group has no expert-major buffer: refused by name, nothing sent
+        ctx.g.dispatch_expand(ctx.h, x, idx, w)
+        c.fail("dispatch_expand without expand_max_rows did not raise")
+    except epx.EpxInvalidUsage as e:
+        c.check("expand_max_rows" in str(e), f"refusal does not name expand_max_rows: {e}")
 
 
 def _n_graph(ctx):
