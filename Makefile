@@ -55,7 +55,7 @@ CFLAGS := -std=c11 -D_GNU_SOURCE $(OPT) -g -Wall -Wextra -Werror=implicit-functi
           -fPIC -fvisibility=hidden $(SAN) $(TRACE_FLAGS) $(INCLUDES)
 NVCCFLAGS := -std=c++17 $(NVCC_OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexpr \
              -Xcompiler -fPIC,-fvisibility=hidden,-Wall $(TRACE_FLAGS) $(INCLUDES)
-LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
+LDLIBS := -L$(CUDA_LIBDIR) -lcublasLt -lcublas -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
           -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
 
 LIB_C  := $(wildcard src/*.c src/*/*.c)
