@@ -70,11 +70,11 @@ struct epx_moe_prefill {
   float *scales[2]; /* FP8: the block scales repacked for cuBLASLt, [E][n/128][kb4] */
   int scales_kb[2];
   float *ones;
-      /* [num_chunks x max_tokens_per_rank x K] 1.0f: the weights of calls without */ /* kb4: k/128
-                                                                                         rounded up
-                                                                                         to a
-                                                                                         multiple of
-                                                                                         4 */
+  /* [num_chunks x max_tokens_per_rank x K] 1.0f: the weights of calls without */ /* kb4: k/128
+                                                                                     rounded up
+                                                                                     to a
+                                                                                     multiple of
+                                                                                     4 */
   epx__moe_lt_algo_t algos[EPX__MOE_LT_CACHE];
 };
 
