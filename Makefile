@@ -8,6 +8,8 @@
 #   make experts-bench-bin  build/bin/epx_experts_bench, the experts' FFN on one GPU (docs/bench.md)
 #   make layout-bench-bin  build/bin/epx_layout_bench, the layout kernel alone on one GPU
 #   make moe-bench-bin  build/bin/epx_moe_bench, the MoE layer at decode vs its parts (docs/bench.md)
+#   make moe-prefill-bench-bin  build/bin/epx_moe_prefill_bench, the MoE layer at prefill vs its
+#                   parts and plain cuBLAS (docs/moe.md, "MoE layer at prefill")
 #                   (docs/bench.md)
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
@@ -55,7 +57,7 @@ CFLAGS := -std=c11 -D_GNU_SOURCE $(OPT) -g -Wall -Wextra -Werror=implicit-functi
           -fPIC -fvisibility=hidden $(SAN) $(TRACE_FLAGS) $(INCLUDES)
 NVCCFLAGS := -std=c++17 $(NVCC_OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexpr \
              -Xcompiler -fPIC,-fvisibility=hidden,-Wall $(TRACE_FLAGS) $(INCLUDES)
-LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
+LDLIBS := -L$(CUDA_LIBDIR) -lcublasLt -lcublas -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
           -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
 
 LIB_C  := $(wildcard src/*.c src/*/*.c)
@@ -104,6 +106,14 @@ MOE_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(MOE_BENCH_C))
 MOE_BENCH_LINK := $(MOE_BENCH_OBJ) $(BUILD)/obj/tests/common/ranks.o \
                   $(BUILD)/obj/bench/experts/bench_kernels.o $(BUILD)/obj/bench/check.o
 
+# epx_moe_prefill_bench (`make moe-prefill-bench-bin`): the MoE layer at prefill against its
+# parts (bench/moe_prefill/); it reaches the layer's internals (src/include/moe_prefill.h) for
+# the GEMMs-alone and plain-cuBLAS rows.
+MOE_PREFILL_BENCH_C := $(wildcard bench/moe_prefill/*.c)
+MOE_PREFILL_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(MOE_PREFILL_BENCH_C))
+MOE_PREFILL_BENCH_LINK := $(MOE_PREFILL_BENCH_OBJ) $(BUILD)/obj/tests/common/ranks.o \
+                  $(BUILD)/obj/bench/experts/bench_kernels.o $(BUILD)/obj/bench/check.o
+
 SHARED_LIB := $(BUILD)/lib/libepx.so
 STATIC_LIB := $(BUILD)/lib/libepx.a
 TEST_BIN := $(BUILD)/bin/epx_test
@@ -112,7 +122,8 @@ SOAK_BIN := $(BUILD)/bin/epx_soak
 EXPERTS_BENCH_BIN := $(BUILD)/bin/epx_experts_bench
 LAYOUT_BENCH_BIN := $(BUILD)/bin/epx_layout_bench
 MOE_BENCH_BIN := $(BUILD)/bin/epx_moe_bench
-.PHONY: all lib test test-python bench soak-bin experts-bench-bin layout-bench-bin moe-bench-bin format format-check install clean header-check
+MOE_PREFILL_BENCH_BIN := $(BUILD)/bin/epx_moe_prefill_bench
+.PHONY: all lib test test-python bench soak-bin experts-bench-bin layout-bench-bin moe-bench-bin moe-prefill-bench-bin format format-check install clean header-check
 all: lib
 lib: $(SHARED_LIB) $(STATIC_LIB)
 
@@ -121,7 +132,7 @@ lib: $(SHARED_LIB) $(STATIC_LIB)
 # toolkit's include/ (CUDA 12.x+) or extras/CUPTI/include (older layouts); libcupti itself is
 # never linked: bench/cupti_lib.c dlopens it, looking first where $(CUDA_HOME) has it.
 EXTRA_INCLUDES :=
-$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ) $(MOE_BENCH_OBJ): EXTRA_INCLUDES := -Itests -Ibench \
+$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ) $(MOE_BENCH_OBJ) $(MOE_PREFILL_BENCH_OBJ): EXTRA_INCLUDES := -Itests -Ibench \
   $(addprefix -I,$(wildcard $(CUDA_HOME)/extras/CUPTI/include))
 $(EXPERTS_BENCH_OBJ): EXTRA_INCLUDES := -Ibench
 $(BUILD)/obj/bench/cupti_lib.o: CFLAGS += -DEPX_BENCH_CUDA_HOME='"$(CUDA_HOME)"'
@@ -135,7 +146,8 @@ $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	$(NVCC) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 -include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d) \
-                $(EXPERTS_BENCH_OBJ:.o=.d) $(LAYOUT_BENCH_OBJ:.o=.d) $(MOE_BENCH_OBJ:.o=.d))
+                $(EXPERTS_BENCH_OBJ:.o=.d) $(LAYOUT_BENCH_OBJ:.o=.d) $(MOE_BENCH_OBJ:.o=.d) \
+                $(MOE_PREFILL_BENCH_OBJ:.o=.d))
 
 # Only epx_* symbols leave the shared library (src/epx.map).
 $(SHARED_LIB): $(LIB_OBJ) src/epx.map
@@ -168,6 +180,10 @@ moe-bench-bin: $(MOE_BENCH_BIN)
 $(MOE_BENCH_BIN): $(MOE_BENCH_LINK) $(STATIC_LIB)
 	@mkdir -p $(dir $@)
 	$(CXX) -o $@ $(MOE_BENCH_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
+moe-prefill-bench-bin: $(MOE_PREFILL_BENCH_BIN)
+$(MOE_PREFILL_BENCH_BIN): $(MOE_PREFILL_BENCH_LINK) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $(MOE_PREFILL_BENCH_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
 layout-bench-bin: $(LAYOUT_BENCH_BIN)
 $(LAYOUT_BENCH_BIN): $(LAYOUT_BENCH_LINK) $(STATIC_LIB)
 	@mkdir -p $(dir $@)

@@ -918,6 +918,131 @@ epx_status_t epx_moe_workspace_size(epx_group_t group, const epx_experts_t *expe
 epx_status_t epx_moe_decode(epx_group_t group, const epx_experts_t *experts,
                             const epx_moe_args_t *args, cudaStream_t stream);
 
+/* ---------------------------------------------------------------------------------------------
+ * MoE layer at prefill (docs/moe.md, "MoE layer at prefill"): router output to layer output in
+ * normal mode, on the expert-major layout: epx_dispatch_expand (sync_counts = 1: the host learns
+ * each local expert's row count, which the GEMMs need), the local experts' SwiGLU FFN with
+ * cuBLAS GEMMs per expert (BF16 weights: cublasGemmEx; FP8 block-scaled weights: cuBLASLt's
+ * 128x128 / 1x128 block scaling, or EPX's own epx_experts_ffn where cuBLASLt has no kernel for
+ * it), and epx_combine_expand (weighted):
+ *   out[t] = sum over t's valid top-k slots k of w[t][k] * FFN_{e_k}(x[t])
+ * Overlap: the tokens are cut into chunks pipelined over two groups, so that chunk c+1's
+ * dispatch and chunk c-1's combine (config.num_sms blocks) run while chunk c's GEMMs use the
+ * other SMs. A plan holds what a call needs beyond the caller's buffers: the groups, one handle
+ * per group, two streams (communication at the highest priority, compute), events, the cuBLAS
+ * handles and repacked FP8 scales.
+ * The layer synchronizes the host once per chunk (the count exchange), so it is not capturable
+ * in a CUDA graph.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct epx_moe_prefill *epx_moe_prefill_t;
+
+/* Which GEMMs run the experts' FFN. */
+typedef enum epx_moe_ffn_backend {
+  EPX_MOE_FFN_AUTO = 0,   /* cuBLAS where it has a kernel for the weights, else EPX */
+  EPX_MOE_FFN_CUBLAS = 1, /* cuBLAS / cuBLASLt; refused at creation if it has no kernel */
+  EPX_MOE_FFN_EPX = 2     /* epx_experts_ffn (built for decode sizes) */
+} epx_moe_ffn_backend_t;
+
+typedef struct epx_moe_prefill_config {
+  size_t size;     /* sizeof(epx_moe_prefill_config_t); set by EPX_MOE_PREFILL_CONFIG_INIT */
+  int num_chunks;  /* chunks of an overlapped call, 2..16; 0 = auto (2). Every rank must use the
+                      same value (each chunk is one dispatch and one combine, collective) */
+  int ffn_backend; /* epx_moe_ffn_backend_t; 0 = auto */
+  int gemm_sms;    /* SMs the GEMMs are tuned for while communication runs beside them
+                      (cuBLAS's SM count target); 0 = auto: the GPU's SMs minus the group's
+                      config.num_sms; chain calls always target every SM */
+} epx_moe_prefill_config_t;
+
+#define EPX_MOE_PREFILL_CONFIG_INIT \
+  { sizeof(epx_moe_prefill_config_t), 0, 0, 0 }
+
+/* What a plan resolved (epx_moe_prefill_get_info). */
+typedef struct epx_moe_prefill_info {
+  size_t size;            /* sizeof(epx_moe_prefill_info_t); set by EPX_MOE_PREFILL_INFO_INIT */
+  int num_chunks;         /* [OUT] of an overlapped call */
+  int num_groups;         /* [OUT] 1 (chain only) or 2 */
+  int ffn_backend;        /* [OUT] EPX_MOE_FFN_CUBLAS or EPX_MOE_FFN_EPX */
+  int gemm_sms;           /* [OUT] SM count target of overlapped GEMMs */
+  int gate_up_out_fp32;   /* [OUT] FP8 cuBLASLt: 1 if the gate/up GEMM writes float32 (else BF16) */
+  int expert_alignment;   /* [OUT] the alignment the layer's dispatches pad each expert to */
+  size_t workspace_bytes; /* [OUT] epx_moe_prefill_workspace_size */
+} epx_moe_prefill_info_t;
+
+#define EPX_MOE_PREFILL_INFO_INIT \
+  { sizeof(epx_moe_prefill_info_t), 0, 0, 0, 0, 0, 0, 0 }
+
+/* epx_moe_prefill_create - a plan for the prefill layer on these groups with these experts. Not
+ * collective (no communication); creates streams, events, one handle per group and the cuBLAS
+ * handles on the current GPU (the groups' GPU), and with FP8 weights on cuBLASLt copies the
+ * weights' block scales into the layout cuBLASLt reads (synchronizes the device once).
+ *   groups     - [IN] num_groups groups of identical configs with EPX_MODE_NORMAL, BF16 and
+ *                config.expand_max_rows > 0 (see epx_moe_prefill for what it must hold). Two
+ *                groups are needed for overlapped calls; with one, only chain calls run. The
+ *                plan keeps them: destroy the plan before them. No other call may use them while
+ *                a layer call is in flight.
+ *   num_groups - [IN] 1 or 2
+ *   experts    - [IN] this rank's L = E/R experts (the weights are referenced, not copied: keep
+ *                them alive and unchanged while the plan lives)
+ *   config     - [IN] NULL for every default
+ *   plan       - [OUT] the new plan; NULL on failure
+ * Returns EPX_OK; EPX_ERR_INVALID_ARGUMENT naming the argument; EPX_ERR_INVALID_USAGE (a group
+ * without normal mode or expert-major rows); EPX_ERR_UNSUPPORTED (ffn_backend CUBLAS where
+ * cuBLAS has no kernel); EPX_ERR_CUDA. */
+epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int num_groups,
+                                    const epx_experts_t *experts,
+                                    const epx_moe_prefill_config_t *config,
+                                    epx_moe_prefill_t *plan);
+
+/* epx_moe_prefill_destroy - release the plan (synchronizes its streams first). destroy(NULL)
+ * is EPX_OK. Not collective. */
+epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t plan);
+
+/* epx_moe_prefill_get_info - what the plan resolved. Not collective; no GPU work. */
+epx_status_t epx_moe_prefill_get_info(epx_moe_prefill_t plan, epx_moe_prefill_info_t *info);
+
+/* epx_moe_prefill_workspace_size - device scratch bytes a call needs: two slots of expert
+ * outputs (config.expand_max_rows x H BF16 each), the FFN's intermediate rows and the cuBLAS
+ * workspace. Not collective; no GPU work. */
+epx_status_t epx_moe_prefill_workspace_size(epx_moe_prefill_t plan, size_t *bytes);
+
+typedef struct epx_moe_prefill_args {
+  size_t size;                /* sizeof(epx_moe_prefill_args_t); set by EPX_MOE_PREFILL_ARGS_INIT */
+  const void *x;              /* [IN] [T, H] BF16, 16-byte aligned */
+  const void *topk_idx;       /* [IN] [T, K] expert ids, -1 = empty slot */
+  epx_dtype_t topk_idx_dtype; /* EPX_DTYPE_INT64 or EPX_DTYPE_INT32 */
+  const float *topk_weights;  /* [IN] [T, K] float32 gate weights, or NULL (all 1) */
+  int num_tokens;             /* T: chain, 0..max_tokens_per_rank; overlapped, 0..num_chunks x
+                                 max_tokens_per_rank (each chunk at most max_tokens_per_rank) */
+  int overlap;                /* 1: chunks pipelined over the plan's two groups; 0: chain (one
+                                 dispatch, FFN and combine on group 0, on stream) */
+  void *out;                  /* [OUT] [T, H] BF16, 16-byte aligned */
+  void *workspace;            /* device scratch of epx_moe_prefill_workspace_size bytes, 256-byte
+                                 aligned; not shared by two calls in flight */
+  size_t workspace_bytes;
+} epx_moe_prefill_args_t;
+
+#define EPX_MOE_PREFILL_ARGS_INIT \
+  { sizeof(epx_moe_prefill_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, 1, NULL, NULL, 0 }
+
+/* epx_moe_prefill - one MoE layer at prefill size: dispatch (expert-major), the local experts'
+ * SwiGLU FFN, combine. COLLECTIVE over the plan's groups: every rank calls it (T may be 0) with
+ * the same `overlap` and a plan of the same num_chunks, in the same order as the groups' other
+ * collectives. Ordered on stream (the plan's streams wait for it and it waits for them); the
+ * host waits for each chunk's count exchange (not capturable). Numerics: float32 accumulation;
+ * BF16 weights: the gate/up outputs and h are BF16 (cuBLAS's rounding of the GEMM output, then
+ * SiLU times up in float32); FP8 weights: x and h quantized per 128 channels (tests/ref/epx_ref.h)
+ * and DeepSeek-V3's block scaling; combine as epx_combine_expand (weighted).
+ * Every argument is checked before anything is queued, identically on every rank for the
+ * group's shape, so a refused call leaves no peer waiting; once a dispatch is queued its combine
+ * is queued too (a GEMM failure is returned after the combines).
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument, or a chunk's rows
+ * past config.expand_max_rows (as epx_dispatch_expand); EPX_ERR_INVALID_USAGE (overlap with a
+ * one-group plan); EPX_ERR_TIMEOUT as epx_dispatch_expand; EPX_ERR_CUDA (cuBLAS failures are
+ * reported as EPX_ERR_CUDA with cuBLAS's status named). */
+epx_status_t epx_moe_prefill(epx_moe_prefill_t plan, const epx_moe_prefill_args_t *args,
+                             cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -21,7 +21,9 @@
 #        test_intranode.py / test_low_latency.py on epx.deep_ep (scripts/run-deepep-tests.sh),
 #        and with DEEPEP_BUILD=1 also DeepEP V1 built there, unmodified, for the comparison;
 #        MOE_BENCH=1: build/bin/epx_moe_bench (the decode MoE layer vs its parts, every visible
-#        GPU; MOE_BENCH_ARGS, default "--tokens 8,128"; its table in the summary);
+#        GPU; MOE_BENCH_ARGS, default "--tokens 8,128"; its table in the summary), then
+#        build/bin/epx_moe_prefill_bench (the prefill MoE layer vs its parts and plain cuBLAS,
+#        every visible GPU; MOE_PREFILL_BENCH_ARGS, default "--tokens 4096"; its table too);
 #        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
 #        last lines in the summary; they need one GPU, not a group);
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
@@ -48,7 +50,7 @@ export EPX_COMMIT="$commit"
 t0=$(date +%s)
 [ -z "${SKIP_CLEAN:-}" ] && make clean >/dev/null
 targets="lib build/bin/epx_test build/bin/epx_bench build/bin/epx_soak build/bin/epx_experts_bench \
-  build/bin/epx_layout_bench build/bin/epx_moe_bench"
+  build/bin/epx_layout_bench build/bin/epx_moe_bench build/bin/epx_moe_prefill_bench"
 baseline_pid=
 if [ -n "${BASELINE:-}" ]; then
   (make -C "$BASELINE" -j"$(nproc)" build/bin/epx_bench >"$out/baseline-build.log" 2>&1) &
@@ -152,6 +154,11 @@ moe_lines=
 if [ -n "${MOE_BENCH:-}" ]; then
   timeout 400 build/bin/epx_moe_bench ${MOE_BENCH_ARGS:---tokens 8,128} >"$out/moe-bench.log" 2>&1
   moe_lines="$(tail -20 "$out/moe-bench.log")"
+  timeout 900 build/bin/epx_moe_prefill_bench ${MOE_PREFILL_BENCH_ARGS:---tokens 4096} \
+    >"$out/moe-prefill-bench.log" 2>&1
+  moe_lines="$moe_lines
+MoE layer at prefill (epx_moe_prefill_bench):
+$(tail -8 "$out/moe-prefill-bench.log")"
 fi
 
 py_line="(not run)"

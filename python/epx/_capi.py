@@ -296,6 +296,43 @@ class epx_moe_args_t(ctypes.Structure):
     ]
 
 
+class epx_moe_prefill_config_t(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("num_chunks", ctypes.c_int),
+        ("ffn_backend", ctypes.c_int),
+        ("gemm_sms", ctypes.c_int),
+    ]
+
+
+class epx_moe_prefill_info_t(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("num_chunks", ctypes.c_int),
+        ("num_groups", ctypes.c_int),
+        ("ffn_backend", ctypes.c_int),
+        ("gemm_sms", ctypes.c_int),
+        ("gate_up_out_fp32", ctypes.c_int),
+        ("expert_alignment", ctypes.c_int),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
+class epx_moe_prefill_args_t(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("x", _ptr),
+        ("topk_idx", _ptr),
+        ("topk_idx_dtype", c_enum),
+        ("topk_weights", _ptr),
+        ("num_tokens", ctypes.c_int),
+        ("overlap", ctypes.c_int),
+        ("out", _ptr),
+        ("workspace", _ptr),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
 # Every struct of epx.h, by its C name (the layout test walks this).
 STRUCTS = {
     cls.__name__: cls
@@ -303,7 +340,8 @@ STRUCTS = {
                 epx_dispatch_args_t, epx_dispatch_result_t, epx_combine_args_t,
                 epx_dispatch_expand_result_t, epx_combine_expand_args_t, epx_ll_hook_t,
                 epx_ll_dispatch_args_t, epx_ll_dispatch_result_t, epx_ll_combine_args_t,
-                epx_trace_summary_t, epx_experts_t, epx_experts_ffn_args_t, epx_moe_args_t)
+                epx_trace_summary_t, epx_experts_t, epx_experts_ffn_args_t, epx_moe_args_t,
+                epx_moe_prefill_config_t, epx_moe_prefill_info_t, epx_moe_prefill_args_t)
 }
 
 
@@ -359,6 +397,19 @@ def EPX_MOE_ARGS_INIT():
                           dispatch_dtype=EPX_DTYPE_BF16)
 
 
+def EPX_MOE_PREFILL_CONFIG_INIT():
+    return epx_moe_prefill_config_t(size=ctypes.sizeof(epx_moe_prefill_config_t))
+
+
+def EPX_MOE_PREFILL_INFO_INIT():
+    return epx_moe_prefill_info_t(size=ctypes.sizeof(epx_moe_prefill_info_t))
+
+
+def EPX_MOE_PREFILL_ARGS_INIT():
+    return epx_moe_prefill_args_t(size=ctypes.sizeof(epx_moe_prefill_args_t),
+                                  topk_idx_dtype=EPX_DTYPE_INT64, overlap=1)
+
+
 INITS = {
     "EPX_GROUP_CONFIG_INIT": (epx_group_config_t, EPX_GROUP_CONFIG_INIT),
     "EPX_WORKSPACE_SIZES_INIT": (epx_workspace_sizes_t, EPX_WORKSPACE_SIZES_INIT),
@@ -371,6 +422,9 @@ INITS = {
     "EPX_EXPERTS_INIT": (epx_experts_t, EPX_EXPERTS_INIT),
     "EPX_EXPERTS_FFN_ARGS_INIT": (epx_experts_ffn_args_t, EPX_EXPERTS_FFN_ARGS_INIT),
     "EPX_MOE_ARGS_INIT": (epx_moe_args_t, EPX_MOE_ARGS_INIT),
+    "EPX_MOE_PREFILL_CONFIG_INIT": (epx_moe_prefill_config_t, EPX_MOE_PREFILL_CONFIG_INIT),
+    "EPX_MOE_PREFILL_INFO_INIT": (epx_moe_prefill_info_t, EPX_MOE_PREFILL_INFO_INIT),
+    "EPX_MOE_PREFILL_ARGS_INIT": (epx_moe_prefill_args_t, EPX_MOE_PREFILL_ARGS_INIT),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -464,6 +518,13 @@ PROTOTYPES = {
     "epx_experts_ffn": (c_enum, [P(epx_experts_t), P(epx_experts_ffn_args_t), _stream]),
     "epx_moe_workspace_size": (c_enum, [_group, P(epx_experts_t), c_enum, _c_size_t_p]),
     "epx_moe_decode": (c_enum, [_group, P(epx_experts_t), P(epx_moe_args_t), _stream]),
+    "epx_moe_prefill_create": (c_enum, [ctypes.POINTER(_group), ctypes.c_int, P(epx_experts_t),
+                                        P(epx_moe_prefill_config_t),
+                                        ctypes.POINTER(ctypes.c_void_p)]),
+    "epx_moe_prefill_destroy": (c_enum, [ctypes.c_void_p]),
+    "epx_moe_prefill_get_info": (c_enum, [ctypes.c_void_p, P(epx_moe_prefill_info_t)]),
+    "epx_moe_prefill_workspace_size": (c_enum, [ctypes.c_void_p, _c_size_t_p]),
+    "epx_moe_prefill": (c_enum, [ctypes.c_void_p, P(epx_moe_prefill_args_t), _stream]),
 }
 
 for _name, (_restype, _argtypes) in PROTOTYPES.items():

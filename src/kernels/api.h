@@ -237,6 +237,30 @@ typedef struct epx__experts_stage_args {
 epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *args,
                                          cudaStream_t stream);
 
+/* The prefill MoE layer's row kernel (src/kernels/moe_prefill.cu), between its cuBLAS GEMMs, over
+ * rows [0, num_rows) of the expert-major layout (local expert j's segment [begin[j],
+ * begin[j + 1]), its real rows the first count[j]):
+ *   swiglu = 1: in is [rows, 2 cols] (gate then up), f = silu(gate) * up in float32;
+ *   swiglu = 0: in is [rows, cols], f = in.
+ *   quantize = 0: out[r] = BF16(f) ([rows, cols]);
+ *   quantize = 1: out[r] = FP8 E4M3 of f per 128 channels (tests/ref/epx_ref.h's rule) and the
+ *                 scale of group g of row r at scales[begin[j] * G + g * S + (r - begin[j])],
+ *                 G = cols / 128, S = begin[j + 1] - begin[j] (cuBLASLt's 1x128 layout, rows
+ *                 contiguous per segment).
+ * Padding rows are written as zeros (scales 1). in is float32 (in_fp32) or BF16. */
+typedef struct epx__moe_rows_launch_args {
+  const void *in;
+  int in_fp32, swiglu, quantize;
+  void *out;
+  float *scales;
+  int cols, num_rows, num_experts;
+  const int *begin; /* device [num_experts + 1] */
+  const int *count; /* device [num_experts] */
+  int num_blocks;
+} epx__moe_rows_launch_args_t;
+
+epx_status_t epx__moe_rows_launch(const epx__moe_rows_launch_args_t *args, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,330 @@
+/*
+ * moe_prefill_bench.c - epx_moe_prefill_bench: the MoE layer at prefill (epx_moe_prefill)
+ * against its parts, on every visible GPU (one rank per GPU), docs/bench.md "MoE layer":
+ *
+ *   layer   epx_moe_prefill, overlapped (the plan's chunks pipelined over two groups)
+ *   chain   epx_moe_prefill, overlap = 0: one dispatch, the FFN, one combine, one after another
+ *           on one stream (the same GEMMs as "gemms")
+ *   gemms   the FFN alone (the same cuBLAS calls, src/moe_prefill.c's epx__moe_ffn) on the rows
+ *           of an earlier dispatch of the same routing, no communication
+ *   comm    epx_dispatch_expand (sync_counts = 1) + epx_combine_expand, no expert compute
+ *   cublas  plain cuBLAS on the same GEMM shapes: one gate/up and one down GEMM of all the
+ *           rows at once on one expert's weights (epx__moe_gemm_reference)
+ *
+ * Every variant is timed whole with CUDA events on each rank's stream around the call (the
+ * layer waits on the host for each chunk's count exchange, so nothing is graph-captured), after
+ * a group barrier; rank 0 prints median and min over --iters. Columns: lay/max = layer /
+ * max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target >= 1.15),
+ * cub/gem = cublas / gemms (target >= 0.70). Shapes: DeepSeek-V3's experts (H 7168, I 2048, 256
+ * experts) and Qwen3-30B-A3B's (H 2048, I 768, 128), top-8, uniform routing, --tokens per rank
+ * (default 4096); weights BF16, or FP8 with 128x128 block scales. Random values; nothing is
+ * checked here (tests/gpu/test_moe_prefill.c does that).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "common/ranks.h"
+#include "epx.h"
+#include "experts/bench_kernels.h"
+#include "moe_prefill.h"
+
+#define MAX_LIST 8
+#define TOP_K 8
+
+typedef struct {
+  const char *name;
+  int hidden, intermediate, experts;
+} shape_t;
+
+static const shape_t kShapes[] = {{"deepseek", 7168, 2048, 256}, {"qwen3", 2048, 768, 128}};
+
+typedef struct {
+  int tokens[MAX_LIST], num_tokens;
+  int shapes[2], num_shapes;
+  int fp8[2], num_dtypes;
+  int iters, warmup, ranks, chunks;
+} options_t;
+
+static int cmp_float(const void *a, const void *b) {
+  const float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+/* Distinct uniform experts per token (an LCG seeded per rank). */
+static void route(int64_t *ids, float *w, int T, int E, uint64_t seed) {
+  uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+  for (int t = 0; t < T; t++)
+    for (int k = 0; k < TOP_K; k++) {
+      int e, dup;
+      do {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        e = (int)((s >> 33) % (uint64_t)E);
+        dup = 0;
+        for (int j = 0; j < k; j++) dup |= ids[t * TOP_K + j] == e;
+      } while (dup);
+      ids[t * TOP_K + k] = e;
+      w[t * TOP_K + k] = 0.05f + (float)((s >> 40) & 1023) / 8192.f;
+    }
+}
+
+enum { V_LAYER, V_CHAIN, V_GEMMS, V_COMM, V_CUBLAS, NUM_VARIANTS };
+static const char *const kVariantNames[NUM_VARIANTS] = {"layer", "chain", "gemms", "comm",
+                                                        "cublas"};
+
+typedef struct {
+  epx_group_t g[3]; /* two for the plan, one holding the gemms variant's rows */
+  epx_handle_t hold_handle, comm_handle;
+  epx_moe_prefill_t plan;
+  epx_experts_t ex;
+  void *x, *ids, *w, *out, *ws;
+  size_t ws_bytes;
+  int T, L;
+  epx_dispatch_expand_result_t held;
+  int held_count[EPX_MAX_EXPERTS], held_begin[EPX_MAX_EXPERTS + 1];
+} bench_ctx_t;
+
+static epx_dispatch_args_t dispatch_args(const bench_ctx_t *c, int *counts) {
+  epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
+  d.x = c->x, d.topk_idx = c->ids, d.topk_weights = c->w, d.num_tokens = c->T;
+  d.expert_alignment = EPX__MOE_ALIGN, d.sync_counts = 1, d.num_recv_per_expert = counts;
+  return d;
+}
+
+static epx__moe_rows_t held_rows(const bench_ctx_t *c) {
+  const epx__moe_ws_layout_t l = epx__moe_ws_layout(
+      c->plan->backend, c->ex.weight_dtype == EPX_DTYPE_FP8_E4M3, c->plan->gu_fp32, c->plan->rows,
+      c->plan->H, c->plan->I, c->plan->ffn_bytes);
+  const epx__moe_rows_t r = {c->held.recv_x,
+                             c->held.num_rows,
+                             c->held_count,
+                             c->held_begin,
+                             c->held.expert_count_device,
+                             c->held.expert_begin_device,
+                             (char *)c->ws + l.y[0]};
+  return r;
+}
+
+static int run_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
+  if (v == V_LAYER || v == V_CHAIN) {
+    epx_moe_prefill_args_t a = EPX_MOE_PREFILL_ARGS_INIT;
+    a.x = c->x, a.topk_idx = c->ids, a.topk_weights = c->w, a.num_tokens = c->T;
+    a.overlap = v == V_LAYER, a.out = c->out, a.workspace = c->ws, a.workspace_bytes = c->ws_bytes;
+    BENCH_EPX(epx_moe_prefill(c->plan, &a, stream));
+    return 0;
+  }
+  if (v == V_GEMMS || v == V_CUBLAS) {
+    const epx__moe_rows_t r = held_rows(c);
+    if (v == V_GEMMS)
+      BENCH_EPX(epx__moe_ffn(c->plan, &r, 0, c->ws, c->ws_bytes, stream));
+    else
+      BENCH_EPX(epx__moe_gemm_reference(c->plan, &r, c->ws, c->ws_bytes, stream));
+    return 0;
+  }
+  int counts[EPX_MAX_EXPERTS];
+  const epx_dispatch_args_t d = dispatch_args(c, counts);
+  epx_dispatch_expand_result_t r;
+  BENCH_EPX(epx_dispatch_expand(c->g[0], c->comm_handle, &d, &r, stream));
+  epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
+  ca.x = r.recv_x, ca.out = c->out;
+  BENCH_EPX(epx_combine_expand(c->g[0], c->comm_handle, &ca, stream));
+  return 0;
+}
+
+/* Whole-call time of variant v on stream: median and min over iters, after warmup calls. */
+static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const options_t *o,
+                        float *median, float *min) {
+  float *ms = malloc(sizeof(float) * o->iters);
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < o->warmup + o->iters; i++) {
+    BENCH_EPX(epx_group_barrier(c->g[0], stream));
+    BENCH_CUDA(cudaEventRecord(a, stream));
+    if (run_variant(c, v, stream)) return -1;
+    BENCH_CUDA(cudaEventRecord(b, stream));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    if (i >= o->warmup) BENCH_CUDA(cudaEventElapsedTime(&ms[i - o->warmup], a, b));
+  }
+  qsort(ms, o->iters, sizeof(float), cmp_float);
+  *median = ms[o->iters / 2] * 1000.f;
+  *min = ms[0] * 1000.f;
+  free(ms);
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  return 0;
+}
+
+static int alloc_experts(const shape_t *s, int L, int fp8, uint64_t seed, epx_experts_t *ex) {
+  const size_t H = s->hidden, I = s->intermediate, n_gu = (size_t)L * 2 * I * H,
+               n_dn = (size_t)L * H * I, elem = fp8 ? 1 : 2;
+  void *gu, *dn;
+  BENCH_CUDA(cudaMalloc(&gu, n_gu * elem));
+  BENCH_CUDA(cudaMalloc(&dn, n_dn * elem));
+  *ex = (epx_experts_t)EPX_EXPERTS_INIT;
+  ex->num_experts = L, ex->hidden = s->hidden, ex->intermediate = s->intermediate;
+  ex->weight_dtype = fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+  ex->gate_up = gu, ex->down = dn;
+  if (!fp8) {
+    BENCH_CUDA(bench_fill_bf16(gu, n_gu, 0.02f, seed));
+    BENCH_CUDA(bench_fill_bf16(dn, n_dn, 0.02f, seed + 1));
+    return 0;
+  }
+  float *gus, *dns;
+  const size_t s_gu = (size_t)L * (2 * I / 128) * (H / 128),
+               s_dn = (size_t)L * (H / 128) * (I / 128);
+  BENCH_CUDA(cudaMalloc((void **)&gus, s_gu * 4));
+  BENCH_CUDA(cudaMalloc((void **)&dns, s_dn * 4));
+  BENCH_CUDA(bench_fill_fp8(gu, n_gu, seed));
+  BENCH_CUDA(bench_fill_fp8(dn, n_dn, seed + 1));
+  BENCH_CUDA(bench_fill_f32(gus, s_gu, 1e-4f, 2e-4f, seed + 2));
+  BENCH_CUDA(bench_fill_f32(dns, s_dn, 1e-4f, 2e-4f, seed + 3));
+  ex->gate_up_scales = gus, ex->down_scales = dns;
+  return 0;
+}
+
+static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int fp8, int T,
+                       const options_t *o, cudaStream_t stream) {
+  bench_ctx_t c;
+  memset(&c, 0, sizeof c);
+  c.T = T;
+  c.L = s->experts / R;
+  epx_group_config_t cfg = EPX_GROUP_CONFIG_INIT;
+  cfg.max_tokens_per_rank = T, cfg.hidden = s->hidden, cfg.num_experts = s->experts;
+  cfg.top_k = TOP_K, cfg.modes = EPX_MODE_NORMAL, cfg.dtypes = EPX_DTYPE_BF16;
+  cfg.expand_max_rows = R * T * (TOP_K < c.L ? TOP_K : c.L) + 3 * c.L;
+  for (int i = 0; i < 3; i++) BENCH_EPX(epx_group_create(comm, &cfg, &c.g[i]));
+  if (alloc_experts(s, c.L, fp8, 1000u + (uint64_t)rank, &c.ex)) return -1;
+  epx_moe_prefill_config_t pc = EPX_MOE_PREFILL_CONFIG_INIT;
+  pc.num_chunks = o->chunks;
+  BENCH_EPX(epx_moe_prefill_create(c.g, 2, &c.ex, &pc, &c.plan));
+  epx_moe_prefill_info_t info = EPX_MOE_PREFILL_INFO_INIT;
+  BENCH_EPX(epx_moe_prefill_get_info(c.plan, &info));
+  int64_t *ids = malloc(sizeof(int64_t) * T * TOP_K);
+  float *w = malloc(sizeof(float) * T * TOP_K);
+  route(ids, w, T, s->experts, 77u + (uint64_t)rank);
+  BENCH_CUDA(cudaMalloc(&c.x, (size_t)T * s->hidden * 2 + 16));
+  BENCH_CUDA(cudaMalloc(&c.out, (size_t)T * s->hidden * 2 + 16));
+  BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * TOP_K + 16));
+  BENCH_CUDA(cudaMalloc(&c.w, sizeof(float) * T * TOP_K + 16));
+  BENCH_CUDA(bench_fill_bf16(c.x, (size_t)T * s->hidden, 1.f, 5u + (uint64_t)rank));
+  BENCH_CUDA(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * TOP_K, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(c.w, w, sizeof(float) * T * TOP_K, cudaMemcpyHostToDevice));
+  free(ids), free(w);
+  c.ws_bytes = info.workspace_bytes;
+  BENCH_CUDA(cudaMalloc(&c.ws, c.ws_bytes));
+  BENCH_EPX(epx_handle_create(c.g[2], &c.hold_handle));
+  BENCH_EPX(epx_handle_create(c.g[0], &c.comm_handle));
+  /* The gemms and cublas variants' rows: one dispatch of the same routing on the third group,
+   * held (its counts and rows are what matter). */
+  const epx_dispatch_args_t d = dispatch_args(&c, c.held_count);
+  BENCH_EPX(epx_dispatch_expand(c.g[2], c.hold_handle, &d, &c.held, stream));
+  c.held_begin[0] = 0;
+  for (int j = 0; j < c.L; j++)
+    c.held_begin[j + 1] = c.held_begin[j] + (c.held_count[j] + 3) / 4 * 4;
+  epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
+  ca.x = c.held.recv_x, ca.out = c.out;
+  BENCH_EPX(epx_combine_expand(c.g[2], c.hold_handle, &ca, stream));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+
+  float med[NUM_VARIANTS], mn[NUM_VARIANTS];
+  for (int v = 0; v < NUM_VARIANTS; v++) {
+    med[v] = mn[v] = -1.f;
+    if (v == V_CUBLAS && info.ffn_backend != EPX_MOE_FFN_CUBLAS) continue;
+    if (time_variant(&c, v, stream, o, &med[v], &mn[v])) return -1;
+  }
+  for (int i = 0; i < 3; i++) {
+    epx_async_error_t err;
+    BENCH_EPX(epx_group_get_async_error(c.g[i], &err));
+    if (err.status != EPX_OK) {
+      bench_report_failure(__FILE__, __LINE__, "epx_group_get_async_error", err.message);
+      return -1;
+    }
+  }
+  if (rank == 0) {
+    const float base = med[V_GEMMS] > med[V_COMM] ? med[V_GEMMS] : med[V_COMM];
+    printf("%-9s %-4s %5d %3d %-6s %6d", s->name, fp8 ? "fp8" : "bf16", T, R,
+           info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cublas" : "epx", c.held.num_rows);
+    for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
+    printf(" %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
+           med[V_CUBLAS] > 0 ? med[V_CUBLAS] / med[V_GEMMS] : -1.f);
+    fflush(stdout);
+  }
+  BENCH_EPX(epx_moe_prefill_destroy(c.plan));
+  BENCH_EPX(epx_handle_destroy(c.hold_handle));
+  BENCH_EPX(epx_handle_destroy(c.comm_handle));
+  cudaFree((void *)c.ex.gate_up), cudaFree((void *)c.ex.down);
+  cudaFree((void *)c.ex.gate_up_scales), cudaFree((void *)c.ex.down_scales);
+  cudaFree(c.x), cudaFree(c.out), cudaFree(c.ids), cudaFree(c.w), cudaFree(c.ws);
+  for (int i = 0; i < 3; i++) BENCH_EPX(epx_group_destroy(c.g[i]));
+  return 0;
+}
+
+static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
+  const options_t *o = (const options_t *)arg;
+  bench_log_rank = rank;
+  BENCH_CUDA(cudaSetDevice(rank));
+  ncclComm_t comm;
+  if (ncclCommInitRank(&comm, R, *id, rank) != ncclSuccess) {
+    bench_report_failure(__FILE__, __LINE__, "ncclCommInitRank", "failed");
+    return -1;
+  }
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (rank == 0) {
+    printf(
+        "# median and min of %d whole calls (us, events on rank 0), after %d warm-up; "
+        "rows = expert-major rows of rank 0\n",
+        o->iters, o->warmup);
+    printf("%-9s %-4s %5s %3s %-6s %6s", "shape", "dt", "T", "R", "ffn", "rows");
+    for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
+    printf(" %8s %8s %8s\n", "lay/max", "chn/lay", "cub/gem");
+  }
+  int rc = 0;
+  for (int i = 0; i < o->num_shapes && !rc; i++)
+    for (int j = 0; j < o->num_dtypes && !rc; j++)
+      for (int k = 0; k < o->num_tokens && !rc; k++)
+        rc = bench_point(comm, rank, R, &kShapes[o->shapes[i]], o->fp8[j], o->tokens[k], o, stream);
+  cudaStreamDestroy(stream);
+  ncclCommDestroy(comm);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
+  bench_program = "epx_moe_prefill_bench";
+  options_t o = {{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0, 0};
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--tokens") && v) {
+      if (bench_parse_list(a, v, 1, 65536, MAX_LIST, o.tokens, &o.num_tokens)) return 2;
+      i++;
+    } else if (!strcmp(a, "--shape") && v) {
+      o.num_shapes = 1, o.shapes[0] = !strcmp(v, "qwen3"), i++;
+    } else if (!strcmp(a, "--dtype") && v) {
+      o.num_dtypes = 1, o.fp8[0] = !strcmp(v, "fp8"), i++;
+    } else if (!strcmp(a, "--iters") && v) {
+      o.iters = atoi(v), i++;
+    } else if (!strcmp(a, "--ranks") && v) {
+      o.ranks = atoi(v), i++;
+    } else if (!strcmp(a, "--chunks") && v) {
+      o.chunks = atoi(v), i++;
+    } else {
+      fprintf(stderr,
+              "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
+              "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)]\n",
+              argv[0]);
+      return 2;
+    }
+  }
+  if (o.iters < 1) return 2;
+  const int visible = ranks_count_gpus("epx_moe_prefill_bench", 60);
+  if (visible < 1) {
+    printf("epx_moe_prefill_bench: no GPU visible\nskipped\n");
+    return 0;
+  }
+  int R = visible < EPX_MAX_RANKS ? visible : EPX_MAX_RANKS;
+  if (o.ranks > 0) R = o.ranks < R ? o.ranks : R;
+  const ranks_config_t cfg = {"epx_moe_prefill_bench", 1200, 30, 0, "the bench's own limit", 0};
+  return ranks_run(&cfg, R, run_rank, &o, NULL) ? 1 : 0;
+}

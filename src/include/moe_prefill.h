@@ -1,0 +1,125 @@
+/*
+ * moe_prefill.h - the prefill MoE layer's internals (src/moe_prefill.c, src/moe_gemm.c): the
+ * plan, its workspace layout and chunk split (pure functions, host-tested), the FFN of one
+ * chunk's rows and the plain cuBLAS reference the benchmark compares it with.
+ *
+ * Invariant: every row the FFN reads is in the expert-major layout of epx_dispatch_expand with
+ * expert_alignment EPX__MOE_ALIGN, so every local expert's segment [begin[j], begin[j + 1]) is a
+ * multiple of 4 rows and starts at a multiple of 4 (the FP8 scales' per-segment layout below
+ * relies on it).
+ */
+#ifndef EPX_SRC_MOE_PREFILL_H_
+#define EPX_SRC_MOE_PREFILL_H_
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPX__MOE_ALIGN 4             /* expert_alignment of the layer's dispatches */
+#define EPX__MOE_MAX_CHUNKS 16       /* config.num_chunks */
+#define EPX__MOE_BLAS_WS (32u << 20) /* cuBLAS / cuBLASLt workspace bytes */
+#define EPX__MOE_LT_CACHE 64         /* cached cuBLASLt algorithms */
+
+/* Where each region of a call's workspace starts (bytes, 256-aligned), and the total. */
+typedef struct epx__moe_ws_layout {
+  size_t y[2]; /* [rows, H] BF16: the experts' outputs of the chunks on group 0 and group 1 */
+  size_t gu;   /* [rows, 2I] BF16 or float32 (FP8 cuBLASLt with gate_up_out_fp32) */
+  size_t h;    /* [rows, I] BF16 (BF16 weights) or FP8 codes (FP8 weights) */
+  size_t hs;   /* FP8: [rows x I/128] float32 scales, per-segment layout (below) */
+  size_t xq;   /* FP8: [rows, H] FP8 codes of the received rows */
+  size_t xs;   /* FP8: [rows x H/128] float32 scales, per-segment layout */
+  size_t blas; /* EPX__MOE_BLAS_WS bytes for cuBLAS */
+  size_t ffn;  /* backend EPX: epx_experts_ffn's workspace (the regions gu..blas are unused) */
+  size_t total;
+} epx__moe_ws_layout_t;
+
+/* The layout for `rows` rows (config.expand_max_rows). backend: EPX_MOE_FFN_CUBLAS or _EPX;
+ * ffn_bytes: epx_experts_ffn_workspace_size for rows (backend EPX). Pure. */
+epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, size_t rows, int hidden,
+                                        int intermediate, size_t ffn_bytes);
+
+/* Chunk c of n over T tokens: [*first, *first + *count), sizes differing by at most one, the
+ * larger first; the largest is ceil(T / n). Pure. */
+void epx__moe_chunk(int T, int n, int c, int *first, int *count);
+
+typedef struct {
+  int valid, kind, bucket;
+  cublasLtMatmulAlgo_t algo;
+} epx__moe_lt_algo_t;
+
+struct epx_moe_prefill {
+  epx_group_t groups[2];
+  int num_groups;
+  epx_handle_t handles[2];
+  epx_experts_t experts; /* this rank's weights (referenced) */
+  int L, H, I, K, R;
+  int num_chunks, backend, gemm_sms, device_sms, gu_fp32;
+  size_t rows; /* config.expand_max_rows */
+  size_t ffn_bytes;
+  cudaStream_t comm, compute;
+  cudaEvent_t start, comm_done, compute_done;
+  cudaEvent_t dispatched[EPX__MOE_MAX_CHUNKS], ffn_done[EPX__MOE_MAX_CHUNKS];
+  cublasHandle_t blas;
+  cublasLtHandle_t lt;
+  cublasLtMatmulDesc_t lt_desc[2]; /* FP8: 0 gate/up (float32 or BF16 out), 1 down (BF16 out) */
+  float *scales[2]; /* FP8: the block scales repacked for cuBLASLt, [E][n/128][kb4] */
+  int scales_kb[2];
+  float *ones;
+  /* [num_chunks x max_tokens_per_rank x K] 1.0f: the weights of calls without */ /* kb4: k/128
+                                                                                     rounded up
+                                                                                     to a
+                                                                                     multiple of
+                                                                                     4 */
+  epx__moe_lt_algo_t algos[EPX__MOE_LT_CACHE];
+};
+
+/* One chunk's received rows, as epx_dispatch_expand left them (sync_counts = 1). */
+typedef struct {
+  const void *x;        /* [num_rows, H] BF16 (recv_x) */
+  int num_rows;         /* begin[L], padding included */
+  const int *count;     /* host [L]: real rows of each local expert */
+  const int *begin;     /* host [L + 1] */
+  const int *count_dev; /* device [L] */
+  const int *begin_dev; /* device [L + 1] */
+  void *y;              /* [num_rows, H] BF16: the experts' outputs */
+} epx__moe_rows_t;
+
+/* The FFN of one chunk on stream: every local expert on its rows, y written for its real rows.
+ * overlapped: the GEMMs target plan->gemm_sms SMs (communication runs beside them). */
+epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
+                          char *ws, size_t ws_bytes, cudaStream_t stream);
+
+/* The plain cuBLAS reference of the FFN's GEMMs: one gate/up GEMM and one down GEMM of
+ * rows->num_rows rows on expert 0's weights (the same shapes in one call each, no SwiGLU, no
+ * quantization), reading and writing the workspace's regions. Backend CUBLAS only. */
+epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t *rows, char *ws,
+                                     size_t ws_bytes, cudaStream_t stream);
+
+/* cuBLAS (src/moe_gemm.c). y[rows, n] = x[rows, k] w[n, k]^T, row-major, float32 accumulation.
+ * BF16: cublasGemmEx, BF16 out. sm_target 0: every SM. */
+epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *x, void *y, int n,
+                                int k, int rows, int sm_target, cudaStream_t stream);
+/* FP8 (cuBLASLt block scaling): w [n, k] E4M3 with w_scales [n/128][kb4] (128x128 blocks), x
+ * [rows, k] E4M3 with x_scales [k/128][rows] (1x128 blocks, rows contiguous; rows a multiple of
+ * 4), y float32 (which 0 with gu_fp32) or BF16. which: 0 gate/up, 1 down. */
+epx_status_t epx__moe_gemm_fp8(epx_moe_prefill_t p, int which, const void *w, const float *w_scales,
+                               const void *x, const float *x_scales, void *y, int n, int k,
+                               int rows, int sm_target, void *blas_ws, cudaStream_t stream);
+/* FP8: whether cuBLASLt has a kernel for `which` with the plan's output types (a heuristic
+ * query on a representative size). */
+int epx__moe_lt_supported(epx_moe_prefill_t p, int which);
+/* cuBLAS handles and, with FP8 weights, the cuBLASLt descriptors; released by
+ * epx__moe_gemm_destroy (NULL-safe on a half-made plan). */
+epx_status_t epx__moe_gemm_create(epx_moe_prefill_t p);
+void epx__moe_gemm_destroy(epx_moe_prefill_t p);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_SRC_MOE_PREFILL_H_ */

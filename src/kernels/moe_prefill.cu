@@ -1,0 +1,131 @@
+/*
+ * moe_prefill.cu - the prefill MoE layer's one kernel of its own, between its cuBLAS GEMMs
+ * (api.h, epx__moe_rows_launch): SiLU times up and/or the per-128-channel FP8 quantization of
+ * the expert-major rows, with the scales in the per-segment layout cuBLASLt's 1x128 block
+ * scaling reads.
+ *
+ * Roles: one warp per (row, 512 channels); lane i holds channels [16 i, 16 i + 16) of the
+ * 512, so one 128-channel group is 8 consecutive lanes (fp8.cuh's quantize16_float). Blocks
+ * stride over the (row, column block) pairs. Memory-bound: each input value is read once and
+ * each output written once.
+ */
+#include <cuda_bf16.h>
+
+#include "kernels/api.h"
+#include "kernels/bf16.cuh"
+#include "kernels/fp8.cuh"
+#include "kernels/launch.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kChannelsPerWarp = 512;
+
+/* The segment j holding row r: begin[j] <= r < begin[j + 1] (r < begin[L]). */
+__device__ __forceinline__ int segment_of(const int *begin, int L, int r) {
+  int lo = 0, hi = L - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(begin + mid) <= r)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+/* 16 values from p (float32 or BF16), 16-byte aligned. */
+template <bool kFp32>
+__device__ __forceinline__ void load16(const void *p, float *f) {
+  if constexpr (kFp32) {
+    const float4 *v = (const float4 *)p;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float4 t = v[i];
+      f[4 * i] = t.x, f[4 * i + 1] = t.y, f[4 * i + 2] = t.z, f[4 * i + 3] = t.w;
+    }
+  } else {
+    const int4 *v = (const int4 *)p;
+    epx::bf16x8_to_float(v[0], f);
+    epx::bf16x8_to_float(v[1], f + 8);
+  }
+}
+
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  return gate / (1.0f + expf(-gate)) * up;
+}
+
+template <bool kFp32, bool kSwiglu, bool kQuantize>
+__global__ void __launch_bounds__(kThreads) moe_rows_kernel(epx__moe_rows_launch_args_t a) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (kThreads / 32);
+  const int col_blocks = (a.cols + kChannelsPerWarp - 1) / kChannelsPerWarp;
+  const long long tasks = (long long)a.num_rows * col_blocks;
+  const size_t in_elem = kFp32 ? 4 : 2, in_cols = kSwiglu ? 2 * (size_t)a.cols : a.cols;
+  const int groups = a.cols / 128;
+  for (long long task = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; task < tasks;
+       task += warps) {
+    const int r = (int)(task / col_blocks);
+    const int c0 = (int)(task % col_blocks) * kChannelsPerWarp + lane * 16;
+    const int j = segment_of(a.begin, a.num_experts, r);
+    const int seg_begin = __ldg(a.begin + j);
+    const bool real = r - seg_begin < __ldg(a.count + j);
+    const bool active = c0 < a.cols; /* whole 128-channel groups: cols % 128 == 0 */
+    float f[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) f[i] = 0.f;
+    if (active && real) {
+      const char *row = (const char *)a.in + (size_t)r * in_cols * in_elem;
+      load16<kFp32>(row + (size_t)c0 * in_elem, f);
+      if constexpr (kSwiglu) {
+        float u[16];
+        load16<kFp32>(row + ((size_t)a.cols + c0) * in_elem, u);
+#pragma unroll
+        for (int i = 0; i < 16; i++) f[i] = silu_mul(f[i], u[i]);
+      }
+    }
+    if constexpr (kQuantize) {
+      float scale;
+      const int4 q = epx::quantize16_float(f, false, &scale); /* every lane: shuffles */
+      if (!active) continue;
+      *(int4 *)((char *)a.out + (size_t)r * a.cols + c0) = q;
+      if (lane % 8 == 0) {
+        /* NOTE: per segment [groups][S] with the segment's rows contiguous (api.h). */
+        const int S = __ldg(a.begin + j + 1) - seg_begin, g = c0 / 128;
+        a.scales[(size_t)seg_begin * groups + (size_t)g * S + (r - seg_begin)] = real ? scale : 1.f;
+      }
+    } else {
+      if (!active) continue;
+      int4 *o = (int4 *)((char *)a.out + ((size_t)r * a.cols + c0) * 2);
+      o[0] = epx::float8_to_bf16x8(f);
+      o[1] = epx::float8_to_bf16x8(f + 8);
+    }
+  }
+}
+
+template <bool kFp32, bool kSwiglu, bool kQuantize>
+epx_status_t launch_rows(const epx__moe_rows_launch_args_t *a, cudaStream_t stream) {
+  return epx::launch<moe_rows_kernel<kFp32, kSwiglu, kQuantize>>(dim3(a->num_blocks), kThreads, 0,
+                                                                 stream, *a);
+}
+
+}  // namespace
+
+extern "C" epx_status_t epx__moe_rows_launch(const epx__moe_rows_launch_args_t *a,
+                                             cudaStream_t stream) {
+  if (a->num_rows <= 0) return EPX_OK;
+  /* The combinations the layer uses: BF16 SwiGLU (BF16 weights), quantize BF16 rows (FP8 x),
+   * SwiGLU + quantize from float32 or BF16 (FP8 h). */
+  if (!a->quantize) {
+    if (!a->swiglu || a->in_fp32)
+      return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_rows_launch: unsupported combination");
+    return launch_rows<false, true, false>(a, stream);
+  }
+  if (!a->swiglu) {
+    if (a->in_fp32)
+      return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_rows_launch: unsupported combination");
+    return launch_rows<false, false, true>(a, stream);
+  }
+  return a->in_fp32 ? launch_rows<true, true, true>(a, stream)
+                    : launch_rows<false, true, true>(a, stream);
+}

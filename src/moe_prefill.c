@@ -1,0 +1,574 @@
+/*
+ * moe_prefill.c - epx_moe_prefill: one MoE layer at prefill size on normal-mode groups
+ * (docs/moe.md, "MoE layer at prefill"), and its plan. Per chunk of tokens:
+ *   epx_dispatch_expand (sync_counts = 1: the host learns each local expert's rows)  ->
+ *   the FFN on the compute stream (epx__moe_ffn: cuBLAS GEMMs per expert, the row kernel
+ *   between them; or epx_experts_ffn)  ->  epx_combine_expand (weighted).
+ *
+ * Overlap: chunk c uses group c % 2 and its handle. Every dispatch and combine goes on the
+ * plan's one communication stream, in the order D0 D1 C0 D2 C1 D3 C2 ..., and every FFN on its
+ * compute stream; events order FFN c after D c and C c after FFN c. So:
+ *   - one group is never used on two streams at once (EPX's rule): all its calls are on the
+ *     communication stream;
+ *   - D c (group c % 2) comes after C c-2 on that stream, so chunk c-2's rows and outputs are no
+ *     longer needed when the group's receive buffers are overwritten;
+ *   - FFN c writes output slot c % 2, which C c-2 (before D c, which FFN c waits for) has read.
+ * The host waits in each dispatch for its count exchange; by then FFN c-1 is queued, so the
+ * compute stream does not starve while it waits.
+ *
+ * Invariant: every argument a step could refuse is checked before the first dispatch; once a
+ * dispatch is queued, the call queues every remaining dispatch and every combine, whatever
+ * fails, so that no peer waits for this rank (an FFN failure is returned at the end).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "arg_check.h"
+#include "checks.h"
+#include "experts.h"
+#include "group.h"
+#include "handle.h"
+#include "kernels/api.h"
+#include "moe_prefill.h"
+#include "registry.h"
+
+#define WS_ALIGN 256
+
+static size_t align_up(size_t v) {
+  return (v + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
+}
+
+epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, size_t rows, int H,
+                                        int I, size_t ffn_bytes) {
+  epx__moe_ws_layout_t l;
+  memset(&l, 0, sizeof l);
+  size_t off = 0;
+  for (int s = 0; s < 2; s++) {
+    l.y[s] = off;
+    off += align_up(rows * (size_t)H * 2);
+  }
+  if (backend == EPX_MOE_FFN_EPX) {
+    l.ffn = off;
+    off += align_up(ffn_bytes);
+    l.total = off;
+    return l;
+  }
+  l.gu = off;
+  off += align_up(rows * 2 * (size_t)I * (fp8 && gu_fp32 ? 4 : 2));
+  l.h = off;
+  off += align_up(rows * (size_t)I * (fp8 ? 1 : 2));
+  if (fp8) {
+    l.hs = off;
+    off += align_up(rows * (size_t)(I / 128) * sizeof(float));
+    l.xq = off;
+    off += align_up(rows * (size_t)H);
+    l.xs = off;
+    off += align_up(rows * (size_t)(H / 128) * sizeof(float));
+  }
+  l.blas = off;
+  off += align_up(EPX__MOE_BLAS_WS);
+  l.total = off;
+  return l;
+}
+
+void epx__moe_chunk(int T, int n, int c, int *first, int *count) {
+  if (T < 0) T = 0;
+  if (n < 1) n = 1;
+  const int base = T / n, extra = T % n;
+  *first = c * base + (c < extra ? c : extra);
+  *count = c < n ? base + (c < extra ? 1 : 0) : 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Plan                                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+static epx_status_t plan_check(const char *fn, epx_moe_prefill_t p) {
+  if (!p) return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "%s: plan = NULL", fn);
+  if (!epx__registry_contains(p))
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: plan %p is not a live plan (destroyed, or never created)", fn,
+                          (void *)p);
+  for (int i = 0; i < p->num_groups; i++)
+    if (epx__group_check(p->groups[i]) != EPX_OK)
+      return epx__set_error(EPX_ERR_INVALID_USAGE,
+                            "%s: the plan's group %d was destroyed; destroy the plan first", fn, i);
+  return EPX_OK;
+}
+
+/* A group the layer can run on, and the same shape as the first. */
+static epx_status_t check_group(const char *fn, const epx_group_t *groups, int i) {
+  epx_group_t g = groups[i];
+  EPX_CHECK(epx__group_check(g));
+  if (!(g->config.modes & EPX_MODE_NORMAL))
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: groups[%d] was created without EPX_MODE_NORMAL in config.modes", fn,
+                          i);
+  if (g->layout.expand_rows == 0)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: groups[%d] has config.expand_max_rows = 0 (the layer dispatches "
+                          "into the expert-major layout); set it at epx_group_create",
+                          fn, i);
+  if (i == 0) return EPX_OK;
+  const epx_group_config_t *a = &groups[0]->config, *b = &g->config;
+  EPX_ARG_CHECK(g != groups[0], "%s: groups[1] = groups[0]: two distinct groups are needed", fn);
+  EPX_ARG_CHECK(g->num_ranks == groups[0]->num_ranks && g->rank == groups[0]->rank &&
+                    a->hidden == b->hidden && a->num_experts == b->num_experts &&
+                    a->top_k == b->top_k && a->max_tokens_per_rank == b->max_tokens_per_rank &&
+                    a->expand_max_rows == b->expand_max_rows && a->num_sms == b->num_sms,
+                "%s: groups[1]: its ranks, rank, hidden, num_experts, top_k, "
+                "max_tokens_per_rank, expand_max_rows and num_sms must equal groups[0]'s",
+                fn);
+  return EPX_OK;
+}
+
+static epx_status_t check_experts(const char *fn, epx_group_t g, const epx_experts_t *w) {
+  EPX_CHECK(epx__experts_check(fn, w, EPX_DTYPE_BF16));
+  const int L = g->config.num_experts / g->num_ranks;
+  EPX_ARG_CHECK(w->num_experts == L,
+                "%s: experts->num_experts = %d: must be the group's local experts, "
+                "num_experts / num_ranks = %d",
+                fn, w->num_experts, L);
+  EPX_ARG_CHECK(w->hidden == g->config.hidden,
+                "%s: experts->hidden = %d: must be the group's config.hidden = %d", fn, w->hidden,
+                g->config.hidden);
+  return EPX_OK;
+}
+
+static void plan_free(epx_moe_prefill_t p) {
+  if (!p) return;
+  if (p->comm) cudaStreamSynchronize(p->comm);
+  if (p->compute) cudaStreamSynchronize(p->compute);
+  epx__moe_gemm_destroy(p);
+  for (int i = 0; i < 2; i++) {
+    if (p->handles[i]) epx_handle_destroy(p->handles[i]);
+    if (p->scales[i]) cudaFree(p->scales[i]);
+  }
+  if (p->ones) cudaFree(p->ones);
+  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done};
+  for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
+    if (*events[i]) cudaEventDestroy(*events[i]);
+  for (int c = 0; c < EPX__MOE_MAX_CHUNKS; c++) {
+    if (p->dispatched[c]) cudaEventDestroy(p->dispatched[c]);
+    if (p->ffn_done[c]) cudaEventDestroy(p->ffn_done[c]);
+  }
+  if (p->comm) cudaStreamDestroy(p->comm);
+  if (p->compute) cudaStreamDestroy(p->compute);
+  free(p);
+}
+
+/* The FP8 block scales [E][n/128][k/128] copied into [E][n/128][kb4] (kb4 = k/128 rounded up to
+ * a multiple of 4, the padding 0): the leading dimension cuBLASLt's 128x128 scales take. */
+static epx_status_t repack_scales(const float *src, int E, int n, int k, float **dst, int *kb4) {
+  const size_t kb = (size_t)k / 128, nb = (size_t)n / 128;
+  *kb4 = (int)((kb + 3) / 4 * 4);
+  const size_t bytes = (size_t)E * nb * (size_t)*kb4 * sizeof(float);
+  CUDA_CHECK(cudaMalloc((void **)dst, bytes));
+  CUDA_CHECK(cudaMemset(*dst, 0, bytes));
+  CUDA_CHECK(cudaMemcpy2D(*dst, (size_t)*kb4 * sizeof(float), src, kb * sizeof(float),
+                          kb * sizeof(float), (size_t)E * nb, cudaMemcpyDeviceToDevice));
+  return EPX_OK;
+}
+
+/* Which backend runs the FFN, and the gate/up output type of FP8 cuBLASLt. */
+static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int asked) {
+  p->backend = asked == EPX_MOE_FFN_EPX ? EPX_MOE_FFN_EPX : EPX_MOE_FFN_CUBLAS;
+  if (p->backend == EPX_MOE_FFN_EPX || p->experts.weight_dtype != EPX_DTYPE_FP8_E4M3) return EPX_OK;
+  p->gu_fp32 = 1; /* closest to the oracle: h from float32 gate and up */
+  int ok = epx__moe_lt_supported(p, 0);
+  if (!ok) {
+    p->gu_fp32 = 0;
+    ok = epx__moe_lt_supported(p, 0);
+  }
+  ok = ok && epx__moe_lt_supported(p, 1);
+  if (ok) return EPX_OK;
+  if (asked == EPX_MOE_FFN_CUBLAS)
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "%s: config->ffn_backend = EPX_MOE_FFN_CUBLAS, but cuBLASLt has no FP8 "
+                          "kernel with 128x128 weight and 1x128 row block scales on this GPU "
+                          "(needs CUDA 12.9+ on Hopper); use EPX_MOE_FFN_AUTO",
+                          fn);
+  p->backend = EPX_MOE_FFN_EPX;
+  p->gu_fp32 = 0;
+  return EPX_OK;
+}
+
+static epx_status_t plan_build(const char *fn, epx_moe_prefill_t p) {
+  int least = 0, greatest = 0;
+  CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  /* Communication first when both streams have blocks waiting: its kernels are few and short,
+   * and the GEMMs wait for them. */
+  CUDA_CHECK(cudaStreamCreateWithPriority(&p->comm, cudaStreamNonBlocking, greatest));
+  CUDA_CHECK(cudaStreamCreateWithPriority(&p->compute, cudaStreamNonBlocking, least));
+  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done};
+  for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
+    CUDA_CHECK(cudaEventCreateWithFlags(events[i], cudaEventDisableTiming));
+  for (int c = 0; c < EPX__MOE_MAX_CHUNKS; c++) {
+    CUDA_CHECK(cudaEventCreateWithFlags(&p->dispatched[c], cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&p->ffn_done[c], cudaEventDisableTiming));
+  }
+  for (int i = 0; i < p->num_groups; i++)
+    EPX_CHECK(epx_handle_create(p->groups[i], &p->handles[i]));
+  /* Weights of 1 for callers without topk_weights: every slot counts once, duplicates too. */
+  const size_t n_ones = (size_t)p->num_chunks * p->groups[0]->config.max_tokens_per_rank * p->K;
+  float *host = malloc(n_ones * sizeof(float));
+  if (!host) return epx__set_error(EPX_ERR_SYSTEM, "%s: out of host memory", fn);
+  for (size_t i = 0; i < n_ones; i++) host[i] = 1.f;
+  epx_status_t st = CUDA_STATUS(cudaMalloc((void **)&p->ones, n_ones * sizeof(float)));
+  if (st == EPX_OK)
+    st = CUDA_STATUS(cudaMemcpy(p->ones, host, n_ones * sizeof(float), cudaMemcpyHostToDevice));
+  free(host);
+  EPX_CHECK(st);
+  EPX_CHECK(epx__moe_gemm_create(p));
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int num_groups,
+                                               const epx_experts_t *experts,
+                                               const epx_moe_prefill_config_t *config,
+                                               epx_moe_prefill_t *plan) {
+  static const char fn[] = "epx_moe_prefill_create";
+  EPX_CHECK(epx__check_not_null(fn, "plan", plan));
+  *plan = NULL;
+  EPX_CHECK(epx__check_not_null(fn, "groups", groups));
+  EPX_ARG_CHECK(num_groups == 1 || num_groups == 2, "%s: num_groups = %d: must be 1 or 2", fn,
+                num_groups);
+  for (int i = 0; i < num_groups; i++) EPX_CHECK(check_group(fn, groups, i));
+  EPX_CHECK(check_experts(fn, groups[0], experts));
+  epx_moe_prefill_config_t cfg = EPX_MOE_PREFILL_CONFIG_INIT;
+  if (config) {
+    EPX_CHECK(epx__check_struct_size(fn, "config", config->size, sizeof(epx_moe_prefill_config_t),
+                                     "EPX_MOE_PREFILL_CONFIG_INIT"));
+    cfg = *config;
+  }
+  EPX_ARG_CHECK(
+      cfg.num_chunks == 0 || (cfg.num_chunks >= 2 && cfg.num_chunks <= EPX__MOE_MAX_CHUNKS),
+      "%s: config->num_chunks = %d: must be 0 (auto) or in [2, %d]", fn, cfg.num_chunks,
+      EPX__MOE_MAX_CHUNKS);
+  EPX_ARG_CHECK(cfg.ffn_backend >= EPX_MOE_FFN_AUTO && cfg.ffn_backend <= EPX_MOE_FFN_EPX,
+                "%s: config->ffn_backend = %d: must be an epx_moe_ffn_backend_t", fn,
+                cfg.ffn_backend);
+  epx_group_t g = groups[0];
+  EPX_ARG_CHECK(cfg.gemm_sms >= 0 && cfg.gemm_sms <= g->num_device_sms,
+                "%s: config->gemm_sms = %d: must be in [0, the GPU's %d SMs]", fn, cfg.gemm_sms,
+                g->num_device_sms);
+
+  epx_moe_prefill_t p = calloc(1, sizeof *p);
+  if (!p) return epx__set_error(EPX_ERR_SYSTEM, "%s: out of host memory", fn);
+  p->num_groups = num_groups;
+  for (int i = 0; i < num_groups; i++) p->groups[i] = groups[i];
+  p->experts = *experts;
+  p->R = g->num_ranks;
+  p->L = experts->num_experts;
+  p->H = experts->hidden;
+  p->I = experts->intermediate;
+  p->K = g->config.top_k;
+  p->rows = g->layout.expand_rows;
+  p->num_chunks = cfg.num_chunks ? cfg.num_chunks : 2;
+  p->device_sms = g->num_device_sms;
+  p->gemm_sms = cfg.gemm_sms ? cfg.gemm_sms : g->num_device_sms - g->config.num_sms;
+  if (p->gemm_sms < 1) p->gemm_sms = 1;
+  epx_status_t st = plan_build(fn, p);
+  if (st == EPX_OK) st = choose_backend(fn, p, cfg.ffn_backend);
+  if (st == EPX_OK && p->backend == EPX_MOE_FFN_EPX)
+    st = epx_experts_ffn_workspace_size(experts, (int)p->rows, EPX_DTYPE_BF16, &p->ffn_bytes);
+  if (st == EPX_OK && p->backend == EPX_MOE_FFN_CUBLAS &&
+      experts->weight_dtype == EPX_DTYPE_FP8_E4M3) {
+    st = repack_scales(experts->gate_up_scales, p->L, 2 * p->I, p->H, &p->scales[0],
+                       &p->scales_kb[0]);
+    if (st == EPX_OK)
+      st = repack_scales(experts->down_scales, p->L, p->H, p->I, &p->scales[1], &p->scales_kb[1]);
+  }
+  if (st == EPX_OK) st = epx__registry_add(p);
+  if (st != EPX_OK) {
+    char message[512];
+    snprintf(message, sizeof message, "%s", epx_last_error());
+    plan_free(p);
+    return epx__set_error(st, "%s", message);
+  }
+  *plan = p;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t p) {
+  if (!p) return EPX_OK;
+  if (!epx__registry_contains(p))
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "epx_moe_prefill_destroy: plan %p is not a live plan", (void *)p);
+  epx__registry_remove(p);
+  plan_free(p);
+  return EPX_OK;
+}
+
+static epx__moe_ws_layout_t layout_of(epx_moe_prefill_t p) {
+  return epx__moe_ws_layout(p->backend, p->experts.weight_dtype == EPX_DTYPE_FP8_E4M3, p->gu_fp32,
+                            p->rows, p->H, p->I, p->ffn_bytes);
+}
+
+EPX_EXPORT epx_status_t epx_moe_prefill_workspace_size(epx_moe_prefill_t p, size_t *bytes) {
+  static const char fn[] = "epx_moe_prefill_workspace_size";
+  EPX_CHECK(plan_check(fn, p));
+  EPX_CHECK(epx__check_not_null(fn, "bytes", bytes));
+  *bytes = layout_of(p).total;
+  return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_moe_prefill_get_info(epx_moe_prefill_t p,
+                                                 epx_moe_prefill_info_t *info) {
+  static const char fn[] = "epx_moe_prefill_get_info";
+  EPX_CHECK(plan_check(fn, p));
+  EPX_CHECK(epx__check_not_null(fn, "info", info));
+  EPX_CHECK(epx__check_struct_size(fn, "info", info->size, sizeof(epx_moe_prefill_info_t),
+                                   "EPX_MOE_PREFILL_INFO_INIT"));
+  info->num_chunks = p->num_chunks;
+  info->num_groups = p->num_groups;
+  info->ffn_backend = p->backend;
+  info->gemm_sms = p->gemm_sms;
+  info->gate_up_out_fp32 = p->gu_fp32;
+  info->expert_alignment = EPX__MOE_ALIGN;
+  info->workspace_bytes = layout_of(p).total;
+  return EPX_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The FFN of one chunk                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
+                          char *ws, size_t ws_bytes, cudaStream_t stream) {
+  if (rows->num_rows <= 0) return EPX_OK;
+  const epx__moe_ws_layout_t l = layout_of(p);
+  if (ws_bytes < l.total)
+    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_ffn: workspace of %zu bytes, %zu needed",
+                          ws_bytes, l.total);
+  const epx_experts_t *w = &p->experts;
+  if (p->backend == EPX_MOE_FFN_EPX) {
+    epx_experts_ffn_args_t f = EPX_EXPERTS_FFN_ARGS_INIT;
+    f.x = rows->x;
+    f.x_dtype = EPX_DTYPE_BF16;
+    f.num_rows = rows->num_rows;
+    f.expert_count = rows->count_dev;
+    f.expert_begin = rows->begin_dev;
+    f.out = rows->y;
+    f.workspace = ws + l.ffn;
+    f.workspace_bytes = p->ffn_bytes;
+    return epx_experts_ffn(w, &f, stream);
+  }
+  const int L = p->L, H = p->H, I = p->I, sms = overlapped ? p->gemm_sms : 0;
+  const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
+  epx__moe_rows_launch_args_t ra;
+  memset(&ra, 0, sizeof ra);
+  ra.num_rows = rows->num_rows;
+  ra.num_experts = L;
+  ra.begin = rows->begin_dev;
+  ra.count = rows->count_dev;
+  ra.num_blocks = 2 * (overlapped ? p->gemm_sms : p->device_sms);
+
+  if (!fp8) {
+    const char *gu = (const char *)w->gate_up, *dn = (const char *)w->down;
+    for (int j = 0; j < L; j++)
+      EPX_CHECK(epx__moe_gemm_bf16(
+          p, gu + (size_t)j * 2 * I * H * 2, (const char *)rows->x + (size_t)rows->begin[j] * H * 2,
+          ws + l.gu + (size_t)rows->begin[j] * 2 * I * 2, 2 * I, H, rows->count[j], sms, stream));
+    ra.in = ws + l.gu;
+    ra.swiglu = 1;
+    ra.out = ws + l.h;
+    ra.cols = I;
+    EPX_CHECK(epx__moe_rows_launch(&ra, stream));
+    for (int j = 0; j < L; j++)
+      EPX_CHECK(epx__moe_gemm_bf16(
+          p, dn + (size_t)j * H * I * 2, ws + l.h + (size_t)rows->begin[j] * I * 2,
+          (char *)rows->y + (size_t)rows->begin[j] * H * 2, H, I, rows->count[j], sms, stream));
+    return EPX_OK;
+  }
+
+  /* FP8: x quantized per 128 channels; each expert's GEMM runs on its whole segment (a multiple
+   * of 4 rows: the scales' per-segment stride), the padding rows being zeros. */
+  ra.in = rows->x;
+  ra.quantize = 1;
+  ra.out = ws + l.xq;
+  ra.scales = (float *)(ws + l.xs);
+  ra.cols = H;
+  EPX_CHECK(epx__moe_rows_launch(&ra, stream));
+  const char *gu = (const char *)w->gate_up, *dn = (const char *)w->down;
+  const size_t gu_elem = p->gu_fp32 ? 4 : 2;
+  for (int j = 0; j < L; j++) {
+    const int b = rows->begin[j], S = rows->begin[j + 1] - b;
+    EPX_CHECK(epx__moe_gemm_fp8(
+        p, 0, gu + (size_t)j * 2 * I * H,
+        p->scales[0] + (size_t)j * (2 * I / 128) * p->scales_kb[0], ws + l.xq + (size_t)b * H,
+        (const float *)(ws + l.xs) + (size_t)b * (H / 128), ws + l.gu + (size_t)b * 2 * I * gu_elem,
+        2 * I, H, S, sms, ws + l.blas, stream));
+  }
+  ra.in = ws + l.gu;
+  ra.in_fp32 = p->gu_fp32;
+  ra.swiglu = 1;
+  ra.out = ws + l.h;
+  ra.scales = (float *)(ws + l.hs);
+  ra.cols = I;
+  EPX_CHECK(epx__moe_rows_launch(&ra, stream));
+  for (int j = 0; j < L; j++) {
+    const int b = rows->begin[j], S = rows->begin[j + 1] - b;
+    EPX_CHECK(epx__moe_gemm_fp8(
+        p, 1, dn + (size_t)j * H * I, p->scales[1] + (size_t)j * (H / 128) * p->scales_kb[1],
+        ws + l.h + (size_t)b * I, (const float *)(ws + l.hs) + (size_t)b * (I / 128),
+        (char *)rows->y + (size_t)b * H * 2, H, I, S, sms, ws + l.blas, stream));
+  }
+  return EPX_OK;
+}
+
+epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t *rows, char *ws,
+                                     size_t ws_bytes, cudaStream_t stream) {
+  const epx__moe_ws_layout_t l = layout_of(p);
+  if (p->backend != EPX_MOE_FFN_CUBLAS || ws_bytes < l.total)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "epx__moe_gemm_reference: needs the cuBLAS backend and the workspace");
+  const epx_experts_t *w = &p->experts;
+  const int H = p->H, I = p->I, n = rows->num_rows;
+  if (w->weight_dtype != EPX_DTYPE_FP8_E4M3) {
+    EPX_CHECK(epx__moe_gemm_bf16(p, w->gate_up, rows->x, ws + l.gu, 2 * I, H, n, 0, stream));
+    return epx__moe_gemm_bf16(p, w->down, ws + l.h, rows->y, H, I, n, 0, stream);
+  }
+  EPX_CHECK(epx__moe_gemm_fp8(p, 0, w->gate_up, p->scales[0], ws + l.xq, (const float *)(ws + l.xs),
+                              ws + l.gu, 2 * I, H, n, 0, ws + l.blas, stream));
+  return epx__moe_gemm_fp8(p, 1, w->down, p->scales[1], ws + l.h, (const float *)(ws + l.hs),
+                           rows->y, H, I, n, 0, ws + l.blas, stream);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The call                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,
+                               const epx__moe_ws_layout_t *l) {
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_moe_prefill_args_t),
+                                   "EPX_MOE_PREFILL_ARGS_INIT"));
+  EPX_CHECK(epx__check_flag(fn, "args->overlap", a->overlap));
+  if (a->overlap && p->num_groups < 2)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: args->overlap = 1 with a plan of one group: overlapped calls "
+                          "alternate two groups (epx_moe_prefill_create with num_groups = 2)",
+                          fn);
+  const int M = p->groups[0]->config.max_tokens_per_rank;
+  const int n = a->overlap ? p->num_chunks : 1;
+  EPX_CHECK(epx__check_token_count(fn, "args->num_tokens", a->num_tokens, n * M));
+  EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
+  if (a->num_tokens > 0) {
+    EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
+    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_idx", a->topk_idx, 8));
+    if (a->topk_weights)
+      EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
+    EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));
+  }
+  EPX_CHECK(epx__check_device_ptr(fn, "args->workspace", a->workspace, WS_ALIGN));
+  EPX_ARG_CHECK(a->workspace_bytes >= l->total,
+                "%s: args->workspace_bytes = %zu: must be at least %zu "
+                "(epx_moe_prefill_workspace_size)",
+                fn, a->workspace_bytes, l->total);
+  for (int i = 0; i < (a->overlap ? 2 : 1); i++)
+    EPX_CHECK(epx__group_check_collective(p->groups[i], fn));
+  return EPX_OK;
+}
+
+/* Remember the first failure with its message. */
+static void keep_first(epx_status_t st, epx_status_t *first, char *message, size_t size) {
+  if (st == EPX_OK || *first != EPX_OK) return;
+  *first = st;
+  snprintf(message, size, "%s", epx_last_error());
+}
+
+EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,
+                                        cudaStream_t stream) {
+  static const char fn[] = "epx_moe_prefill";
+  EPX_CHECK(plan_check(fn, p));
+  const epx__moe_ws_layout_t l = layout_of(p);
+  EPX_CHECK(check_call(fn, p, a, &l));
+  const int n = a->overlap ? p->num_chunks : 1, L = p->L, H = p->H, K = p->K;
+  /* Chain: every step on the caller's stream. Overlapped: the plan's two streams, after and
+   * before the caller's. */
+  cudaStream_t comm = a->overlap ? p->comm : stream, compute = a->overlap ? p->compute : stream;
+  char *ws = (char *)a->workspace;
+  const size_t idx_bytes = epx__index_bytes(a->topk_idx_dtype);
+  if (a->overlap) {
+    CUDA_CHECK(cudaEventRecord(p->start, stream));
+    CUDA_CHECK(cudaStreamWaitEvent(p->comm, p->start, 0));
+    CUDA_CHECK(cudaStreamWaitEvent(p->compute, p->start, 0));
+  }
+
+  epx_status_t first = EPX_OK;
+  char message[512] = "";
+  int queued[2] = {0, 0};    /* the chunk in the slot was dispatched: its combine must follow */
+  int tok_first[2] = {0, 0}; /* its first token */
+  int counts[2][EPX_MAX_EXPERTS];
+  for (int c = 0; c <= n; c++) {
+    const int s = c % 2;
+    if (c < n) { /* dispatch chunk c */
+      int t0 = 0, T = 0;
+      epx__moe_chunk(a->num_tokens, n, c, &t0, &T);
+      epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
+      d.x = T > 0 ? (const char *)a->x + (size_t)t0 * H * 2 : a->x;
+      d.x_dtype = EPX_DTYPE_BF16;
+      d.topk_idx = T > 0 ? (const char *)a->topk_idx + (size_t)t0 * K * idx_bytes : a->topk_idx;
+      d.topk_idx_dtype = a->topk_idx_dtype;
+      d.topk_weights = (a->topk_weights ? a->topk_weights : p->ones) + (size_t)t0 * K;
+      d.num_tokens = T;
+      d.expert_alignment = EPX__MOE_ALIGN;
+      d.sync_counts = 1;
+      d.num_recv_per_expert = counts[s];
+      epx_dispatch_expand_result_t res;
+      p->handles[s]->expand = 0; /* set again by the dispatch once everything is queued */
+      const epx_status_t st = epx_dispatch_expand(p->groups[s], p->handles[s], &d, &res, comm);
+      keep_first(st, &first, message, sizeof message);
+      CUDA_CHECK(cudaEventRecord(p->dispatched[c], comm));
+      queued[s] = p->handles[s]->expand;
+      tok_first[s] = t0;
+      if (st == EPX_OK) { /* queue chunk c's FFN once the rows are in */
+        int begin[EPX_MAX_EXPERTS + 1];
+        begin[0] = 0;
+        for (int j = 0; j < L; j++)
+          begin[j + 1] =
+              begin[j] + (counts[s][j] + EPX__MOE_ALIGN - 1) / EPX__MOE_ALIGN * EPX__MOE_ALIGN;
+        if (begin[L] != res.num_rows) {
+          keep_first(epx__set_error(EPX_ERR_INTERNAL,
+                                    "%s: chunk %d: %d rows from the counts, %d from the dispatch",
+                                    fn, c, begin[L], res.num_rows),
+                     &first, message, sizeof message);
+        } else {
+          const epx__moe_rows_t rows = {res.recv_x,
+                                        res.num_rows,
+                                        counts[s],
+                                        begin,
+                                        res.expert_count_device,
+                                        res.expert_begin_device,
+                                        ws + l.y[s]};
+          CUDA_CHECK(cudaStreamWaitEvent(compute, p->dispatched[c], 0));
+          const epx_status_t fs =
+              epx__moe_ffn(p, &rows, a->overlap, ws, a->workspace_bytes, compute);
+          keep_first(fs, &first, message, sizeof message);
+        }
+      }
+      CUDA_CHECK(cudaEventRecord(p->ffn_done[c], compute));
+    }
+    if (c >= 1 && queued[(c - 1) % 2]) {
+      /* combine chunk c-1 once its FFN is done (queued even after an FFN failure) */
+      const int ps = (c - 1) % 2;
+      CUDA_CHECK(cudaStreamWaitEvent(comm, p->ffn_done[c - 1], 0));
+      epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
+      ca.x = ws + l.y[ps];
+      ca.weighted = 1;
+      ca.out = (char *)a->out + (size_t)tok_first[ps] * H * 2;
+      keep_first(epx_combine_expand(p->groups[ps], p->handles[ps], &ca, comm), &first, message,
+                 sizeof message);
+    }
+  }
+  if (a->overlap) {
+    CUDA_CHECK(cudaEventRecord(p->comm_done, p->comm));
+    CUDA_CHECK(cudaEventRecord(p->compute_done, p->compute));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, p->comm_done, 0));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, p->compute_done, 0));
+  }
+  if (first != EPX_OK) return epx__set_error(first, "%s", message);
+  return EPX_OK;
+}

@@ -1,0 +1,94 @@
+/*
+ * test_moe_prefill_plan.c - host tests of the prefill MoE layer's pure host parts
+ * (src/moe_prefill.c): the chunk split (every token in exactly one chunk, in order, sizes
+ * within one of each other, the largest ceil(T / n)), the workspace layout (regions 256-byte
+ * aligned, disjoint, each as large as its formula, FP8 regions only with FP8 weights), and the
+ * refusals that need no GPU.
+ */
+#include <stddef.h>
+#include <string.h>
+
+#include "common/runner.h"
+#include "epx.h"
+#include "moe_prefill.h"
+
+EPX_HOST_TEST(moe_prefill_chunks_cover_the_tokens, 10) {
+  for (int T = 0; T <= 70; T++)
+    for (int n = 1; n <= EPX__MOE_MAX_CHUNKS; n++) {
+      int next = 0, largest = 0, smallest = 1 << 30;
+      for (int c = 0; c < n; c++) {
+        int first = -1, count = -1;
+        epx__moe_chunk(T, n, c, &first, &count);
+        EXPECTF(first == next && count >= 0, "T %d n %d chunk %d: first %d count %d, next %d", T, n,
+                c, first, count, next);
+        next += count;
+        if (count > largest) largest = count;
+        if (count < smallest) smallest = count;
+      }
+      EXPECTF(next == T, "T %d n %d: chunks cover %d tokens", T, n, next);
+      EXPECTF(largest == (T + n - 1) / n && largest - smallest <= 1, "T %d n %d: sizes %d..%d", T,
+              n, smallest, largest);
+    }
+  return TEST_PASS;
+}
+
+/* [a, a + n) and [b, b + m) are disjoint. */
+static int disjoint(size_t a, size_t n, size_t b, size_t m) {
+  return n == 0 || m == 0 || a + n <= b || b + m <= a;
+}
+
+EPX_HOST_TEST(moe_prefill_workspace_regions, 10) {
+  const size_t rows = 1000;
+  const int H = 7168, I = 2048;
+  for (int fp8 = 0; fp8 < 2; fp8++)
+    for (int fp32 = 0; fp32 < 2; fp32++) {
+      const epx__moe_ws_layout_t l =
+          epx__moe_ws_layout(EPX_MOE_FFN_CUBLAS, fp8, fp32, rows, H, I, 0);
+      const size_t off[] = {l.y[0], l.y[1], l.gu, l.h, l.hs, l.xq, l.xs, l.blas};
+      const size_t len[] = {rows * H * 2,
+                            rows * H * 2,
+                            rows * 2 * I * (fp8 && fp32 ? 4 : 2),
+                            rows * I * (fp8 ? 1 : 2),
+                            fp8 ? rows * (I / 128) * 4 : 0,
+                            fp8 ? rows * H : 0,
+                            fp8 ? rows * (H / 128) * 4 : 0,
+                            EPX__MOE_BLAS_WS};
+      const int n = (int)(sizeof off / sizeof off[0]);
+      for (int i = 0; i < n; i++) {
+        EXPECTF(off[i] % 256 == 0, "fp8 %d region %d at %zu", fp8, i, off[i]);
+        EXPECTF(off[i] + len[i] <= l.total, "fp8 %d region %d past the total", fp8, i);
+        for (int j = i + 1; j < n; j++)
+          EXPECTF(disjoint(off[i], len[i], off[j], len[j]), "fp8 %d regions %d and %d overlap", fp8,
+                  i, j);
+      }
+    }
+  const epx__moe_ws_layout_t e = epx__moe_ws_layout(EPX_MOE_FFN_EPX, 1, 0, rows, H, I, 12345);
+  EXPECT(e.ffn >= 2 * rows * H * 2 && e.ffn % 256 == 0 && e.ffn + 12345 <= e.total);
+  return TEST_PASS;
+}
+
+EPX_HOST_TEST(moe_prefill_refuses_without_a_gpu, 10) {
+  epx_moe_prefill_t p = (epx_moe_prefill_t)1;
+  epx_experts_t ex = EPX_EXPERTS_INIT;
+  EXPECT_STATUS(epx_moe_prefill_create(NULL, 2, &ex, NULL, &p), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "groups") != NULL);
+  EXPECT(p == NULL);
+  EXPECT_STATUS(epx_moe_prefill_create(NULL, 2, &ex, NULL, NULL), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "plan") != NULL);
+  epx_group_t g[2] = {NULL, NULL};
+  EXPECT_STATUS(epx_moe_prefill_create(g, 0, &ex, NULL, &p), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "num_groups") != NULL);
+  EXPECT_OK(epx_moe_prefill_destroy(NULL));
+  size_t bytes = 0;
+  EXPECT_STATUS(epx_moe_prefill_workspace_size(NULL, &bytes), EPX_ERR_INVALID_ARGUMENT);
+  epx_moe_prefill_info_t info = EPX_MOE_PREFILL_INFO_INIT;
+  EXPECT_STATUS(epx_moe_prefill_get_info(NULL, &info), EPX_ERR_INVALID_ARGUMENT);
+  epx_moe_prefill_args_t a = EPX_MOE_PREFILL_ARGS_INIT;
+  EXPECT_STATUS(epx_moe_prefill(NULL, &a, NULL), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "plan") != NULL);
+  /* A pointer that was never a plan is refused, not dereferenced. */
+  epx_moe_prefill_t fake = (epx_moe_prefill_t)&a;
+  EXPECT_STATUS(epx_moe_prefill(fake, &a, NULL), EPX_ERR_INVALID_USAGE);
+  EXPECT_STATUS(epx_moe_prefill_destroy(fake), EPX_ERR_INVALID_USAGE);
+  return TEST_PASS;
+}
