@@ -57,7 +57,7 @@ CFLAGS := -std=c11 -D_GNU_SOURCE $(OPT) -g -Wall -Wextra -Werror=implicit-functi
           -fPIC -fvisibility=hidden $(SAN) $(TRACE_FLAGS) $(INCLUDES)
 NVCCFLAGS := -std=c++17 $(NVCC_OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexpr \
              -Xcompiler -fPIC,-fvisibility=hidden,-Wall $(TRACE_FLAGS) $(INCLUDES)
-LDLIBS := -L$(CUDA_LIBDIR) -lcublasLt -lcublas -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
+LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
           -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
 
 LIB_C  := $(wildcard src/*.c src/*/*.c)
@@ -136,6 +136,8 @@ $(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ) $(MOE_BENCH_OBJ) $(MOE_
   $(addprefix -I,$(wildcard $(CUDA_HOME)/extras/CUPTI/include))
 $(EXPERTS_BENCH_OBJ): EXTRA_INCLUDES := -Ibench
 $(BUILD)/obj/bench/cupti_lib.o: CFLAGS += -DEPX_BENCH_CUDA_HOME='"$(CUDA_HOME)"'
+# cuBLAS is loaded at run time, first from the toolkit the library is built with (blas_lib.h).
+$(BUILD)/obj/src/blas_lib.o: CFLAGS += -DEPX_CUDA_LIBDIR='"$(CUDA_LIBDIR)"'
 
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)

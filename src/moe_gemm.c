@@ -19,43 +19,51 @@
  */
 #include <string.h>
 
+#include "blas_lib.h"
 #include "checks.h"
 #include "moe_prefill.h"
+
+/* cuBLAS's functions, loaded by the first plan's epx__moe_gemm_create (blas_lib.h). */
+static const epx__blas_t *B;
 
 static epx_status_t blas_status(cublasStatus_t st, const char *what) {
   if (st == CUBLAS_STATUS_SUCCESS) return EPX_OK;
   return epx__set_error(EPX_ERR_CUDA, "epx_moe_prefill: %s failed: %s", what,
-                        cublasGetStatusName(st));
+                        B->cublasGetStatusName(st));
 }
 #define BLAS_CHECK(call) EPX_CHECK(blas_status((call), #call))
 
 epx_status_t epx__moe_gemm_create(epx_moe_prefill_t p) {
-  BLAS_CHECK(cublasCreate(&p->blas));
-  BLAS_CHECK(cublasSetMathMode(
+  const char *why = NULL;
+  if (!(B = epx__blas_load(&why)))
+    return epx__set_error(EPX_ERR_UNSUPPORTED, "epx_moe_prefill: cuBLAS could not be loaded: %s",
+                          why);
+  BLAS_CHECK(B->cublasCreate(&p->blas));
+  BLAS_CHECK(B->cublasSetMathMode(
       p->blas, CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
   if (p->experts.weight_dtype != EPX_DTYPE_FP8_E4M3) return EPX_OK;
-  BLAS_CHECK(cublasLtCreate(&p->lt));
+  BLAS_CHECK(B->cublasLtCreate(&p->lt));
   for (int which = 0; which < 2; which++) {
-    BLAS_CHECK(cublasLtMatmulDescCreate(&p->lt_desc[which], CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    BLAS_CHECK(B->cublasLtMatmulDescCreate(&p->lt_desc[which], CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
                   mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     cublasLtMatmulDesc_t d = p->lt_desc[which];
-    BLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    BLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    BLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a,
-                                              sizeof mode_a));
-    BLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b,
-                                              sizeof mode_b));
+    BLAS_CHECK(B->cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    BLAS_CHECK(B->cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    BLAS_CHECK(B->cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a,
+                                                 sizeof mode_a));
+    BLAS_CHECK(B->cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b,
+                                                 sizeof mode_b));
   }
   return EPX_OK;
 }
 
 void epx__moe_gemm_destroy(epx_moe_prefill_t p) {
   for (int which = 0; which < 2; which++)
-    if (p->lt_desc[which]) cublasLtMatmulDescDestroy(p->lt_desc[which]);
-  if (p->lt) cublasLtDestroy(p->lt);
-  if (p->blas) cublasDestroy(p->blas);
+    if (p->lt_desc[which]) B->cublasLtMatmulDescDestroy(p->lt_desc[which]);
+  if (p->lt) B->cublasLtDestroy(p->lt);
+  if (p->blas) B->cublasDestroy(p->blas);
   p->lt_desc[0] = p->lt_desc[1] = NULL;
   p->lt = NULL;
   p->blas = NULL;
@@ -65,11 +73,11 @@ epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *
                                 int k, int rows, int sm_target, cudaStream_t stream) {
   if (rows <= 0) return EPX_OK;
   const float one = 1.f, zero = 0.f;
-  BLAS_CHECK(cublasSetStream(p->blas, stream));
-  BLAS_CHECK(cublasSetSmCountTarget(p->blas, sm_target));
-  BLAS_CHECK(cublasGemmEx(p->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k, x,
-                          CUDA_R_16BF, k, &zero, y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                          CUBLAS_GEMM_DEFAULT));
+  BLAS_CHECK(B->cublasSetStream(p->blas, stream));
+  BLAS_CHECK(B->cublasSetSmCountTarget(p->blas, sm_target));
+  BLAS_CHECK(B->cublasGemmEx(p->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k,
+                             x, CUDA_R_16BF, k, &zero, y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT));
   return EPX_OK;
 }
 
@@ -89,23 +97,23 @@ typedef struct {
 } layouts_t;
 
 static void layouts_destroy(layouts_t *l) {
-  if (l->a) cublasLtMatrixLayoutDestroy(l->a);
-  if (l->b) cublasLtMatrixLayoutDestroy(l->b);
-  if (l->d) cublasLtMatrixLayoutDestroy(l->d);
+  if (l->a) B->cublasLtMatrixLayoutDestroy(l->a);
+  if (l->b) B->cublasLtMatrixLayoutDestroy(l->b);
+  if (l->d) B->cublasLtMatrixLayoutDestroy(l->d);
   memset(l, 0, sizeof *l);
 }
 
 static epx_status_t layouts_make(epx_moe_prefill_t p, int which, int n, int k, int rows,
                                  layouts_t *l) {
   memset(l, 0, sizeof *l);
-  epx_status_t st = blas_status(cublasLtMatrixLayoutCreate(&l->a, CUDA_R_8F_E4M3, k, n, k),
-                                "cublasLtMatrixLayoutCreate(A)");
+  epx_status_t st = blas_status(B->cublasLtMatrixLayoutCreate(&l->a, CUDA_R_8F_E4M3, k, n, k),
+                                "B->cublasLtMatrixLayoutCreate(A)");
   if (st == EPX_OK)
-    st = blas_status(cublasLtMatrixLayoutCreate(&l->b, CUDA_R_8F_E4M3, k, rows, k),
-                     "cublasLtMatrixLayoutCreate(B)");
+    st = blas_status(B->cublasLtMatrixLayoutCreate(&l->b, CUDA_R_8F_E4M3, k, rows, k),
+                     "B->cublasLtMatrixLayoutCreate(B)");
   if (st == EPX_OK)
-    st = blas_status(cublasLtMatrixLayoutCreate(&l->d, out_type(p, which), n, rows, n),
-                     "cublasLtMatrixLayoutCreate(D)");
+    st = blas_status(B->cublasLtMatrixLayoutCreate(&l->d, out_type(p, which), n, rows, n),
+                     "B->cublasLtMatrixLayoutCreate(D)");
   if (st != EPX_OK) layouts_destroy(l);
   return st;
 }
@@ -114,19 +122,19 @@ static epx_status_t layouts_make(epx_moe_prefill_t p, int which, int n, int k, i
 static int heuristic(epx_moe_prefill_t p, int which, const layouts_t *l, int sm_target,
                      cublasLtMatmulAlgo_t *algo) {
   cublasLtMatmulPreference_t pref = NULL;
-  if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return 0;
+  if (B->cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return 0;
   const size_t ws = EPX__MOE_BLAS_WS;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                       sizeof ws);
+  B->cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                          sizeof ws);
   const int32_t sms = sm_target;
-  cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms,
-                                 sizeof sms);
+  B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms,
+                                    sizeof sms);
   cublasLtMatmulHeuristicResult_t res;
   int found = 0;
   memset(&res, 0, sizeof res);
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(p->lt, p->lt_desc[which], l->a, l->b,
-                                                           l->d, l->d, pref, 1, &res, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  const cublasStatus_t st = B->cublasLtMatmulAlgoGetHeuristic(p->lt, p->lt_desc[which], l->a, l->b,
+                                                              l->d, l->d, pref, 1, &res, &found);
+  B->cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found < 1 || res.state != CUBLAS_STATUS_SUCCESS) return 0;
   *algo = res.algo;
   return 1;
@@ -157,13 +165,13 @@ epx_status_t epx__moe_gemm_fp8(epx_moe_prefill_t p, int which, const void *w, co
                                int rows, int sm_target, void *blas_ws, cudaStream_t stream) {
   if (rows <= 0) return EPX_OK;
   cublasLtMatmulDesc_t d = p->lt_desc[which];
-  BLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales,
-                                            sizeof w_scales));
-  BLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales,
-                                            sizeof x_scales));
+  BLAS_CHECK(B->cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales,
+                                               sizeof w_scales));
+  BLAS_CHECK(B->cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales,
+                                               sizeof x_scales));
   const int32_t sms = sm_target;
   BLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
+      B->cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
   layouts_t l;
   EPX_CHECK(layouts_make(p, which, n, k, rows, &l));
   const int bucket = bucket_of(rows) * 2 + (sm_target != 0); /* overlapped calls apart */
@@ -177,8 +185,8 @@ epx_status_t epx__moe_gemm_fp8(epx_moe_prefill_t p, int which, const void *w, co
       slot->bucket = bucket;
       if (!slot->valid) break;
     }
-    st = cublasLtMatmul(p->lt, d, &one, w, l.a, x, l.b, &zero, y, l.d, y, l.d, &slot->algo, blas_ws,
-                        EPX__MOE_BLAS_WS, stream);
+    st = B->cublasLtMatmul(p->lt, d, &one, w, l.a, x, l.b, &zero, y, l.d, y, l.d, &slot->algo,
+                           blas_ws, EPX__MOE_BLAS_WS, stream);
     if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE) break;
   }
   layouts_destroy(&l);

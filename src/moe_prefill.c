@@ -173,7 +173,7 @@ static epx_status_t repack_scales(const float *src, int E, int n, int k, float *
 
 /* Which backend runs the FFN, and the gate/up output type of FP8 cuBLASLt. */
 static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int asked) {
-  p->backend = asked == EPX_MOE_FFN_EPX ? EPX_MOE_FFN_EPX : EPX_MOE_FFN_CUBLAS;
+  p->backend = asked == EPX_MOE_FFN_EPX || p->no_blas ? EPX_MOE_FFN_EPX : EPX_MOE_FFN_CUBLAS;
   if (p->backend == EPX_MOE_FFN_EPX || p->experts.weight_dtype != EPX_DTYPE_FP8_E4M3) return EPX_OK;
   p->gu_fp32 = 1; /* closest to the oracle: h from float32 gate and up */
   int ok = epx__moe_lt_supported(p, 0);
@@ -194,7 +194,7 @@ static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int aske
   return EPX_OK;
 }
 
-static epx_status_t plan_build(const char *fn, epx_moe_prefill_t p) {
+static epx_status_t plan_build(const char *fn, epx_moe_prefill_t p, int asked) {
   int least = 0, greatest = 0;
   CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   /* Communication first when both streams have blocks waiting: its kernels are few and short,
@@ -220,8 +220,13 @@ static epx_status_t plan_build(const char *fn, epx_moe_prefill_t p) {
     st = CUDA_STATUS(cudaMemcpy(p->ones, host, n_ones * sizeof(float), cudaMemcpyHostToDevice));
   free(host);
   EPX_CHECK(st);
-  EPX_CHECK(epx__moe_gemm_create(p));
-  return EPX_OK;
+  st = epx__moe_gemm_create(p);
+  /* No cuBLAS on this machine: AUTO runs EPX's own FFN (choose_backend); CUBLAS fails here. */
+  if (st == EPX_ERR_UNSUPPORTED && asked != EPX_MOE_FFN_CUBLAS) {
+    p->no_blas = 1;
+    return EPX_OK;
+  }
+  return st;
 }
 
 EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int num_groups,
@@ -269,7 +274,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   p->device_sms = g->num_device_sms;
   p->gemm_sms = cfg.gemm_sms ? cfg.gemm_sms : g->num_device_sms - g->config.num_sms;
   if (p->gemm_sms < 1) p->gemm_sms = 1;
-  epx_status_t st = plan_build(fn, p);
+  epx_status_t st = plan_build(fn, p, cfg.ffn_backend);
   if (st == EPX_OK) st = choose_backend(fn, p, cfg.ffn_backend);
   if (st == EPX_OK && p->backend == EPX_MOE_FFN_EPX)
     st = epx_experts_ffn_workspace_size(experts, (int)p->rows, EPX_DTYPE_BF16, &p->ffn_bytes);

@@ -59,6 +59,7 @@ struct epx_moe_prefill {
   epx_experts_t experts; /* this rank's weights (referenced) */
   int L, H, I, K, R;
   int num_chunks, backend, gemm_sms, device_sms, gu_fp32;
+  int no_blas; /* cuBLAS could not be loaded (blas_lib.h): the EPX backend runs the FFN */
   size_t rows; /* config.expand_max_rows */
   size_t ffn_bytes;
   cudaStream_t comm, compute;
