@@ -977,7 +977,8 @@ typedef struct epx_moe_prefill_info {
  * handles on the current GPU (the groups' GPU), and with FP8 weights on cuBLASLt copies the
  * weights' block scales into the layout cuBLASLt reads (synchronizes the device once).
  *   groups     - [IN] num_groups groups of identical configs with EPX_MODE_NORMAL, BF16 and
- *                config.expand_max_rows > 0 (see epx_moe_prefill for what it must hold). Two
+ *                config.expand_max_rows >= R x max_tokens_per_rank x min(K, E/R) + 3 x E/R
+ *                (room for any routing at the layer's alignment 4; less is refused). Two
  *                groups are needed for overlapped calls; with one, only chain calls run. The
  *                plan keeps them: destroy the plan before them. No other call may use them while
  *                a layer call is in flight.
@@ -1038,7 +1039,8 @@ typedef struct epx_moe_prefill_args {
  * is queued too (a GEMM failure is returned after the combines).
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument, or a chunk's rows
  * past config.expand_max_rows (as epx_dispatch_expand); EPX_ERR_INVALID_USAGE (overlap with a
- * one-group plan); EPX_ERR_TIMEOUT as epx_dispatch_expand; EPX_ERR_CUDA (cuBLAS failures are
+ * one-group plan; a stream being captured); EPX_ERR_TIMEOUT as epx_dispatch_expand;
+ * EPX_ERR_CUDA (cuBLAS failures are
  * reported as EPX_ERR_CUDA with cuBLAS's status named). */
 epx_status_t epx_moe_prefill(epx_moe_prefill_t plan, const epx_moe_prefill_args_t *args,
                              cudaStream_t stream);

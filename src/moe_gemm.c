@@ -144,6 +144,13 @@ int epx__moe_lt_supported(epx_moe_prefill_t p, int which) {
   const int n = which == 0 ? 2 * p->I : p->H, k = which == 0 ? p->H : p->I;
   layouts_t l;
   if (layouts_make(p, which, n, k, 256, &l) != EPX_OK) return 0;
+  /* cuBLASLt refuses block-scale modes without scale pointers at the heuristic step: any valid,
+   * aligned device address will do for the probe (the calls set the real ones). */
+  const void *probe = p->ones;
+  B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &probe,
+                                    sizeof probe);
+  B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &probe,
+                                    sizeof probe);
   cublasLtMatmulAlgo_t algo;
   const int ok = heuristic(p, which, &l, 0, &algo);
   layouts_destroy(&l);

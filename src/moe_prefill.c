@@ -110,7 +110,20 @@ static epx_status_t check_group(const char *fn, const epx_group_t *groups, int i
                           "%s: groups[%d] has config.expand_max_rows = 0 (the layer dispatches "
                           "into the expert-major layout); set it at epx_group_create",
                           fn, i);
-  if (i == 0) return EPX_OK;
+  if (i == 0) {
+    /* Room for any routing: every (token, local expert) pair of every source, and each expert's
+     * alignment padding. Less would fail the dispatch on one receiving rank only. */
+    const epx_group_config_t *c = &g->config;
+    const int L = c->num_experts / g->num_ranks, per = c->top_k < L ? c->top_k : L;
+    const long long need = (long long)g->num_ranks * c->max_tokens_per_rank * per +
+                           (long long)(EPX__MOE_ALIGN - 1) * L;
+    EPX_ARG_CHECK(c->expand_max_rows >= need,
+                  "%s: groups[0] has config.expand_max_rows = %d: the layer needs at least %lld "
+                  "(ranks x max_tokens_per_rank x min(top_k, local experts) + %d x local "
+                  "experts of alignment padding)",
+                  fn, c->expand_max_rows, need, EPX__MOE_ALIGN - 1);
+    return EPX_OK;
+  }
   const epx_group_config_t *a = &groups[0]->config, *b = &g->config;
   EPX_ARG_CHECK(g != groups[0], "%s: groups[1] = groups[0]: two distinct groups are needed", fn);
   EPX_ARG_CHECK(g->num_ranks == groups[0]->num_ranks && g->rank == groups[0]->rank &&
@@ -446,8 +459,16 @@ epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t 
 /* ------------------------------------------------------------------------------------------ */
 
 static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,
-                               const epx__moe_ws_layout_t *l) {
+                               const epx__moe_ws_layout_t *l, cudaStream_t stream) {
   EPX_CHECK(epx__check_not_null(fn, "args", a));
+  enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "%s: the stream is being captured; the prefill layer waits on the host "
+                          "for each chunk's counts (cuBLAS takes host sizes), so it cannot be "
+                          "captured (epx_moe_decode can)",
+                          fn);
   EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_moe_prefill_args_t),
                                    "EPX_MOE_PREFILL_ARGS_INIT"));
   EPX_CHECK(epx__check_flag(fn, "args->overlap", a->overlap));
@@ -462,7 +483,8 @@ static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_mo
   EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
   if (a->num_tokens > 0) {
     EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
-    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_idx", a->topk_idx, 8));
+    EPX_CHECK(epx__check_device_ptr(fn, "args->topk_idx", a->topk_idx,
+                                    (int)epx__index_bytes(a->topk_idx_dtype)));
     if (a->topk_weights)
       EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
     EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));
@@ -489,7 +511,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
   static const char fn[] = "epx_moe_prefill";
   EPX_CHECK(plan_check(fn, p));
   const epx__moe_ws_layout_t l = layout_of(p);
-  EPX_CHECK(check_call(fn, p, a, &l));
+  EPX_CHECK(check_call(fn, p, a, &l, stream));
   const int n = a->overlap ? p->num_chunks : 1, L = p->L, H = p->H, K = p->K;
   /* Chain: every step on the caller's stream. Overlapped: the plan's two streams, after and
    * before the caller's. */
@@ -526,7 +548,8 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
       p->handles[s]->expand = 0; /* set again by the dispatch once everything is queued */
       const epx_status_t st = epx_dispatch_expand(p->groups[s], p->handles[s], &d, &res, comm);
       keep_first(st, &first, message, sizeof message);
-      CUDA_CHECK(cudaEventRecord(p->dispatched[c], comm));
+      keep_first(CUDA_STATUS(cudaEventRecord(p->dispatched[c], comm)), &first, message,
+                 sizeof message);
       queued[s] = p->handles[s]->expand;
       tok_first[s] = t0;
       if (st == EPX_OK) { /* queue chunk c's FFN once the rows are in */
@@ -548,18 +571,22 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
                                         res.expert_count_device,
                                         res.expert_begin_device,
                                         ws + l.y[s]};
-          CUDA_CHECK(cudaStreamWaitEvent(compute, p->dispatched[c], 0));
-          const epx_status_t fs =
-              epx__moe_ffn(p, &rows, a->overlap, ws, a->workspace_bytes, compute);
-          keep_first(fs, &first, message, sizeof message);
+          /* Without the wait the FFN would read rows still arriving: skip it then. */
+          const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(compute, p->dispatched[c], 0));
+          keep_first(ws_st, &first, message, sizeof message);
+          if (ws_st == EPX_OK)
+            keep_first(epx__moe_ffn(p, &rows, a->overlap, ws, a->workspace_bytes, compute), &first,
+                       message, sizeof message);
         }
       }
-      CUDA_CHECK(cudaEventRecord(p->ffn_done[c], compute));
+      keep_first(CUDA_STATUS(cudaEventRecord(p->ffn_done[c], compute)), &first, message,
+                 sizeof message);
     }
     if (c >= 1 && queued[(c - 1) % 2]) {
       /* combine chunk c-1 once its FFN is done (queued even after an FFN failure) */
       const int ps = (c - 1) % 2;
-      CUDA_CHECK(cudaStreamWaitEvent(comm, p->ffn_done[c - 1], 0));
+      keep_first(CUDA_STATUS(cudaStreamWaitEvent(comm, p->ffn_done[c - 1], 0)), &first, message,
+                 sizeof message);
       epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
       ca.x = ws + l.y[ps];
       ca.weighted = 1;

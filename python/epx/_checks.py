@@ -106,6 +106,18 @@ def _scale_strides(x_scales):
     return st, sg
 
 
+def check_combine_expand_args(dims, num_tokens, num_rows, x, out=None):
+    """Checks combine_expand's tensors: x [>= num_rows, H] bf16 (num_rows -1: unknown on the
+    host), out [T, H] bf16 or None."""
+    torch = _torch()
+    fn, dev, H = "Group.combine_expand", _where(dims), dims.hidden
+    check_tensor(fn, "x", x, torch.bfloat16, ("num_rows", H), **dev, align=16)
+    if num_rows is not None and num_rows >= 0 and x.shape[0] < num_rows:
+        raise invalid_argument("%s: x: expected at least %d rows (the dispatch's num_rows), got "
+                               "%d" % (fn, num_rows, x.shape[0]))
+    check_optional(fn, "out", out, torch.bfloat16, (num_tokens, H), **dev, align=16)
+
+
 def check_combine_args(dims, num_tokens, num_recv, x, out=None, topk_idx=None,
                        topk_weights=None, recv_topk_weights=None, bias=None):
     """Checks combine's tensors; returns bias as a pair (each a tensor or None)."""

@@ -84,6 +84,7 @@ class Handle:
         self.num_tokens = None  # of the dispatch that filled it (None: no dispatch yet)
         self.num_recv = -1  # its receive count when known on the host
         self.num_worst_tokens = 0
+        self.num_rows = -1  # expert-major rows of its dispatch_expand, when known on the host
         self._recv_x_ptr = self._recv_weights_ptr = None
 
     def _ptr(self, fn):

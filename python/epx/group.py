@@ -21,6 +21,7 @@ import os
 from . import _capi, _nccl, _tensors, errors
 from ._capi import lib
 from ._checks import (Dims, _scale_strides, check_cached_args, check_combine_args,  # noqa: F401
+                      check_combine_expand_args,
                       check_dispatch_args, check_layout_args, check_ll_combine_args,
                       check_ll_dispatch_args, check_scales)
 from ._config import (DTYPE_NAMES, LL_ROUTE_NAMES, MODE_NAMES, config_dict,  # noqa: F401
@@ -340,10 +341,15 @@ class Group:
         if per_expert is not None:
             a.num_recv_per_expert = ctypes.addressof(per_expert)
         r = _capi.epx_dispatch_expand_result_t()
-        self._call(lib.epx_dispatch_expand(self._ptr(fn), hptr, ctypes.byref(a), ctypes.byref(r),
-                                           _stream_ptr(stream)))
-        h.num_tokens, h.num_recv, h.num_worst_tokens = T, r.num_recv, 0
-        h._recv_x_ptr = r.recv_x
+        status = lib.epx_dispatch_expand(self._ptr(fn), hptr, ctypes.byref(a), ctypes.byref(r),
+                                         _stream_ptr(stream))
+        if r.capacity > 0:
+            # C filled the result, so the call was queued (even if it then reported an error:
+            # rows past the capacity, a count timeout) and a combine_expand must follow on
+            # every rank: the handle describes this dispatch either way.
+            h.num_tokens, h.num_recv, h.num_worst_tokens = T, r.num_recv, 0
+            h.num_rows, h._recv_x_ptr = r.num_rows, r.recv_x
+        self._call(status)
         H, K, R, cap = self._dims.hidden, self._dims.top_k, self.num_ranks, r.capacity
         n = r.num_rows if r.num_rows >= 0 else cap
         i32 = torch.int32
@@ -382,13 +388,8 @@ class Group:
             raise errors.EpxInvalidUsage(errors.EPX_ERR_INVALID_USAGE,
                                          "%s: the handle holds no routing yet; call "
                                          "Group.dispatch_expand first" % fn)
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self._dims.hidden \
-                or not x.is_contiguous() or (x.numel() and x.device != self.device):
-            raise invalid_argument("%s: x: expected a contiguous [rows, %d] torch.bfloat16 "
-                                   "tensor on %s, got %s %s on %s" % (
-                                       fn, self._dims.hidden, self.device, x.dtype,
-                                       tuple(x.shape), x.device))
         T = h.num_tokens
+        check_combine_expand_args(self._dims, T, h.num_rows, x, out)
         if out is None:
             out = torch.empty((T, self._dims.hidden), dtype=torch.bfloat16, device=self.device)
         a = _capi.EPX_COMBINE_EXPAND_ARGS_INIT()

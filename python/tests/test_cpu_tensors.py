@@ -119,6 +119,12 @@ FP8 = torch.float8_e4m3fn
      "Group.combine: bias: expected a tensor or a pair, got 3 tensors"),
     (lambda: G.check_combine_args(CPU, T, -1, bf16(6, 256), bias=(bf16(T, 256), bf16(4, 256))),
      "Group.combine: bias[1]: expected shape [5, 256], got [4, 256]"),
+    (lambda: G.check_combine_expand_args(CPU, T, 9, bf16(8, 256)),
+     "Group.combine_expand: x: expected at least 9 rows (the dispatch's num_rows), got 8"),
+    (lambda: G.check_combine_expand_args(CPU, T, -1, bf16(8, 128)),
+     "Group.combine_expand: x: expected shape [num_rows, 256], got [8, 128]"),
+    (lambda: G.check_combine_expand_args(CPU, T, 8, bf16(8, 256), out=bf16(T + 1, 256)),
+     "Group.combine_expand: out: expected shape [5, 256], got [6, 256]"),
     (lambda: G.check_ll_dispatch_args(CPU, bf16(T, 256).to(FP8), idx()),
      "Group.ll_dispatch: x: expected dtype torch.bfloat16, got torch.float8_e4m3fn"),
     (lambda: G.check_ll_dispatch_args(CPU, bf16(T, 256), idx(t=4)),
@@ -148,6 +154,8 @@ def test_well_formed_arguments_pass_every_other_check():
     assert G.check_cached_args(CPU, T, x.to(torch.float8_e4m3fn), packed)[2] == \
         _capi.EPX_DTYPE_INT32
     assert G.check_combine_args(CPU, T, 6, bf16(6, 256), bias=bf16(T, 256))[1] is None
+    G.check_combine_expand_args(CPU, T, 6, bf16(6, 256), bf16(T, 256))
+    G.check_combine_expand_args(CPU, T, -1, bf16(0, 256))
     assert G.check_ll_dispatch_args(CPU, x, i.int(), w) == T
     G.check_ll_combine_args(CPU, T, 16, bf16(4, 16, 256), bf16(T, 256), w)
 

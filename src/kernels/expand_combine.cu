@@ -31,7 +31,9 @@ static_assert(EPX_MAX_TOP_K <= 32, "lane k holds list entry k");
 
 namespace epx::normal {
 
-__global__ void __launch_bounds__(kThreads)
+/* Two blocks per SM (64 registers a thread): the reduce is latency-bound, warps in flight are
+ * what it needs. */
+__global__ void __launch_bounds__(kThreads, 2)
     expand_reduce(epx__kernel_ctx_t ctx, epx__expand_reduce_launch_args_t a) {
   const int lane = threadIdx.x % 32, K = a.top_k, n16 = a.hidden * 2 / 16;
   const int num_recv = a.meta->aborted ? 0 : a.meta->num_recv;
@@ -43,31 +45,33 @@ __global__ void __launch_bounds__(kThreads)
   int4 *partial = (int4 *)a.partial;
   const int warps = gridDim.x * kWarps;
   const uint64_t t_start = epx::trace_begin(ctx);
-  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < num_recv; i += warps) {
-    int row = lane < K ? token_rows[(size_t)i * K + lane] : -1;
-    float w = 1.f;
-    if (a.weighted && row >= 0) w = weights[row];
-    const unsigned rows = __ballot_sync(kFull, row >= 0);
-    /* Every lane holds every entry: the loop below runs only as far as each lane's words. */
-    int r_of[EPX_MAX_TOP_K];
-    float w_of[EPX_MAX_TOP_K];
-#pragma unroll
-    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
-      r_of[k] = __shfl_sync(kFull, row, k);
-      w_of[k] = __shfl_sync(kFull, w, k);
+  /* The warp's token's list and weights, read by every lane from shared memory (a register
+   * copy of all EPX_MAX_TOP_K entries spilled under the two-blocks-per-SM register cap). */
+  __shared__ int list_row[kWarps][EPX_MAX_TOP_K];
+  __shared__ float list_w[kWarps][EPX_MAX_TOP_K];
+  const int warp = threadIdx.x / 32;
+  for (int i = blockIdx.x * kWarps + warp; i < num_recv; i += warps) {
+    if (lane < K) {
+      const int row = token_rows[(size_t)i * K + lane];
+      list_row[warp][lane] = row;
+      list_w[warp][lane] = a.weighted && row >= 0 ? weights[row] : 1.f;
     }
+    __syncwarp();
     for (int c = lane; c < n16; c += 32) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < EPX_MAX_TOP_K; k++) { /* list entries ascending: rows ascending */
-        if (!((rows >> k) & 1u)) continue;
+#pragma unroll 4
+      for (int k = 0; k < K; k++) { /* list entries ascending: rows ascending */
+        const int r = list_row[warp][k];
+        if (r < 0) continue;
+        const float w = list_w[warp][k];
         float f[8];
-        epx::bf16x8_to_float(y[(size_t)r_of[k] * n16 + c], f);
+        epx::bf16x8_to_float(y[(size_t)r * n16 + c], f);
 #pragma unroll
-        for (int q = 0; q < 8; q++) acc[q] = __fadd_rn(acc[q], __fmul_rn(w_of[k], f[q]));
+        for (int q = 0; q < 8; q++) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, f[q]));
       }
       partial[(size_t)i * n16 + c] = epx::float8_to_bf16x8(acc);
     }
+    __syncwarp(); /* every lane is done with this token's list before the next overwrites it */
   }
   if (threadIdx.x == 0) epx::trace_end(ctx, t_start, EPX_TRACE_COMBINE_REDUCE, num_recv);
 }

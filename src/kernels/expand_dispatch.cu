@@ -223,13 +223,15 @@ __global__ void __launch_bounds__(kThreads)
   const int num_recv = meta->aborted ? 0 : meta->num_recv;
   const int lane = threadIdx.x % 32, K = fa.top_k, n16 = fa.row_bytes / 16;
   const epx__ws_layout_t &L = ctx.layout;
+  const int cap = (int)L.expand_rows;
   char *base = ctx.peer_base[ctx.rank] + L.normal_offset;
   const int *token_rows = (const int *)(base + L.expand_token_rows_offset);
   int4 *x = (int4 *)(base + L.expand_x_offset);
   uint32_t *scales = (uint32_t *)(base + L.expand_scales_offset);
   const int warps = gridDim.x * kWarps;
   for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < num_recv; i += warps) {
-    const int row = lane < K ? token_rows[(size_t)i * K + lane] : -1;
+    int row = lane < K ? token_rows[(size_t)i * K + lane] : -1;
+    if (row >= cap) row = -1; /* never past the buffer, even reading a list a late peer left */
     const int first = __shfl_sync(kFull, row, 0);
     const unsigned others = __ballot_sync(kFull, row >= 0) & ~1u;
     if (first < 0 || others == 0) continue;

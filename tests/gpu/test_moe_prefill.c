@@ -83,6 +83,13 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
     printf("  %s: backend %s, %d chunks, gate/up out %s, workspace %zu bytes\n", c->name,
            info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cuBLAS" : "EPX", info.num_chunks,
            info.gate_up_out_fp32 ? "float32" : "BF16", info.workspace_bytes);
+  /* AUTO must pick cuBLAS(Lt) on the lent machines (Hopper, CUDA 13): a silent fallback to
+   * EPX's FFN would pass every check below and leave the cuBLASLt path unrun. */
+  if (c->backend == EPX_MOE_FFN_AUTO)
+    EXPECTF(info.ffn_backend == EPX_MOE_FFN_CUBLAS,
+            "%s: EPX_MOE_FFN_AUTO chose EPX's FFN: cuBLAS%s is missing or has no kernel for these "
+            "scale modes (epx_last_error after create: %s)",
+            c->name, c->fp8_weights ? "Lt" : "", epx_last_error());
   if (world_dev_make(&f->w, t->rank, 1, &f->d) != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_moe_prefill_workspace_size(f->plan, &f->ws_bytes));
   EXPECT(f->ws_bytes == info.workspace_bytes);
@@ -292,6 +299,12 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
   if (experts_data_make(4, 256, 128, 0, 1, &rng, &e1) != TEST_PASS) return TEST_FAIL;
   EXPECT_REFUSED(epx_moe_prefill_create(&g, 1, &e1.dev, NULL, &p), EPX_ERR_INVALID_USAGE,
                  "expand_max_rows");
+  EXPECT_OK(epx_group_destroy(g));
+  /* Expert-major rows too few for some routing: refused at creation, not at a call. */
+  cfg.expand_max_rows = 1;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_REFUSED(epx_moe_prefill_create(&g, 1, &e1.dev, NULL, &p), EPX_ERR_INVALID_ARGUMENT,
+                 "expand_max_rows = 1");
   experts_data_free(&e1);
   EXPECT_OK(epx_group_destroy(g));
   return TEST_PASS;
