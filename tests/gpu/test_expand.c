@@ -8,7 +8,8 @@
  * (rank, row, channel), expert_output below).
  *
  *   test                        what
- *   expand_cases                rows bit for bit (payload BF16 or FP8 + scales, source rank,
+ *   expand_cases                rows bit for bit (payload BF16 or FP8 + scales, contiguous or
+ *                               column-major on the sender; source rank,
  *                               token, slot, weight), padding rows (-1, weight 0), segment
  *                               begins and counts (device and host), num_rows, each received
  *                               token's row list; combine weighted and unweighted bit for bit;
@@ -214,9 +215,26 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
   a.sync_counts = sync;
   int counts[EPX_MAX_EXPERTS];
   a.num_recv_per_expert = sync ? counts : NULL;
+  /* fp8 2: the same scales column-major ([H/128, T], strides 1 and T): the strided path of the
+   * sender and the receiver's fan-out of the scale words it delivered. */
+  float *sc_cm = NULL;
+  const int T = w->ranks[me].num_tokens, G = w->H / 128;
+  if (fp8 == 2 && T > 0) {
+    float *host = malloc(sizeof(float) * (size_t)T * G);
+    EXPECT(host != NULL);
+    for (int i = 0; i < T; i++)
+      for (int k = 0; k < G; k++) host[(size_t)k * T + i] = w->sc[me][(size_t)i * G + k];
+    EXPECT_CUDA(cudaMalloc((void **)&sc_cm, sizeof(float) * (size_t)T * G));
+    EXPECT_CUDA(cudaMemcpy(sc_cm, host, sizeof(float) * (size_t)T * G, cudaMemcpyHostToDevice));
+    free(host);
+    a.x_scales = sc_cm;
+    a.x_scales_stride_token = 1;
+    a.x_scales_stride_group = T;
+  }
   epx_dispatch_expand_result_t res;
   EXPECT_OK(epx_dispatch_expand(g, h, &a, &res, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  EXPECT_CUDA(cudaFree(sc_cm));
   if (!sync) EXPECT_EQ_INT(res.num_rows, -1);
   EXPECT_EQ_INT(res.num_local_experts, w->L);
   if (!sync) { /* the plain count, for check_token_rows */
@@ -224,7 +242,7 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
         cudaMemcpy(&res.num_recv, res.num_recv_device, sizeof(int), cudaMemcpyDeviceToHost));
   }
   const int ref_align = align ? align : 1;
-  if (check_expand_recv(w, me, &res, fp8, ref_align, counts, sync, label) != TEST_PASS)
+  if (check_expand_recv(w, me, &res, fp8 != 0, ref_align, counts, sync, label) != TEST_PASS)
     return TEST_FAIL;
   return combine_and_check(t, g, h, w, d, ref_align, label);
 }
@@ -272,7 +290,7 @@ static int run_case(epx_test_rank_t *t, const expand_case_t *c, uint64_t *rng) {
   return TEST_PASS;
 }
 
-/*   name  {T_max  H  E  K  routing  T  empty_rank}  fp8  no_weights */
+/*   name  {T_max  H  E  K  routing  T  empty_rank}  fp8 (2: column-major scales)  no_weights */
 static const expand_case_t kCases[] = {
     {"uniform", {64, 256, 32, 4, ROUTE_UNIFORM, -1, -1}, 0, 0},
     {"uniform fp8", {64, 256, 32, 4, ROUTE_UNIFORM, -1, -1}, 1, 0},
@@ -280,6 +298,7 @@ static const expand_case_t kCases[] = {
     {"holes", {80, 128, 16, 4, ROUTE_HOLES, -1, -1}, 0, 0},
     {"duplicates", {80, 128, 16, 6, ROUTE_DUPLICATES, -1, -1}, 0, 0},
     {"duplicates fp8", {80, 256, 16, 6, ROUTE_DUPLICATES, -1, -1}, 1, 0},
+    {"duplicates fp8, column-major scales", {80, 384, 16, 6, ROUTE_DUPLICATES, -1, -1}, 2, 0},
     {"all to one expert", {96, 128, 16, 4, ROUTE_ONE_EXPERT, 96, -1}, 0, 0},
     {"all empty", {32, 128, 16, 4, ROUTE_EMPTY, 32, -1}, 0, 0},
     {"rank 0's experts only", {64, 128, 16, 4, ROUTE_ONE_RANK, -1, -1}, 0, 0},
