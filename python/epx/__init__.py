@@ -21,6 +21,7 @@ from .errors import (AsyncError, EpxCudaError, EpxError, EpxInternalError,  # no
 from .group import (DispatchResult, ExpandResult, Group, Handle, Hook, Layout,  # noqa: E402
                     LLDispatchResult, workspace_size)
 from .experts import Experts  # noqa: E402
+from .moe_prefill import MoePrefill  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -41,8 +42,9 @@ def nccl_version():
 
 
 __all__ = [
-    "AsyncError", "DispatchResult", "EpxCudaError", "ExpandResult", "Experts", "EpxError", "EpxInternalError",
+    "AsyncError", "DispatchResult", "EpxCudaError", "EpxError", "EpxInternalError",
     "EpxInvalidArgument", "EpxInvalidUsage", "EpxNcclError", "EpxPeerFailed", "EpxSystemError",
-    "EpxTimeout", "EpxUnsupported", "Group", "Handle", "Hook", "Layout", "LLDispatchResult",
-    "error_for", "errors", "nccl_version", "version", "workspace_size",
+    "EpxTimeout", "EpxUnsupported", "ExpandResult", "Experts", "Group", "Handle", "Hook",
+    "Layout", "LLDispatchResult", "MoePrefill", "error_for", "errors", "nccl_version", "version",
+    "workspace_size",
 ]

@@ -20,6 +20,8 @@ many sections on one EPX group; spawning costs ~10 s, so checks are grouped per 
                  num_worst_tokens (N rows, ids -1 and weights 0 in the tail), each then combined
     rank mask    is_token_in_rank + num_tokens_per_expert routing, no ids; combine
     adversarial  all tokens to one expert, -1 slots, duplicated experts, a rank with 0 tokens
+    moe prefill  epx.MoePrefill (two groups with expand_max_rows, BF16 experts): chain and
+                 overlapped layer against a plain-torch layer, four routings
     expand       dispatch_expand / combine_expand (a second group with expand_max_rows): rows,
                  padding, begins, counts, sources, weights, token_rows exact; combine within
                  BF16 rounding; alignments 1 and 8; the routings above; refusal without the buffer
@@ -215,6 +217,7 @@ def worker_normal(rank, num_ranks, seed):
         ("group", _n_group), ("layout", _n_layout), ("dispatch + combine", _n_dispatch_combine),
         ("fp8", _n_fp8), ("cached", _n_cached), ("no host sync", _n_no_host_sync),
         ("rank mask", _n_rank_mask), ("adversarial", _n_adversarial), ("expand", _n_expand),
+        ("moe prefill", _n_moe_prefill),
         ("cuda graph", _n_graph),
         ("errors", _n_errors), ("communicators", _n_communicators),
     ])
@@ -453,6 +456,70 @@ def _n_expand(ctx):
         c.fail("dispatch_expand without expand_max_rows did not raise")
     except epx.EpxInvalidUsage as e:
         c.check("expand_max_rows" in str(e), f"refusal does not name expand_max_rows: {e}")
+
+
+def _prefill_experts(ctx, d, I):
+    """Rank d's BF16 experts [L] for the prefill section, drawn from (seed, d): every rank can
+    rebuild every rank's weights for the reference."""
+    torch = ctx.torch
+    gen = torch.Generator().manual_seed(ctx.seed * 131 + d)
+    L = ctx.E // ctx.R
+    gate_up = ((torch.rand(L, 2 * I, N_H, generator=gen) - 0.5) * 0.1).to(torch.bfloat16)
+    down = ((torch.rand(L, N_H, I, generator=gen) - 0.5) * 0.1).to(torch.bfloat16)
+    return ctx.cuda(gate_up), ctx.cuda(down)
+
+
+def _prefill_reference(ctx, world, weights, I):
+    """out[t] = sum over t's valid slots k of w[t][k] * FFN_{e_k}(x[t]) (float32, h rounded to
+    BF16), and the per-value bound 0.03 x sum |w| |FFN| + 0.02 x rms(FFN) x sum |w|."""
+    torch = ctx.torch
+    L, s = ctx.E // ctx.R, ctx.rank
+    x = ctx.cuda(world.x[s]).float()
+    idx, w = ctx.cuda(world.idx[s]), ctx.cuda(world.w[s])
+    out = torch.zeros_like(x)
+    mag = torch.zeros_like(x)
+    wsum = torch.zeros(x.shape[0], device=ctx.device)
+    for k in range(idx.shape[1]):
+        for e in idx[:, k].unique().tolist():
+            if e < 0:
+                continue
+            rows = (idx[:, k] == e).nonzero().flatten()
+            gate_up, down = weights[e // L]
+            gu = x[rows] @ gate_up[e % L].float().t()
+            h = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16).float()
+            y = h @ down[e % L].float().t()
+            out[rows] += w[rows, k:k + 1] * y
+            mag[rows] += w[rows, k:k + 1].abs() * y.abs()
+            wsum[rows] += w[rows, k].abs()
+    rms = out.pow(2).mean().sqrt() if out.numel() else torch.zeros((), device=ctx.device)
+    return out, 0.03 * mag + 0.02 * (rms + 1e-3) * wsum[:, None]
+
+
+def _n_moe_prefill(ctx):
+    """epx.MoePrefill on two groups with expert-major buffers: the chain and the overlapped
+    layer against a plain-torch layer, uniform and adversarial routings, BF16 weights."""
+    c, epx = ctx.checks, ctx.epx
+    L, I = ctx.E // ctx.R, 256
+    rows = ctx.R * N_M * min(N_K, L) + 3 * L
+    groups = [epx.Group(N_M, N_H, ctx.E, N_K, expand_max_rows=rows) for _ in range(2)]
+    weights = [_prefill_experts(ctx, d, I) for d in range(ctx.R)]
+    layer = None
+    try:
+        layer = epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]))
+        c.check(layer.ffn_backend == "cublas", f"MoePrefill chose {layer.ffn_backend}")
+        for k, routing in enumerate(("uniform", "one_expert", "holes", "empty_rank")):
+            world = ctx.world(40 + k, routing)
+            x, idx, w = inputs(ctx, world)
+            want, bound = _prefill_reference(ctx, world, weights, I)
+            for overlap in (False, True):
+                out = layer(x, idx, w, overlap=overlap)
+                c.close(out, want, bound, f"moe prefill {routing} overlap={overlap}")
+            ctx.barrier()
+    finally:
+        if layer is not None:
+            layer.destroy()
+        for g in groups:
+            g.destroy()
 
 
 def _n_graph(ctx):
