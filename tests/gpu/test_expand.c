@@ -8,8 +8,8 @@
  * (rank, row, channel), expert_output below).
  *
  *   test                        what
- *   expand_cases                rows bit for bit (payload BF16 or FP8 + scales, contiguous or
- *                               column-major on the sender; source rank,
+ *   expand_cases                rows bit for bit (payload BF16 or FP8 + scales: float32
+ *                               contiguous or column-major, or packed UE8M0; source rank,
  *                               token, slot, weight), padding rows (-1, weight 0), segment
  *                               begins and counts (device and host), num_rows, each received
  *                               token's row list; combine weighted and unweighted bit for bit;
@@ -141,7 +141,11 @@ static int check_expand_recv(const world_t *w, int me, const epx_dispatch_expand
   int *info = fetch(res->recv_src_info, (size_t)n * 4, sizeof(int));
   float *weight = fetch(res->recv_weights, (size_t)n, sizeof(float));
   uint8_t *x = fetch(res->recv_x, (size_t)n * H, fp8 ? 1 : 2);
-  float *sc = fp8 ? fetch(res->recv_x_scales, (size_t)n * G, sizeof(float)) : NULL;
+  /* fp8 3: the sender's scales were packed UE8M0 words, delivered as such (cols words a row) */
+  const int packed = fp8 == 3, cols = packed ? (G + 3) / 4 : G;
+  float *sc = fp8 ? fetch(packed ? (void *)res->recv_x_scales_packed : (void *)res->recv_x_scales,
+                          (size_t)n * cols, sizeof(float))
+                  : NULL;
   EXPECT(info && weight && x && (!fp8 || sc));
   for (int i = 0; i < n; i++) {
     const int *g = info + (size_t)i * 4;
@@ -154,7 +158,11 @@ static int check_expand_recv(const world_t *w, int me, const epx_dispatch_expand
     if (fp8) {
       EXPECTF(memcmp(x + (size_t)i * H, ref.x_fp8 + (size_t)i * H, (size_t)H) == 0,
               "%s: row %d FP8 payload differs", label, i);
-      EXPECTF(memcmp(sc + (size_t)i * G, ref.x_scales + (size_t)i * G, sizeof(float) * G) == 0,
+      int32_t want_words[EPX_MAX_HIDDEN / 128];
+      if (packed) epx_ref_ue8m0_pack(ref.x_scales + (size_t)i * G, 1, G, want_words);
+      const void *want =
+          packed ? (const void *)want_words : (const void *)(ref.x_scales + (size_t)i * G);
+      EXPECTF(memcmp(sc + (size_t)i * cols, want, sizeof(float) * cols) == 0,
               "%s: row %d scales differ", label, i);
     } else {
       EXPECTF(memcmp(x + (size_t)i * H * 2, ref.x + (size_t)i * H, (size_t)H * 2) == 0,
@@ -219,6 +227,18 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
    * sender and the receiver's fan-out of the scale words it delivered. */
   float *sc_cm = NULL;
   const int T = w->ranks[me].num_tokens, G = w->H / 128;
+  if (fp8 == 3 && T > 0) { /* packed UE8M0 rows, as DeepGEMM's scales */
+    const int cols = (G + 3) / 4;
+    int32_t *words = malloc(sizeof(int32_t) * (size_t)T * cols);
+    EXPECT(words != NULL);
+    epx_ref_ue8m0_pack(w->sc[me], T, G, words);
+    EXPECT_CUDA(cudaMalloc((void **)&sc_cm, sizeof(int32_t) * (size_t)T * cols));
+    EXPECT_CUDA(
+        cudaMemcpy(sc_cm, words, sizeof(int32_t) * (size_t)T * cols, cudaMemcpyHostToDevice));
+    free(words);
+    a.x_scales = sc_cm;
+    a.x_scales_dtype = EPX_DTYPE_INT32;
+  }
   if (fp8 == 2 && T > 0) {
     float *host = malloc(sizeof(float) * (size_t)T * G);
     EXPECT(host != NULL);
@@ -290,7 +310,8 @@ static int run_case(epx_test_rank_t *t, const expand_case_t *c, uint64_t *rng) {
   return TEST_PASS;
 }
 
-/*   name  {T_max  H  E  K  routing  T  empty_rank}  fp8 (2: column-major scales)  no_weights */
+/*   name  {T_max  H  E  K  routing  T  empty_rank}  fp8 (2: column-major scales, 3: packed
+ *   UE8M0 words)  no_weights */
 static const expand_case_t kCases[] = {
     {"uniform", {64, 256, 32, 4, ROUTE_UNIFORM, -1, -1}, 0, 0},
     {"uniform fp8", {64, 256, 32, 4, ROUTE_UNIFORM, -1, -1}, 1, 0},
@@ -299,6 +320,7 @@ static const expand_case_t kCases[] = {
     {"duplicates", {80, 128, 16, 6, ROUTE_DUPLICATES, -1, -1}, 0, 0},
     {"duplicates fp8", {80, 256, 16, 6, ROUTE_DUPLICATES, -1, -1}, 1, 0},
     {"duplicates fp8, column-major scales", {80, 384, 16, 6, ROUTE_DUPLICATES, -1, -1}, 2, 0},
+    {"holes fp8, packed UE8M0 scales", {80, 640, 16, 6, ROUTE_HOLES, -1, -1}, 3, 0},
     {"all to one expert", {96, 128, 16, 4, ROUTE_ONE_EXPERT, 96, -1}, 0, 0},
     {"all empty", {32, 128, 16, 4, ROUTE_EMPTY, 32, -1}, 0, 0},
     {"rank 0's experts only", {64, 128, 16, 4, ROUTE_ONE_RANK, -1, -1}, 0, 0},
