@@ -108,10 +108,11 @@ MOE_BENCH_LINK := $(MOE_BENCH_OBJ) $(BUILD)/obj/tests/common/ranks.o \
 
 # epx_moe_prefill_bench (`make moe-prefill-bench-bin`): the MoE layer at prefill against its
 # parts (bench/moe_prefill/); it reaches the layer's internals (src/include/moe_prefill.h) for
-# the GEMMs-alone and plain-cuBLAS rows.
+# the GEMMs-alone and plain-cuBLAS rows; shapes, routing and weights from bench/moe/moe_common.c.
 MOE_PREFILL_BENCH_C := $(wildcard bench/moe_prefill/*.c)
 MOE_PREFILL_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(MOE_PREFILL_BENCH_C))
 MOE_PREFILL_BENCH_LINK := $(MOE_PREFILL_BENCH_OBJ) $(BUILD)/obj/tests/common/ranks.o \
+                  $(BUILD)/obj/bench/moe/moe_common.o \
                   $(BUILD)/obj/bench/experts/bench_kernels.o $(BUILD)/obj/bench/check.o
 
 SHARED_LIB := $(BUILD)/lib/libepx.so

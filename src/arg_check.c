@@ -75,3 +75,9 @@ epx_status_t epx__check_device_ptr(const char *fn, const char *arg, const void *
                           fn, arg, p, current, attr.device);
   return EPX_OK;
 }
+
+int epx__stream_is_capturing(cudaStream_t stream) {
+  enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) return 0;
+  return st != cudaStreamCaptureStatusNone;
+}

@@ -25,22 +25,6 @@
 #include "layout.h"
 #include "registry.h"
 
-static epx__routing_t routing_of(epx_handle_t h) {
-  epx__routing_t r = {h->is_token_in_rank,
-                      h->token_pos_in_rank,
-                      h->num_tokens_per_rank,
-                      h->num_tokens_per_expert,
-                      h->meta,
-                      h->num_tokens};
-  return r;
-}
-
-static int stream_is_capturing(cudaStream_t stream) {
-  enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) return 0;
-  return st != cudaStreamCaptureStatusNone;
-}
-
 /* Where the expanded rows are (workspace) and the device counts (the handle's meta). */
 static void fill_result(epx_group_t g, epx_handle_t h, const epx__dispatch_launch_args_t *d,
                         int num_recv, int num_rows, epx_dispatch_expand_result_t *out) {
@@ -97,7 +81,7 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
   epx__dispatch_launch_args_t d;
   memset(&d, 0, sizeof d);
   EPX_CHECK(epx__dispatch_check_payload(g, fn, "args->", a, a->num_tokens, &d));
-  if (a->sync_counts && stream_is_capturing(stream))
+  if (a->sync_counts && epx__stream_is_capturing(stream))
     return epx__set_error(
         EPX_ERR_INVALID_USAGE,
         "%s: args->sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs", fn);
@@ -120,7 +104,7 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
   la.is_token_in_rank = h->is_token_in_rank;
   la.token_pos_in_rank = h->token_pos_in_rank;
   EPX_CHECK(epx__layout_expand_enqueue(g, &la, h->expand_pos, stream));
-  epx__notify_launch_args_t na = {routing_of(h),
+  epx__notify_launch_args_t na = {epx__handle_routing(h),
                                   g->config.num_experts,
                                   a->expert_alignment,
                                   g->config.max_tokens_per_rank,
@@ -131,7 +115,7 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
   epx__expand_dispatch_launch_args_t xa;
   memset(&xa, 0, sizeof xa);
   xa.d = d;
-  xa.d.routing = routing_of(h);
+  xa.d.routing = epx__handle_routing(h);
   xa.d.hidden = g->config.hidden;
   xa.d.top_k = g->config.top_k;
   xa.d.num_experts = g->config.num_experts;
@@ -152,10 +136,10 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
   int num_recv = -1, num_rows = -1;
   if (a->sync_counts) {
     /* The one host synchronization: wait for the count exchange, not for the data. */
-    CUDA_CHECK(cudaEventSynchronize(h->counts_ready));
     epx_async_error_t err;
-    if (!error_before && epx_group_get_async_error(g, &err) == EPX_OK &&
-        err.status == EPX_ERR_TIMEOUT && err.stage == EPX_STAGE_NOTIFY) {
+    int timed_out = 0;
+    EPX_CHECK(epx__handle_wait_counts(g, h, error_before, &timed_out, &err));
+    if (timed_out) {
       fill_result(g, h, &d, -1, -1, out);
       return epx__set_error(EPX_ERR_TIMEOUT,
                             "%s: %s; the receive counts are unknown (result->num_rows = -1); see "
@@ -209,7 +193,7 @@ EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
   EPX_CHECK(epx__expand_reduce_launch(&ctx, &ra, stream));
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);
-  c.routing = routing_of(h);
+  c.routing = epx__handle_routing(h);
   c.x = partial;
   c.idx_is_int64 = 1;
   c.out = a->out;

@@ -81,3 +81,21 @@ EPX_EXPORT epx_status_t epx_handle_destroy(epx_handle_t h) {
   if (res == EPX_OK) res = e1 != EPX_OK ? e1 : e2 != EPX_OK ? e2 : e3;
   return res;
 }
+
+epx__routing_t epx__handle_routing(epx_handle_t h) {
+  epx__routing_t r = {h->is_token_in_rank,
+                      h->token_pos_in_rank,
+                      h->num_tokens_per_rank,
+                      h->num_tokens_per_expert,
+                      h->meta,
+                      h->num_tokens};
+  return r;
+}
+
+epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int error_before,
+                                     int *timed_out, epx_async_error_t *err) {
+  CUDA_CHECK(cudaEventSynchronize(h->counts_ready));
+  *timed_out = !error_before && epx_group_get_async_error(g, err) == EPX_OK &&
+               err->status == EPX_ERR_TIMEOUT && err->stage == EPX_STAGE_NOTIFY;
+  return EPX_OK;
+}

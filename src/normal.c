@@ -23,16 +23,6 @@
 #include "layout.h"
 #include "registry.h"
 
-static epx__routing_t routing_of(epx_handle_t h) {
-  epx__routing_t r = {h->is_token_in_rank,
-                      h->token_pos_in_rank,
-                      h->num_tokens_per_rank,
-                      h->num_tokens_per_expert,
-                      h->meta,
-                      h->num_tokens};
-  return r;
-}
-
 /* Where the received data is. scales_packed: the payload's scales are packed UE8M0 words. */
 static void fill_result(epx_group_t g, epx_handle_t h, int x_is_fp8, int scales_packed,
                         int num_recv, epx_dispatch_result_t *out) {
@@ -54,16 +44,10 @@ static void fill_result(epx_group_t g, epx_handle_t h, int x_is_fp8, int scales_
   out->rank_prefix_matrix_device = h->meta->rank_prefix_matrix;
 }
 
-static int stream_is_capturing(cudaStream_t stream) {
-  enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) return 0;
-  return st != cudaStreamCaptureStatusNone;
-}
-
 /* The launch arguments every dispatch shares; the payload fields come from
  * epx__dispatch_check_payload. */
 static void dispatch_args_of(epx_group_t g, epx_handle_t h, epx__dispatch_launch_args_t *d) {
-  d->routing = routing_of(h);
+  d->routing = epx__handle_routing(h);
   d->hidden = g->config.hidden;
   d->top_k = g->config.top_k;
   d->num_experts = g->config.num_experts;
@@ -100,7 +84,7 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   epx__dispatch_launch_args_t d;
   memset(&d, 0, sizeof d);
   EPX_CHECK(epx__dispatch_check_payload(g, fn, "args->", a, a->num_tokens, &d));
-  if (a->sync_counts && stream_is_capturing(stream))
+  if (a->sync_counts && epx__stream_is_capturing(stream))
     return epx__set_error(
         EPX_ERR_INVALID_USAGE,
         "%s: args->sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs", fn);
@@ -114,7 +98,7 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   h->num_worst_tokens = a->num_worst_tokens;
   h->expand = 0;
   EPX_CHECK(enqueue_layout(g, h, a, stream));
-  epx__notify_launch_args_t na = {routing_of(h),
+  epx__notify_launch_args_t na = {epx__handle_routing(h),
                                   g->config.num_experts,
                                   a->expert_alignment,
                                   g->config.max_tokens_per_rank,
@@ -136,13 +120,12 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
 
   int num_recv = a->num_worst_tokens > 0 ? a->num_worst_tokens : -1;
   if (a->sync_counts) {
-    /* The one host synchronization of EPX: wait for the count exchange, not for the data. */
-    CUDA_CHECK(cudaEventSynchronize(h->counts_ready));
-    /* A count exchange that timed out leaves the counts it never received at 0: return the
-     * timeout instead of a num_recv that looks valid (when the record was clean before). */
+    /* The one host synchronization of EPX: wait for the count exchange, not for the data. A
+     * timed-out exchange returns the timeout, not a num_recv that looks valid. */
     epx_async_error_t err;
-    if (!error_before && epx_group_get_async_error(g, &err) == EPX_OK &&
-        err.status == EPX_ERR_TIMEOUT && err.stage == EPX_STAGE_NOTIFY) {
+    int timed_out = 0;
+    EPX_CHECK(epx__handle_wait_counts(g, h, error_before, &timed_out, &err));
+    if (timed_out) {
       fill_result(g, h, d.x_is_fp8, d.scales_packed, -1, out);
       return epx__set_error(EPX_ERR_TIMEOUT,
                             "epx_dispatch: %s; the receive counts are unknown (result->num_recv "
@@ -272,7 +255,7 @@ EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_com
   epx__group_kernel_ctx(g, &ctx);
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);
-  c.routing = routing_of(h);
+  c.routing = epx__handle_routing(h);
   c.x = a->x;
   c.topk_idx = a->topk_idx;
   c.idx_is_int64 = a->topk_idx_dtype == EPX_DTYPE_INT64;

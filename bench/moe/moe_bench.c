@@ -23,16 +23,9 @@
 #include "common/ranks.h"
 #include "epx.h"
 #include "experts/bench_kernels.h"
+#include "moe/moe_common.h"
 
 #define MAX_LIST 8
-#define TOP_K 8
-
-typedef struct {
-  const char *name;
-  int hidden, intermediate, experts;
-} shape_t;
-
-static const shape_t kShapes[] = {{"deepseek", 7168, 2048, 256}, {"qwen3", 2048, 768, 128}};
 
 typedef struct {
   int tokens[MAX_LIST], num_tokens;
@@ -40,28 +33,6 @@ typedef struct {
   int fp8[2], num_dtypes;
   int iters, warmup, ranks;
 } options_t;
-
-static int cmp_float(const void *a, const void *b) {
-  const float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
-
-/* Distinct uniform experts per token, from a simple LCG (the same on every rank for rank r). */
-static void route(int64_t *ids, float *w, int T, int E, uint64_t seed) {
-  uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
-  for (int t = 0; t < T; t++)
-    for (int k = 0; k < TOP_K; k++) {
-      int e, dup;
-      do {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        e = (int)((s >> 33) % (uint64_t)E);
-        dup = 0;
-        for (int j = 0; j < k; j++) dup |= ids[t * TOP_K + j] == e;
-      } while (dup);
-      ids[t * TOP_K + k] = e;
-      w[t * TOP_K + k] = 0.05f + (float)((s >> 40) & 1023) / 8192.f;
-    }
-}
 
 /* The graph's replay time on stream: median and min over iters, after warmup replays. */
 static int time_graph(cudaGraphExec_t exec, cudaStream_t stream, const options_t *o, float *median,
@@ -78,7 +49,7 @@ static int time_graph(cudaGraphExec_t exec, cudaStream_t stream, const options_t
     BENCH_CUDA(cudaEventSynchronize(b));
     BENCH_CUDA(cudaEventElapsedTime(&ms[i], a, b));
   }
-  qsort(ms, o->iters, sizeof(float), cmp_float);
+  qsort(ms, o->iters, sizeof(float), moe_cmp_float);
   *median = ms[o->iters / 2] * 1000.f;
   *min = ms[0] * 1000.f;
   free(ms);
@@ -144,62 +115,29 @@ static int queue_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
   return 0;
 }
 
-static int alloc_experts(const shape_t *s, int L, int fp8, uint64_t seed, epx_experts_t *ex) {
-  const size_t H = s->hidden, I = s->intermediate, n_gu = (size_t)L * 2 * I * H,
-               n_dn = (size_t)L * H * I, elem = fp8 ? 1 : 2;
-  void *gu, *dn;
-  BENCH_CUDA(cudaMalloc(&gu, n_gu * elem));
-  BENCH_CUDA(cudaMalloc(&dn, n_dn * elem));
-  *ex = (epx_experts_t)EPX_EXPERTS_INIT;
-  ex->num_experts = L, ex->hidden = s->hidden, ex->intermediate = s->intermediate;
-  ex->weight_dtype = fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
-  ex->gate_up = gu, ex->down = dn;
-  if (!fp8) {
-    BENCH_CUDA(bench_fill_bf16(gu, n_gu, 0.02f, seed));
-    BENCH_CUDA(bench_fill_bf16(dn, n_dn, 0.02f, seed + 1));
-    return 0;
-  }
-  float *gus, *dns;
-  const size_t s_gu = (size_t)L * (2 * I / 128) * (H / 128),
-               s_dn = (size_t)L * (H / 128) * (I / 128);
-  BENCH_CUDA(cudaMalloc((void **)&gus, s_gu * 4));
-  BENCH_CUDA(cudaMalloc((void **)&dns, s_dn * 4));
-  BENCH_CUDA(bench_fill_fp8(gu, n_gu, seed));
-  BENCH_CUDA(bench_fill_fp8(dn, n_dn, seed + 1));
-  BENCH_CUDA(bench_fill_f32(gus, s_gu, 1e-4f, 2e-4f, seed + 2));
-  BENCH_CUDA(bench_fill_f32(dns, s_dn, 1e-4f, 2e-4f, seed + 3));
-  ex->gate_up_scales = gus, ex->down_scales = dns;
-  return 0;
-}
-
-static void free_experts(epx_experts_t *ex) {
-  cudaFree((void *)ex->gate_up), cudaFree((void *)ex->down);
-  cudaFree((void *)ex->gate_up_scales), cudaFree((void *)ex->down_scales);
-}
-
 /* Every variant of one (shape, dtype, T) on this rank; rank 0 prints the row. */
-static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int fp8, int T,
+static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, int fp8, int T,
                        const options_t *o, cudaStream_t stream) {
   bench_ctx_t c;
   memset(&c, 0, sizeof c);
   c.T = T, c.fp8 = fp8;
   epx_group_config_t cfg = EPX_GROUP_CONFIG_INIT;
   cfg.max_tokens_per_rank = T, cfg.hidden = s->hidden, cfg.num_experts = s->experts;
-  cfg.top_k = TOP_K, cfg.modes = EPX_MODE_LOW_LATENCY;
+  cfg.top_k = MOE_TOP_K, cfg.modes = EPX_MODE_LOW_LATENCY;
   cfg.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
   BENCH_EPX(epx_group_create(comm, &cfg, &c.g));
   const int L = s->experts / R;
-  if (alloc_experts(s, L, fp8, 1000u + (uint64_t)rank, &c.ex)) return -1;
-  int64_t *ids = malloc(sizeof(int64_t) * T * TOP_K);
-  float *w = malloc(sizeof(float) * T * TOP_K);
-  route(ids, w, T, s->experts, 77u + (uint64_t)rank);
+  if (moe_alloc_experts(s, L, fp8, 1000u + (uint64_t)rank, &c.ex)) return -1;
+  int64_t *ids = malloc(sizeof(int64_t) * T * MOE_TOP_K);
+  float *w = malloc(sizeof(float) * T * MOE_TOP_K);
+  moe_route(ids, w, T, s->experts, 77u + (uint64_t)rank);
   BENCH_CUDA(cudaMalloc(&c.x, (size_t)T * s->hidden * 2 + 16));
   BENCH_CUDA(cudaMalloc(&c.out, (size_t)T * s->hidden * 2 + 16));
-  BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * TOP_K + 16));
-  BENCH_CUDA(cudaMalloc(&c.w, sizeof(float) * T * TOP_K + 16));
+  BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * MOE_TOP_K + 16));
+  BENCH_CUDA(cudaMalloc(&c.w, sizeof(float) * T * MOE_TOP_K + 16));
   BENCH_CUDA(bench_fill_bf16(c.x, (size_t)T * s->hidden, 1.f, 5u + (uint64_t)rank));
-  BENCH_CUDA(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * TOP_K, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(c.w, w, sizeof(float) * T * TOP_K, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * MOE_TOP_K, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(c.w, w, sizeof(float) * T * MOE_TOP_K, cudaMemcpyHostToDevice));
   free(ids), free(w);
   BENCH_EPX(
       epx_moe_workspace_size(c.g, &c.ex, fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16, &c.ws_bytes));
@@ -237,7 +175,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int f
     printf(" %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER]);
     fflush(stdout);
   }
-  free_experts(&c.ex);
+  moe_free_experts(&c.ex);
   cudaFree(c.x), cudaFree(c.out), cudaFree(c.ids), cudaFree(c.w), cudaFree(c.ws);
   BENCH_EPX(epx_group_destroy(c.g));
   return 0;
@@ -265,7 +203,8 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   for (int i = 0; i < o->num_shapes && !rc; i++)
     for (int j = 0; j < o->num_dtypes && !rc; j++)
       for (int k = 0; k < o->num_tokens && !rc; k++)
-        rc = bench_point(comm, rank, R, &kShapes[o->shapes[i]], o->fp8[j], o->tokens[k], o, stream);
+        rc = bench_point(comm, rank, R, &moe_shapes[o->shapes[i]], o->fp8[j], o->tokens[k], o,
+                         stream);
   cudaStreamDestroy(stream);
   ncclCommDestroy(comm);
   return rc;

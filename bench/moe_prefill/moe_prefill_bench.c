@@ -28,17 +28,10 @@
 #include "common/ranks.h"
 #include "epx.h"
 #include "experts/bench_kernels.h"
+#include "moe/moe_common.h"
 #include "moe_prefill.h"
 
 #define MAX_LIST 8
-#define TOP_K 8
-
-typedef struct {
-  const char *name;
-  int hidden, intermediate, experts;
-} shape_t;
-
-static const shape_t kShapes[] = {{"deepseek", 7168, 2048, 256}, {"qwen3", 2048, 768, 128}};
 
 typedef struct {
   int tokens[MAX_LIST], num_tokens;
@@ -46,28 +39,6 @@ typedef struct {
   int fp8[2], num_dtypes;
   int iters, warmup, ranks, chunks;
 } options_t;
-
-static int cmp_float(const void *a, const void *b) {
-  const float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
-
-/* Distinct uniform experts per token (an LCG seeded per rank). */
-static void route(int64_t *ids, float *w, int T, int E, uint64_t seed) {
-  uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
-  for (int t = 0; t < T; t++)
-    for (int k = 0; k < TOP_K; k++) {
-      int e, dup;
-      do {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        e = (int)((s >> 33) % (uint64_t)E);
-        dup = 0;
-        for (int j = 0; j < k; j++) dup |= ids[t * TOP_K + j] == e;
-      } while (dup);
-      ids[t * TOP_K + k] = e;
-      w[t * TOP_K + k] = 0.05f + (float)((s >> 40) & 1023) / 8192.f;
-    }
-}
 
 enum { V_LAYER, V_CHAIN, V_GEMMS, V_COMM, V_CUBLAS, NUM_VARIANTS };
 static const char *const kVariantNames[NUM_VARIANTS] = {"layer", "chain", "gemms", "comm",
@@ -147,7 +118,7 @@ static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const option
     BENCH_CUDA(cudaEventSynchronize(b));
     if (i >= o->warmup) BENCH_CUDA(cudaEventElapsedTime(&ms[i - o->warmup], a, b));
   }
-  qsort(ms, o->iters, sizeof(float), cmp_float);
+  qsort(ms, o->iters, sizeof(float), moe_cmp_float);
   *median = ms[o->iters / 2] * 1000.f;
   *min = ms[0] * 1000.f;
   free(ms);
@@ -155,35 +126,7 @@ static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const option
   return 0;
 }
 
-static int alloc_experts(const shape_t *s, int L, int fp8, uint64_t seed, epx_experts_t *ex) {
-  const size_t H = s->hidden, I = s->intermediate, n_gu = (size_t)L * 2 * I * H,
-               n_dn = (size_t)L * H * I, elem = fp8 ? 1 : 2;
-  void *gu, *dn;
-  BENCH_CUDA(cudaMalloc(&gu, n_gu * elem));
-  BENCH_CUDA(cudaMalloc(&dn, n_dn * elem));
-  *ex = (epx_experts_t)EPX_EXPERTS_INIT;
-  ex->num_experts = L, ex->hidden = s->hidden, ex->intermediate = s->intermediate;
-  ex->weight_dtype = fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
-  ex->gate_up = gu, ex->down = dn;
-  if (!fp8) {
-    BENCH_CUDA(bench_fill_bf16(gu, n_gu, 0.02f, seed));
-    BENCH_CUDA(bench_fill_bf16(dn, n_dn, 0.02f, seed + 1));
-    return 0;
-  }
-  float *gus, *dns;
-  const size_t s_gu = (size_t)L * (2 * I / 128) * (H / 128),
-               s_dn = (size_t)L * (H / 128) * (I / 128);
-  BENCH_CUDA(cudaMalloc((void **)&gus, s_gu * 4));
-  BENCH_CUDA(cudaMalloc((void **)&dns, s_dn * 4));
-  BENCH_CUDA(bench_fill_fp8(gu, n_gu, seed));
-  BENCH_CUDA(bench_fill_fp8(dn, n_dn, seed + 1));
-  BENCH_CUDA(bench_fill_f32(gus, s_gu, 1e-4f, 2e-4f, seed + 2));
-  BENCH_CUDA(bench_fill_f32(dns, s_dn, 1e-4f, 2e-4f, seed + 3));
-  ex->gate_up_scales = gus, ex->down_scales = dns;
-  return 0;
-}
-
-static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int fp8, int T,
+static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, int fp8, int T,
                        const options_t *o, cudaStream_t stream) {
   bench_ctx_t c;
   memset(&c, 0, sizeof c);
@@ -191,25 +134,25 @@ static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int f
   c.L = s->experts / R;
   epx_group_config_t cfg = EPX_GROUP_CONFIG_INIT;
   cfg.max_tokens_per_rank = T, cfg.hidden = s->hidden, cfg.num_experts = s->experts;
-  cfg.top_k = TOP_K, cfg.modes = EPX_MODE_NORMAL, cfg.dtypes = EPX_DTYPE_BF16;
-  cfg.expand_max_rows = R * T * (TOP_K < c.L ? TOP_K : c.L) + 3 * c.L;
+  cfg.top_k = MOE_TOP_K, cfg.modes = EPX_MODE_NORMAL, cfg.dtypes = EPX_DTYPE_BF16;
+  cfg.expand_max_rows = R * T * (MOE_TOP_K < c.L ? MOE_TOP_K : c.L) + 3 * c.L;
   for (int i = 0; i < 3; i++) BENCH_EPX(epx_group_create(comm, &cfg, &c.g[i]));
-  if (alloc_experts(s, c.L, fp8, 1000u + (uint64_t)rank, &c.ex)) return -1;
+  if (moe_alloc_experts(s, c.L, fp8, 1000u + (uint64_t)rank, &c.ex)) return -1;
   epx_moe_prefill_config_t pc = EPX_MOE_PREFILL_CONFIG_INIT;
   pc.num_chunks = o->chunks;
   BENCH_EPX(epx_moe_prefill_create(c.g, 2, &c.ex, &pc, &c.plan));
   epx_moe_prefill_info_t info = EPX_MOE_PREFILL_INFO_INIT;
   BENCH_EPX(epx_moe_prefill_get_info(c.plan, &info));
-  int64_t *ids = malloc(sizeof(int64_t) * T * TOP_K);
-  float *w = malloc(sizeof(float) * T * TOP_K);
-  route(ids, w, T, s->experts, 77u + (uint64_t)rank);
+  int64_t *ids = malloc(sizeof(int64_t) * T * MOE_TOP_K);
+  float *w = malloc(sizeof(float) * T * MOE_TOP_K);
+  moe_route(ids, w, T, s->experts, 77u + (uint64_t)rank);
   BENCH_CUDA(cudaMalloc(&c.x, (size_t)T * s->hidden * 2 + 16));
   BENCH_CUDA(cudaMalloc(&c.out, (size_t)T * s->hidden * 2 + 16));
-  BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * TOP_K + 16));
-  BENCH_CUDA(cudaMalloc(&c.w, sizeof(float) * T * TOP_K + 16));
+  BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * MOE_TOP_K + 16));
+  BENCH_CUDA(cudaMalloc(&c.w, sizeof(float) * T * MOE_TOP_K + 16));
   BENCH_CUDA(bench_fill_bf16(c.x, (size_t)T * s->hidden, 1.f, 5u + (uint64_t)rank));
-  BENCH_CUDA(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * TOP_K, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(c.w, w, sizeof(float) * T * TOP_K, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * MOE_TOP_K, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(c.w, w, sizeof(float) * T * MOE_TOP_K, cudaMemcpyHostToDevice));
   free(ids), free(w);
   c.ws_bytes = info.workspace_bytes;
   BENCH_CUDA(cudaMalloc(&c.ws, c.ws_bytes));
@@ -253,8 +196,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const shape_t *s, int f
   BENCH_EPX(epx_moe_prefill_destroy(c.plan));
   BENCH_EPX(epx_handle_destroy(c.hold_handle));
   BENCH_EPX(epx_handle_destroy(c.comm_handle));
-  cudaFree((void *)c.ex.gate_up), cudaFree((void *)c.ex.down);
-  cudaFree((void *)c.ex.gate_up_scales), cudaFree((void *)c.ex.down_scales);
+  moe_free_experts(&c.ex);
   cudaFree(c.x), cudaFree(c.out), cudaFree(c.ids), cudaFree(c.w), cudaFree(c.ws);
   for (int i = 0; i < 3; i++) BENCH_EPX(epx_group_destroy(c.g[i]));
   return 0;
@@ -284,7 +226,8 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   for (int i = 0; i < o->num_shapes && !rc; i++)
     for (int j = 0; j < o->num_dtypes && !rc; j++)
       for (int k = 0; k < o->num_tokens && !rc; k++)
-        rc = bench_point(comm, rank, R, &kShapes[o->shapes[i]], o->fp8[j], o->tokens[k], o, stream);
+        rc = bench_point(comm, rank, R, &moe_shapes[o->shapes[i]], o->fp8[j], o->tokens[k], o,
+                         stream);
   cudaStreamDestroy(stream);
   ncclCommDestroy(comm);
   return rc;

@@ -29,6 +29,8 @@ epx_status_t epx__check_flag(const char *fn, const char *arg, int value);
 /* p is non-NULL, `align`-byte aligned, and memory the current GPU can access (not plain host
  * memory). */
 epx_status_t epx__check_device_ptr(const char *fn, const char *arg, const void *p, size_t align);
+/* 1 when stream is being captured into a CUDA graph (a failed query counts as not). */
+int epx__stream_is_capturing(cudaStream_t stream);
 /* Bytes of one id of an index dtype that epx__check_index_dtype accepted. */
 static inline size_t epx__index_bytes(epx_dtype_t dtype) {
   return dtype == EPX_DTYPE_INT64 ? 8 : 4;

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "epx.h"
+#include "kernels/api.h"
 #include "workspace.h"
 
 struct epx_handle {
@@ -29,5 +30,16 @@ struct epx_handle {
   int num_worst_tokens;    /* its num_worst_tokens (0 = off) */
   int expand;              /* it was an epx_dispatch_expand */
 };
+
+/* The handle's routing arrays as the kernels take them. */
+epx__routing_t epx__handle_routing(epx_handle_t h);
+
+/* After queuing a dispatch with sync_counts: the host waits for its count exchange (not its
+ * data). *timed_out = 1 when the exchange timed out in this call (error_before: the group's
+ * async record was clean before it; the counts it never received read 0, so none are valid):
+ * *err is then the record, for the caller's message. Else the counts in host_counts are the
+ * call's. Returns EPX_ERR_CUDA if the wait itself fails. */
+epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int error_before,
+                                     int *timed_out, epx_async_error_t *err);
 
 #endif /* EPX_HANDLE_H_ */

@@ -1,0 +1,35 @@
+/*
+ * moe_common.h - what the MoE-layer benches share (bench/moe/moe_bench.c at decode,
+ * bench/moe_prefill/moe_prefill_bench.c at prefill): the two expert shapes, the routing, random
+ * expert weights, and the float comparison their medians sort with.
+ */
+#ifndef EPX_BENCH_MOE_COMMON_H_
+#define EPX_BENCH_MOE_COMMON_H_
+
+#include <stdint.h>
+
+#include "epx.h"
+
+#define MOE_TOP_K 8
+
+typedef struct {
+  const char *name;
+  int hidden, intermediate, experts;
+} moe_shape_t;
+
+/* DeepSeek-V3's experts and Qwen3-30B-A3B's, the MoE issue's two shapes. */
+extern const moe_shape_t moe_shapes[2];
+
+/* qsort's comparison of floats, ascending. */
+int moe_cmp_float(const void *a, const void *b);
+
+/* MOE_TOP_K distinct uniform experts per token and their weights, from an LCG seeded with seed
+ * (ids [T, MOE_TOP_K] of E experts, w [T, MOE_TOP_K]). */
+void moe_route(int64_t *ids, float *w, int T, int E, uint64_t seed);
+
+/* L experts of shape s on the current GPU, random: BF16 weights, or FP8 with 128x128 float32
+ * block scales. 0, or -1 after printing the failing call. Free with moe_free_experts. */
+int moe_alloc_experts(const moe_shape_t *s, int L, int fp8, uint64_t seed, epx_experts_t *ex);
+void moe_free_experts(epx_experts_t *ex);
+
+#endif /* EPX_BENCH_MOE_COMMON_H_ */
