@@ -262,7 +262,7 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
         cudaMemcpy(&res.num_recv, res.num_recv_device, sizeof(int), cudaMemcpyDeviceToHost));
   }
   const int ref_align = align ? align : 1;
-  if (check_expand_recv(w, me, &res, fp8 != 0, ref_align, counts, sync, label) != TEST_PASS)
+  if (check_expand_recv(w, me, &res, fp8, ref_align, counts, sync, label) != TEST_PASS)
     return TEST_FAIL;
   return combine_and_check(t, g, h, w, d, ref_align, label);
 }
