@@ -174,8 +174,7 @@ static int check_out(const prefill_fixture_t *f, const prefill_oracle_t *o, int 
   return rc;
 }
 
-static int one_call(epx_test_rank_t *t, prefill_fixture_t *f, const prefill_oracle_t *o,
-                    int overlap, const char *label) {
+static int one_call(epx_test_rank_t *t, prefill_fixture_t *f, int overlap, const char *label) {
   const int me = t->rank;
   EXPECT_CUDA(cudaMemsetAsync(f->d.out, 0xff, (size_t)f->w.M * f->w.H * 2, t->stream));
   const epx_moe_prefill_args_t a = args_of(f, me, overlap);
@@ -226,7 +225,7 @@ EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
       char label[160];
       snprintf(label, sizeof label, "%s (%d ranks, call %d, %s)", c->name, t->num_ranks, call,
                kOverlap[call] ? "overlap" : "chain");
-      if (one_call(t, &f, &o, kOverlap[call], label) != TEST_PASS) return TEST_FAIL;
+      if (one_call(t, &f, kOverlap[call], label) != TEST_PASS) return TEST_FAIL;
       if (check_out(&f, &o, t->rank, label) != TEST_PASS) wrong++;
     }
     oracle_free(&o);
