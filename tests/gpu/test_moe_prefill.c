@@ -299,8 +299,12 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
   /* The refusals queued nothing: the next calls are right on every rank. */
   prefill_oracle_t o;
   if (oracle_make(&f, me, &o) != TEST_PASS) return TEST_FAIL;
-  if (one_call(t, &f, &o, 1, "after the refusals (overlap)") != TEST_PASS) return TEST_FAIL;
-  if (one_call(t, &f, &o, 0, "after the refusals (chain)") != TEST_PASS) return TEST_FAIL;
+  if (one_call(t, &f, 1, "after the refusals (overlap)") != TEST_PASS ||
+      check_out(&f, &o, me, "after the refusals (overlap)") != TEST_PASS)
+    return TEST_FAIL;
+  if (one_call(t, &f, 0, "after the refusals (chain)") != TEST_PASS ||
+      check_out(&f, &o, me, "after the refusals (chain)") != TEST_PASS)
+    return TEST_FAIL;
   oracle_free(&o);
   if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
 
