@@ -69,13 +69,9 @@ struct epx_moe_prefill {
   cublasLtHandle_t lt;
   cublasLtMatmulDesc_t lt_desc[2]; /* FP8: 0 gate/up (float32 or BF16 out), 1 down (BF16 out) */
   float *scales[2]; /* FP8: the block scales repacked for cuBLASLt, [E][n/128][kb4] */
-  int scales_kb[2];
+  int scales_kb[2]; /* kb4: k/128 rounded up to a multiple of 4 */
+  /* [num_chunks x max_tokens_per_rank x K] 1.0f: the weights of calls without */
   float *ones;
-  /* [num_chunks x max_tokens_per_rank x K] 1.0f: the weights of calls without */ /* kb4: k/128
-                                                                                     rounded up
-                                                                                     to a
-                                                                                     multiple of
-                                                                                     4 */
   epx__moe_lt_algo_t algos[EPX__MOE_LT_CACHE];
 };
 
