@@ -178,6 +178,9 @@ EPX_GPU_TEST(moe_decode_matches_reference, 900) {
     moe_oracle_t o;
     if (fixture_make(t, c, &rng, &f) != TEST_PASS) return TEST_FAIL;
     if (oracle_make(&f, &f.w, c, t->rank, &o) != TEST_PASS) return TEST_FAIL;
+    /* The oracle takes seconds and longer on a rank with more tokens: meet before the
+     * calls, or an early rank's waits run out of their budget on a late one. */
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
     for (int call = 0; call < 3; call++) { /* the same world: one oracle */
       char label[160];
       snprintf(label, sizeof label, "%s (%d ranks, call %d)", c->name, t->num_ranks, call);
@@ -225,6 +228,9 @@ EPX_GPU_TEST(moe_decode_graph_replay, 300) {
     EXPECT_NO_ASYNC_ERROR(f.g, label);
     moe_oracle_t o;
     if (oracle_make(&f, &w, &c, me, &o) != TEST_PASS) return TEST_FAIL;
+    /* The oracle takes seconds and longer on a rank with more tokens: meet before the
+     * calls, or an early rank's waits run out of their budget on a late one. */
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
     const int rc = check_out(&f, &w, &o, me, label);
     oracle_free(&o);
     if (rc != TEST_PASS) return TEST_FAIL;
@@ -285,6 +291,9 @@ EPX_GPU_TEST(moe_decode_refusals, 300) {
   /* The refusals queued nothing: the next call is right on every rank. */
   moe_oracle_t o;
   if (oracle_make(&f, &f.w, &c, me, &o) != TEST_PASS) return TEST_FAIL;
+  /* The oracle takes seconds and longer on a rank with more tokens: meet before the
+   * calls, or an early rank's waits run out of their budget on a late one. */
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   if (one_call(t, &f, &c, &o, "after the refusals") != TEST_PASS) return TEST_FAIL;
   oracle_free(&o);
   if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;

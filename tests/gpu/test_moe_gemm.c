@@ -75,7 +75,14 @@ static void compute_want(gemm_case_t *c) {
       }
 }
 
-static int case_make(gemm_case_t *c, int n, int k, int rows) {
+/* A code of the whole E4M3 range (|v| up to 448), or a small integer (-3 .. 3) in exact mode. */
+static uint8_t draw_code(int exact) {
+  if (exact) return epx_ref_fp8_from_float((float)(epx_test_rand_int(&g_rng, 7) - 3));
+  const float u = (float)epx_test_rand_int(&g_rng, 1 << 20) / (float)(1 << 19) - 1.f;
+  return epx_ref_fp8_from_float(u * 448.f);
+}
+
+static int case_make(gemm_case_t *c, int n, int k, int rows, int exact) {
   memset(c, 0, sizeof *c);
   c->n = n, c->k = k, c->rows = rows, c->kb4 = (k / 128 + 3) / 4 * 4;
   const size_t nw = (size_t)n * k, nx = (size_t)rows * k;
@@ -85,10 +92,8 @@ static int case_make(gemm_case_t *c, int n, int k, int rows) {
   c->want = malloc(sizeof(float) * NUM_LAYOUTS * rows * n);
   EXPECT(c->w && c->x && c->ws && c->xs && c->want);
   /* Codes -3 .. 3: a 128-deep block sums to at most 1152, exact at any accumulator width. */
-  for (size_t i = 0; i < nw; i++)
-    c->w[i] = epx_ref_fp8_from_float((float)(epx_test_rand_int(&g_rng, 7) - 3));
-  for (size_t i = 0; i < nx; i++)
-    c->x[i] = epx_ref_fp8_from_float((float)(epx_test_rand_int(&g_rng, 7) - 3));
+  for (size_t i = 0; i < nw; i++) c->w[i] = draw_code(exact);
+  for (size_t i = 0; i < nx; i++) c->x[i] = draw_code(exact);
   for (int nb = 0; nb < n / 128; nb++)
     for (int kb = 0; kb < k / 128; kb++) c->ws[(size_t)nb * c->kb4 + kb] = pow2_scale();
   for (size_t i = 0; i < nxs; i++) c->xs[i] = pow2_scale();
@@ -194,11 +199,49 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_block_scales, 300) {
     memset(p->algos, 0, sizeof p->algos);
     for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
       gemm_case_t c;
-      if (case_make(&c, shapes[s][0], shapes[s][1], rows[r]) != TEST_PASS) return TEST_FAIL;
+      if (case_make(&c, shapes[s][0], shapes[s][1], rows[r], 1) != TEST_PASS) return TEST_FAIL;
       for (int which = 0; which < 2; which++)
         if (run_gemm(p, &c, which, blas_ws, stream) != TEST_PASS) rc = TEST_FAIL;
       case_free(&c);
     }
+  }
+  /* Codes over the whole E4M3 range: how far cuBLASLt's float32 result is from the exact one,
+   * relative to the sum of the products' magnitudes (the scale an accumulator's rounding
+   * works at). FP8 tensor cores accumulate a 128-deep block with fewer bits than float32;
+   * the figure printed is what the prefill layer's tolerance (test_moe_prefill.c) allows for. */
+  for (int k = 128; k <= 512; k *= 2) {
+    memset(p->algos, 0, sizeof p->algos);
+    gemm_case_t c;
+    if (case_make(&c, 512, k, 64, 0) != TEST_PASS) return TEST_FAIL;
+    const size_t cells = (size_t)c.rows * c.n;
+    EXPECT_OK(epx__moe_gemm_fp8(p, 0, c.wd, c.wsd, c.xd, c.xsd, c.y, c.n, c.k, c.rows, 0, blas_ws,
+                                stream));
+    EXPECT_CUDA(cudaStreamSynchronize(stream));
+    float *got = malloc(cells * sizeof(float));
+    EXPECT(got);
+    EXPECT_CUDA(cudaMemcpy(got, c.y, cells * sizeof(float), cudaMemcpyDeviceToHost));
+    double worst = 0, worst_rel_out = 0;
+    for (int r = 0; r < c.rows; r++)
+      for (int j = 0; j < c.n; j++) {
+        double mag = 0;
+        for (int i = 0; i < c.k; i++)
+          mag += fabs((double)epx_ref_fp8_to_float(c.w[(size_t)j * c.k + i]) *
+                      epx_ref_fp8_to_float(c.x[(size_t)r * c.k + i])) *
+                 w_scale(&c, LAYOUT_OURS, j / 128, i / 128) * x_scale(&c, LAYOUT_OURS, r, i / 128);
+        const double want = c.want[(size_t)r * c.n + j];
+        const double err = fabs((double)got[(size_t)r * c.n + j] - want);
+        if (err / mag > worst) worst = err / mag;
+        if (err / (fabs(want) + 1e-30) > worst_rel_out && fabs(want) > 0.1 * mag)
+          worst_rel_out = err / fabs(want);
+      }
+    printf(
+        "  whole-range codes, n 512, k %d, rows 64: worst |err| / sum |products| = %.3g, "
+        "worst relative error of outputs above a tenth of that sum = %.3g\n",
+        k, worst, worst_rel_out);
+    /* A misread scale is off by a factor of 2 or more (powers of two): 2^-6 only guards that. */
+    EXPECTF(worst <= 1.0 / 64, "k %d: |err| / sum |products| = %.3g exceeds 2^-6", k, worst);
+    free(got);
+    case_free(&c);
   }
   epx__moe_gemm_destroy(p);
   cudaFree(p->ones), cudaFree(blas_ws);

@@ -20,6 +20,13 @@
  * places the oracle does not round: cuBLAS's summation order, the BF16 rounding of the gate and
  * up outputs (BF16 weights), the expert side's BF16 partial rows of the combine; each is well
  * inside the bound, and a wrong row, expert or weight is off by about rms x |w|.
+ * FP8 weights on cuBLASLt: 0.06 in place of 0.02. Hopper's FP8 tensor cores sum a 128-deep
+ * block with fewer bits than float32 (test_moe_gemm prints how far), so the gate and up values
+ * differ from the oracle's exact sums by about 0.1%; h is then quantized to FP8, where that
+ * moves a few values per row across a rounding boundary (one FP8 step, 6-12% of the value).
+ * Measured at 7e1d87d and bffc9a2 (2 and 4 ranks): the first value past the 0.02 bound in each
+ * failing call was 1.0-1.5 x it, every call of a case alike (deterministic); EPX's FFN on the
+ * same routing (float32 sums) stayed at 0.04-0.1 x. Unconfirmed on a GPU with 0.06.
  */
 #include <math.h>
 #include <stdio.h>
@@ -47,6 +54,7 @@ typedef struct {
   world_dev_t d;
   void *ws;
   size_t ws_bytes;
+  double rms_coef; /* the tolerance's rms term (above): 0.06 for FP8 weights on cuBLASLt */
 } prefill_fixture_t;
 
 /* The worst case of expert-major rows at alignment 4: every (token, local expert) pair plus
@@ -90,6 +98,7 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
             "%s: EPX_MOE_FFN_AUTO chose EPX's FFN: cuBLAS%s is missing or has no kernel for these "
             "scale modes (epx_last_error after create: %s)",
             c->name, c->fp8_weights ? "Lt" : "", epx_last_error());
+  f->rms_coef = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS ? 0.06 : 0.02;
   if (world_dev_make(&f->w, t->rank, 1, &f->d) != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_moe_prefill_workspace_size(f->plan, &f->ws_bytes));
   EXPECT(f->ws_bytes == info.workspace_bytes);
@@ -147,9 +156,11 @@ static int check_out(const prefill_fixture_t *f, const prefill_oracle_t *o, int 
   uint16_t *got = malloc(n * 2 + 2);
   EXPECT(got);
   EXPECT_CUDA(cudaMemcpy(got, f->d.out, n * 2, cudaMemcpyDeviceToHost));
-  double worst = 0;
-  int rc = TEST_PASS;
-  for (int t = 0; t < T && rc == TEST_PASS; t++) {
+  /* Every value is checked; the worst one (|err| / bound) is reported, past the bound or not. */
+  double worst = 0, worst_got = 0;
+  size_t worst_i = 0, over = 0;
+  double worst_bound = 0;
+  for (int t = 0; t < T; t++) {
     double wsum = 0;
     for (int k = 0; k < K; k++) {
       const int64_t e = w->ranks[me].topk_idx[(size_t)t * K + k];
@@ -158,17 +169,21 @@ static int check_out(const prefill_fixture_t *f, const prefill_oracle_t *o, int 
     for (int col = 0; col < H; col++) {
       const size_t i = (size_t)t * H + col;
       const double g = epx_ref_bf16_to_float(got[i]), err = fabs(g - o->want[i]);
-      const double bound = 0.03 * o->mag[i] + 0.02 * o->rms * wsum + 1e-6;
-      if (err / bound > worst) worst = err / bound;
-      if (!(err <= bound)) {
-        fprintf(stderr, "  %s: rank %d out[%d][%d] = %.6g, oracle %.6g (bound %.3g, rms %.3g)\n",
-                label, me, t, col, g, o->want[i], bound, o->rms);
-        rc = TEST_FAIL;
-        break;
+      const double bound = 0.03 * o->mag[i] + f->rms_coef * o->rms * wsum + 1e-6;
+      if (!(err <= bound)) over++;
+      if (!(err / bound <= worst)) { /* a NaN is the worst */
+        worst = err / bound, worst_i = i, worst_got = g, worst_bound = bound;
       }
     }
   }
-  if (rc == TEST_PASS && me == 0)
+  const int rc = over ? TEST_FAIL : TEST_PASS;
+  if (over)
+    fprintf(stderr,
+            "  %s: rank %d: %zu values past the bound; worst out[%zu][%zu] = %.6g, oracle %.6g "
+            "(|err| / bound %.3g, bound %.3g, rms %.3g)\n",
+            label, me, over, worst_i / H, worst_i % H, worst_got, o->want[worst_i], worst,
+            worst_bound, o->rms);
+  else if (me == 0)
     printf("  %s: ok, worst |err| / bound %.3f (rms of FFN rows %.3g)\n", label, worst, o->rms);
   free(got);
   return rc;
@@ -220,6 +235,9 @@ EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
     prefill_oracle_t o;
     if (fixture_make(t, c, &rng, &f) != TEST_PASS) return TEST_FAIL;
     if (oracle_make(&f, t->rank, &o) != TEST_PASS) return TEST_FAIL;
+    /* The oracle takes seconds and longer on a rank with more tokens: meet before the
+     * calls, or an early rank's waits run out of their budget on a late one. */
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
     static const int kOverlap[] = {0, 1, 1, 0};
     for (int call = 0; call < 4; call++) { /* the same world: one oracle */
       char label[160];
@@ -299,6 +317,9 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
   /* The refusals queued nothing: the next calls are right on every rank. */
   prefill_oracle_t o;
   if (oracle_make(&f, me, &o) != TEST_PASS) return TEST_FAIL;
+  /* The oracle takes seconds and longer on a rank with more tokens: meet before the
+   * calls, or an early rank's waits run out of their budget on a late one. */
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   if (one_call(t, &f, 1, "after the refusals (overlap)") != TEST_PASS ||
       check_out(&f, &o, me, "after the refusals (overlap)") != TEST_PASS)
     return TEST_FAIL;
