@@ -952,10 +952,13 @@ typedef struct epx_moe_prefill_config {
   int gemm_sms;    /* SMs the GEMMs are tuned for while communication runs beside them
                       (cuBLAS's SM count target); 0 = auto: the GPU's SMs minus the group's
                       config.num_sms; chain calls always target every SM */
+  int gemm_lanes;  /* streams the per-expert GEMMs are spread over (cuBLAS backend), 1..8; 0 =
+                      auto (4). An expert's GEMM has a few hundred rows at prefill, too few
+                      tiles to fill the GPU alone: lanes run several experts' GEMMs at once */
 } epx_moe_prefill_config_t;
 
 #define EPX_MOE_PREFILL_CONFIG_INIT \
-  { sizeof(epx_moe_prefill_config_t), 0, 0, 0 }
+  { sizeof(epx_moe_prefill_config_t), 0, 0, 0, 0 }
 
 /* What a plan resolved (epx_moe_prefill_get_info). */
 typedef struct epx_moe_prefill_info {
@@ -967,10 +970,11 @@ typedef struct epx_moe_prefill_info {
   int gate_up_out_fp32;   /* [OUT] FP8 cuBLASLt: 1 if the gate/up GEMM writes float32 (else BF16) */
   int expert_alignment;   /* [OUT] the alignment the layer's dispatches pad each expert to */
   size_t workspace_bytes; /* [OUT] epx_moe_prefill_workspace_size */
+  int gemm_lanes;         /* [OUT] streams the per-expert GEMMs run on (1 with EPX's FFN) */
 } epx_moe_prefill_info_t;
 
 #define EPX_MOE_PREFILL_INFO_INIT \
-  { sizeof(epx_moe_prefill_info_t), 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(epx_moe_prefill_info_t), 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* epx_moe_prefill_create - a plan for the prefill layer on these groups with these experts. Not
  * collective (no communication); creates streams, events, one handle per group and the cuBLAS

@@ -23,7 +23,7 @@
 #        MOE_BENCH=1: build/bin/epx_moe_bench (the decode MoE layer vs its parts, every visible
 #        GPU; MOE_BENCH_ARGS, default "--tokens 8,128"; its table in the summary), then
 #        build/bin/epx_moe_prefill_bench (the prefill MoE layer vs its parts and plain cuBLAS,
-#        every visible GPU; MOE_PREFILL_BENCH_ARGS, default "--tokens 4096"; its table too);
+#        every visible GPU; MOE_PREFILL_BENCH_ARGS, default "--tokens 4096 --gemm-lanes 1,4"; its table too);
 #        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
 #        last lines in the summary; they need one GPU, not a group);
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
@@ -154,7 +154,7 @@ moe_lines=
 if [ -n "${MOE_BENCH:-}" ]; then
   timeout 400 build/bin/epx_moe_bench ${MOE_BENCH_ARGS:---tokens 8,128} >"$out/moe-bench.log" 2>&1
   moe_lines="$(tail -20 "$out/moe-bench.log")"
-  timeout 900 build/bin/epx_moe_prefill_bench ${MOE_PREFILL_BENCH_ARGS:---tokens 4096} \
+  timeout 900 build/bin/epx_moe_prefill_bench ${MOE_PREFILL_BENCH_ARGS:---tokens 4096 --gemm-lanes 1,4} \
     >"$out/moe-prefill-bench.log" 2>&1
   moe_lines="$moe_lines
 MoE layer at prefill (epx_moe_prefill_bench):

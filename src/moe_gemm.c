@@ -70,10 +70,14 @@ void epx__moe_gemm_destroy(epx_moe_prefill_t p) {
 }
 
 epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *x, void *y, int n,
-                                int k, int rows, int sm_target, cudaStream_t stream) {
+                                int k, int rows, int sm_target, void *blas_ws,
+                                cudaStream_t stream) {
   if (rows <= 0) return EPX_OK;
   const float one = 1.f, zero = 0.f;
   BLAS_CHECK(B->cublasSetStream(p->blas, stream));
+  /* After SetStream (which goes back to cuBLAS's own pool): GEMMs of other lanes may be
+   * running on other streams, each with its own slice. */
+  BLAS_CHECK(B->cublasSetWorkspace(p->blas, blas_ws, EPX__MOE_BLAS_WS));
   BLAS_CHECK(B->cublasSetSmCountTarget(p->blas, sm_target));
   BLAS_CHECK(B->cublasGemmEx(p->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k,
                              x, CUDA_R_16BF, k, &zero, y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,

@@ -2,8 +2,9 @@
  * moe_prefill.c - epx_moe_prefill: one MoE layer at prefill size on normal-mode groups
  * (docs/moe.md, "MoE layer at prefill"), and its plan. Per chunk of tokens:
  *   epx_dispatch_expand (sync_counts = 1: the host learns each local expert's rows)  ->
- *   the FFN on the compute stream (epx__moe_ffn: cuBLAS GEMMs per expert, the row kernel
- *   between them; or epx_experts_ffn)  ->  epx_combine_expand (weighted).
+ *   the FFN on the compute stream (src/moe_ffn.c: cuBLAS GEMMs per expert over the plan's
+ *   GEMM lanes, the row kernel between them; or epx_experts_ffn)  ->  epx_combine_expand
+ *   (weighted).
  *
  * Overlap: chunk c uses group c % 2 and its handle. Every dispatch and combine goes on the
  * plan's one communication stream, in the order D0 D1 C0 D2 C1 D3 C2 ..., and every FFN on its
@@ -39,8 +40,8 @@ static size_t align_up(size_t v) {
   return (v + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
 }
 
-epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, size_t rows, int H,
-                                        int I, size_t ffn_bytes) {
+epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, int lanes, size_t rows,
+                                        int H, int I, size_t ffn_bytes) {
   epx__moe_ws_layout_t l;
   memset(&l, 0, sizeof l);
   size_t off = 0;
@@ -67,7 +68,7 @@ epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, size_
     off += align_up(rows * (size_t)(H / 128) * sizeof(float));
   }
   l.blas = off;
-  off += align_up(EPX__MOE_BLAS_WS);
+  off += (size_t)(lanes > 1 ? lanes : 1) * align_up(EPX__MOE_BLAS_WS);
   l.total = off;
   return l;
 }
@@ -153,6 +154,8 @@ static void plan_free(epx_moe_prefill_t p) {
   if (!p) return;
   if (p->comm) cudaStreamSynchronize(p->comm);
   if (p->compute) cudaStreamSynchronize(p->compute);
+  for (int i = 1; i < EPX__MOE_MAX_LANES; i++)
+    if (p->lane_stream[i]) cudaStreamSynchronize(p->lane_stream[i]);
   epx__moe_gemm_destroy(p);
   for (int i = 0; i < 2; i++) {
     if (p->handles[i]) epx_handle_destroy(p->handles[i]);
@@ -166,6 +169,11 @@ static void plan_free(epx_moe_prefill_t p) {
     if (p->dispatched[c]) cudaEventDestroy(p->dispatched[c]);
     if (p->ffn_done[c]) cudaEventDestroy(p->ffn_done[c]);
   }
+  for (int i = 0; i < EPX__MOE_MAX_LANES; i++) {
+    if (p->lane_stream[i]) cudaStreamDestroy(p->lane_stream[i]);
+    if (p->lane_done[i]) cudaEventDestroy(p->lane_done[i]);
+  }
+  if (p->lane_fork) cudaEventDestroy(p->lane_fork);
   if (p->comm) cudaStreamDestroy(p->comm);
   if (p->compute) cudaStreamDestroy(p->compute);
   free(p);
@@ -204,6 +212,21 @@ static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int aske
                           fn);
   p->backend = EPX_MOE_FFN_EPX;
   p->gu_fp32 = 0;
+  return EPX_OK;
+}
+
+/* The GEMM lanes (moe_ffn.c): `asked` (0: auto) with the cuBLAS backend, else 1; lanes 1..
+ * are streams of the compute stream's priority. */
+static epx_status_t lanes_build(epx_moe_prefill_t p, int asked) {
+  p->lanes = p->backend == EPX_MOE_FFN_CUBLAS ? (asked ? asked : EPX__MOE_AUTO_LANES) : 1;
+  if (p->lanes <= 1) return EPX_OK;
+  int least = 0, greatest = 0;
+  CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  CUDA_CHECK(cudaEventCreateWithFlags(&p->lane_fork, cudaEventDisableTiming));
+  for (int i = 1; i < p->lanes; i++) {
+    CUDA_CHECK(cudaStreamCreateWithPriority(&p->lane_stream[i], cudaStreamNonBlocking, least));
+    CUDA_CHECK(cudaEventCreateWithFlags(&p->lane_done[i], cudaEventDisableTiming));
+  }
   return EPX_OK;
 }
 
@@ -271,6 +294,9 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   EPX_ARG_CHECK(cfg.gemm_sms >= 0 && cfg.gemm_sms <= g->num_device_sms,
                 "%s: config->gemm_sms = %d: must be in [0, the GPU's %d SMs]", fn, cfg.gemm_sms,
                 g->num_device_sms);
+  EPX_ARG_CHECK(cfg.gemm_lanes >= 0 && cfg.gemm_lanes <= EPX__MOE_MAX_LANES,
+                "%s: config->gemm_lanes = %d: must be 0 (auto) or in [1, %d]", fn, cfg.gemm_lanes,
+                EPX__MOE_MAX_LANES);
 
   epx_moe_prefill_t p = calloc(1, sizeof *p);
   if (!p) return epx__set_error(EPX_ERR_SYSTEM, "%s: out of host memory", fn);
@@ -289,6 +315,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   if (p->gemm_sms < 1) p->gemm_sms = 1;
   epx_status_t st = plan_build(fn, p, cfg.ffn_backend);
   if (st == EPX_OK) st = choose_backend(fn, p, cfg.ffn_backend);
+  if (st == EPX_OK) st = lanes_build(p, cfg.gemm_lanes);
   if (st == EPX_OK && p->backend == EPX_MOE_FFN_EPX)
     st = epx_experts_ffn_workspace_size(experts, (int)p->rows, EPX_DTYPE_BF16, &p->ffn_bytes);
   if (st == EPX_OK && p->backend == EPX_MOE_FFN_CUBLAS &&
@@ -319,16 +346,16 @@ EPX_EXPORT epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t p) {
   return EPX_OK;
 }
 
-static epx__moe_ws_layout_t layout_of(epx_moe_prefill_t p) {
+epx__moe_ws_layout_t epx__moe_plan_ws_layout(epx_moe_prefill_t p) {
   return epx__moe_ws_layout(p->backend, p->experts.weight_dtype == EPX_DTYPE_FP8_E4M3, p->gu_fp32,
-                            p->rows, p->H, p->I, p->ffn_bytes);
+                            p->lanes, p->rows, p->H, p->I, p->ffn_bytes);
 }
 
 EPX_EXPORT epx_status_t epx_moe_prefill_workspace_size(epx_moe_prefill_t p, size_t *bytes) {
   static const char fn[] = "epx_moe_prefill_workspace_size";
   EPX_CHECK(plan_check(fn, p));
   EPX_CHECK(epx__check_not_null(fn, "bytes", bytes));
-  *bytes = layout_of(p).total;
+  *bytes = epx__moe_plan_ws_layout(p).total;
   return EPX_OK;
 }
 
@@ -345,118 +372,10 @@ EPX_EXPORT epx_status_t epx_moe_prefill_get_info(epx_moe_prefill_t p,
   info->gemm_sms = p->gemm_sms;
   info->gate_up_out_fp32 = p->gu_fp32;
   info->expert_alignment = EPX__MOE_ALIGN;
-  info->workspace_bytes = layout_of(p).total;
+  info->workspace_bytes = epx__moe_plan_ws_layout(p).total;
+  info->gemm_lanes = p->lanes;
   return EPX_OK;
 }
-
-/* ------------------------------------------------------------------------------------------ */
-/* The FFN of one chunk                                                                       */
-/* ------------------------------------------------------------------------------------------ */
-
-epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
-                          char *ws, size_t ws_bytes, cudaStream_t stream) {
-  if (rows->num_rows <= 0) return EPX_OK;
-  const epx__moe_ws_layout_t l = layout_of(p);
-  if (ws_bytes < l.total)
-    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_ffn: workspace of %zu bytes, %zu needed",
-                          ws_bytes, l.total);
-  const epx_experts_t *w = &p->experts;
-  if (p->backend == EPX_MOE_FFN_EPX) {
-    epx_experts_ffn_args_t f = EPX_EXPERTS_FFN_ARGS_INIT;
-    f.x = rows->x;
-    f.x_dtype = EPX_DTYPE_BF16;
-    f.num_rows = rows->num_rows;
-    f.expert_count = rows->count_dev;
-    f.expert_begin = rows->begin_dev;
-    f.out = rows->y;
-    f.workspace = ws + l.ffn;
-    f.workspace_bytes = p->ffn_bytes;
-    return epx_experts_ffn(w, &f, stream);
-  }
-  const int L = p->L, H = p->H, I = p->I, sms = overlapped ? p->gemm_sms : 0;
-  const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
-  epx__moe_rows_launch_args_t ra;
-  memset(&ra, 0, sizeof ra);
-  ra.num_rows = rows->num_rows;
-  ra.num_experts = L;
-  ra.begin = rows->begin_dev;
-  ra.count = rows->count_dev;
-  ra.num_blocks = 2 * (overlapped ? p->gemm_sms : p->device_sms);
-
-  if (!fp8) {
-    const char *gu = (const char *)w->gate_up, *dn = (const char *)w->down;
-    for (int j = 0; j < L; j++)
-      EPX_CHECK(epx__moe_gemm_bf16(
-          p, gu + (size_t)j * 2 * I * H * 2, (const char *)rows->x + (size_t)rows->begin[j] * H * 2,
-          ws + l.gu + (size_t)rows->begin[j] * 2 * I * 2, 2 * I, H, rows->count[j], sms, stream));
-    ra.in = ws + l.gu;
-    ra.swiglu = 1;
-    ra.out = ws + l.h;
-    ra.cols = I;
-    EPX_CHECK(epx__moe_rows_launch(&ra, stream));
-    for (int j = 0; j < L; j++)
-      EPX_CHECK(epx__moe_gemm_bf16(
-          p, dn + (size_t)j * H * I * 2, ws + l.h + (size_t)rows->begin[j] * I * 2,
-          (char *)rows->y + (size_t)rows->begin[j] * H * 2, H, I, rows->count[j], sms, stream));
-    return EPX_OK;
-  }
-
-  /* FP8: x quantized per 128 channels; each expert's GEMM runs on its whole segment (a multiple
-   * of 4 rows: the scales' per-segment stride), the padding rows being zeros. */
-  ra.in = rows->x;
-  ra.quantize = 1;
-  ra.out = ws + l.xq;
-  ra.scales = (float *)(ws + l.xs);
-  ra.cols = H;
-  EPX_CHECK(epx__moe_rows_launch(&ra, stream));
-  const char *gu = (const char *)w->gate_up, *dn = (const char *)w->down;
-  const size_t gu_elem = p->gu_fp32 ? 4 : 2;
-  for (int j = 0; j < L; j++) {
-    const int b = rows->begin[j], S = rows->begin[j + 1] - b;
-    EPX_CHECK(epx__moe_gemm_fp8(
-        p, 0, gu + (size_t)j * 2 * I * H,
-        p->scales[0] + (size_t)j * (2 * I / 128) * p->scales_kb[0], ws + l.xq + (size_t)b * H,
-        (const float *)(ws + l.xs) + (size_t)b * (H / 128), ws + l.gu + (size_t)b * 2 * I * gu_elem,
-        2 * I, H, S, sms, ws + l.blas, stream));
-  }
-  ra.in = ws + l.gu;
-  ra.in_fp32 = p->gu_fp32;
-  ra.swiglu = 1;
-  ra.out = ws + l.h;
-  ra.scales = (float *)(ws + l.hs);
-  ra.cols = I;
-  EPX_CHECK(epx__moe_rows_launch(&ra, stream));
-  for (int j = 0; j < L; j++) {
-    const int b = rows->begin[j], S = rows->begin[j + 1] - b;
-    EPX_CHECK(epx__moe_gemm_fp8(
-        p, 1, dn + (size_t)j * H * I, p->scales[1] + (size_t)j * (H / 128) * p->scales_kb[1],
-        ws + l.h + (size_t)b * I, (const float *)(ws + l.hs) + (size_t)b * (I / 128),
-        (char *)rows->y + (size_t)b * H * 2, H, I, S, sms, ws + l.blas, stream));
-  }
-  return EPX_OK;
-}
-
-epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t *rows, char *ws,
-                                     size_t ws_bytes, cudaStream_t stream) {
-  const epx__moe_ws_layout_t l = layout_of(p);
-  if (p->backend != EPX_MOE_FFN_CUBLAS || ws_bytes < l.total)
-    return epx__set_error(EPX_ERR_INVALID_USAGE,
-                          "epx__moe_gemm_reference: needs the cuBLAS backend and the workspace");
-  const epx_experts_t *w = &p->experts;
-  const int H = p->H, I = p->I, n = rows->num_rows;
-  if (w->weight_dtype != EPX_DTYPE_FP8_E4M3) {
-    EPX_CHECK(epx__moe_gemm_bf16(p, w->gate_up, rows->x, ws + l.gu, 2 * I, H, n, 0, stream));
-    return epx__moe_gemm_bf16(p, w->down, ws + l.h, rows->y, H, I, n, 0, stream);
-  }
-  EPX_CHECK(epx__moe_gemm_fp8(p, 0, w->gate_up, p->scales[0], ws + l.xq, (const float *)(ws + l.xs),
-                              ws + l.gu, 2 * I, H, n, 0, ws + l.blas, stream));
-  return epx__moe_gemm_fp8(p, 1, w->down, p->scales[1], ws + l.h, (const float *)(ws + l.hs),
-                           rows->y, H, I, n, 0, ws + l.blas, stream);
-}
-
-/* ------------------------------------------------------------------------------------------ */
-/* The call                                                                                   */
-/* ------------------------------------------------------------------------------------------ */
 
 static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,
                                const epx__moe_ws_layout_t *l, cudaStream_t stream) {
@@ -510,7 +429,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
                                         cudaStream_t stream) {
   static const char fn[] = "epx_moe_prefill";
   EPX_CHECK(plan_check(fn, p));
-  const epx__moe_ws_layout_t l = layout_of(p);
+  const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
   EPX_CHECK(check_call(fn, p, a, &l, stream));
   const int n = a->overlap ? p->num_chunks : 1, L = p->L, H = p->H, K = p->K;
   /* Chain: every step on the caller's stream. Overlapped: the plan's two streams, after and

@@ -15,7 +15,8 @@
  * layer waits on the host for each chunk's count exchange, so nothing is graph-captured), after
  * a group barrier; rank 0 prints median and min over --iters. Columns: lay/max = layer /
  * max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target >= 1.15),
- * cub/gem = cublas / gemms (target >= 0.70). Shapes: DeepSeek-V3's experts (H 7168, I 2048, 256
+ * cub/gem = cublas / gemms (target >= 0.70); ln = the plan's GEMM lanes (--gemm-lanes, a list
+ * to compare them in one run). Shapes: DeepSeek-V3's experts (H 7168, I 2048, 256
  * experts) and Qwen3-30B-A3B's (H 2048, I 768, 128), top-8, uniform routing, --tokens per rank
  * (default 4096); weights BF16, or FP8 with 128x128 block scales. Random values; nothing is
  * checked here (tests/gpu/test_moe_prefill.c does that).
@@ -38,6 +39,7 @@ typedef struct {
   int shapes[2], num_shapes;
   int fp8[2], num_dtypes;
   int iters, warmup, ranks, chunks;
+  int lanes[MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
 } options_t;
 
 enum { V_LAYER, V_CHAIN, V_GEMMS, V_COMM, V_CUBLAS, NUM_VARIANTS };
@@ -64,9 +66,7 @@ static epx_dispatch_args_t dispatch_args(const bench_ctx_t *c, int *counts) {
 }
 
 static epx__moe_rows_t held_rows(const bench_ctx_t *c) {
-  const epx__moe_ws_layout_t l = epx__moe_ws_layout(
-      c->plan->backend, c->ex.weight_dtype == EPX_DTYPE_FP8_E4M3, c->plan->gu_fp32, c->plan->rows,
-      c->plan->H, c->plan->I, c->plan->ffn_bytes);
+  const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(c->plan);
   const epx__moe_rows_t r = {c->held.recv_x,
                              c->held.num_rows,
                              c->held_count,
@@ -127,7 +127,7 @@ static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const option
 }
 
 static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, int fp8, int T,
-                       const options_t *o, cudaStream_t stream) {
+                       int lanes, const options_t *o, cudaStream_t stream) {
   bench_ctx_t c;
   memset(&c, 0, sizeof c);
   c.T = T;
@@ -140,6 +140,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   if (moe_alloc_experts(s, c.L, fp8, 1000u + (uint64_t)rank, &c.ex)) return -1;
   epx_moe_prefill_config_t pc = EPX_MOE_PREFILL_CONFIG_INIT;
   pc.num_chunks = o->chunks;
+  pc.gemm_lanes = lanes;
   BENCH_EPX(epx_moe_prefill_create(c.g, 2, &c.ex, &pc, &c.plan));
   epx_moe_prefill_info_t info = EPX_MOE_PREFILL_INFO_INIT;
   BENCH_EPX(epx_moe_prefill_get_info(c.plan, &info));
@@ -186,8 +187,9 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   }
   if (rank == 0) {
     const float base = med[V_GEMMS] > med[V_COMM] ? med[V_GEMMS] : med[V_COMM];
-    printf("%-9s %-4s %5d %3d %-6s %6d", s->name, fp8 ? "fp8" : "bf16", T, R,
-           info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cublas" : "epx", c.held.num_rows);
+    printf("%-9s %-4s %5d %3d %-6s %2d %6d", s->name, fp8 ? "fp8" : "bf16", T, R,
+           info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cublas" : "epx", info.gemm_lanes,
+           c.held.num_rows);
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
     printf(" %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
            med[V_CUBLAS] > 0 ? med[V_CUBLAS] / med[V_GEMMS] : -1.f);
@@ -218,7 +220,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
         "# median and min of %d whole calls (us, events on rank 0), after %d warm-up; "
         "rows = expert-major rows of rank 0\n",
         o->iters, o->warmup);
-    printf("%-9s %-4s %5s %3s %-6s %6s", "shape", "dt", "T", "R", "ffn", "rows");
+    printf("%-9s %-4s %5s %3s %-6s %2s %6s", "shape", "dt", "T", "R", "ffn", "ln", "rows");
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
     printf(" %8s %8s %8s\n", "lay/max", "chn/lay", "cub/gem");
   }
@@ -226,8 +228,9 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   for (int i = 0; i < o->num_shapes && !rc; i++)
     for (int j = 0; j < o->num_dtypes && !rc; j++)
       for (int k = 0; k < o->num_tokens && !rc; k++)
-        rc = bench_point(comm, rank, R, &moe_shapes[o->shapes[i]], o->fp8[j], o->tokens[k], o,
-                         stream);
+        for (int m = 0; m < o->num_lanes && !rc; m++)
+          rc = bench_point(comm, rank, R, &moe_shapes[o->shapes[i]], o->fp8[j], o->tokens[k],
+                           o->lanes[m], o, stream);
   cudaStreamDestroy(stream);
   ncclCommDestroy(comm);
   return rc;
@@ -236,7 +239,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
   bench_program = "epx_moe_prefill_bench";
-  options_t o = {{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0, 0};
+  options_t o = {{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0, 0, {0}, 1};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--tokens") && v) {
@@ -252,10 +255,14 @@ int main(int argc, char **argv) {
       o.ranks = atoi(v), i++;
     } else if (!strcmp(a, "--chunks") && v) {
       o.chunks = atoi(v), i++;
+    } else if (!strcmp(a, "--gemm-lanes") && v) {
+      if (bench_parse_list(a, v, 0, 8, MAX_LIST, o.lanes, &o.num_lanes)) return 2;
+      i++;
     } else {
       fprintf(stderr,
               "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
-              "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)]\n",
+              "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
+              "[--gemm-lanes 1,4 (0 = the plan's default)]\n",
               argv[0]);
       return 2;
     }

@@ -302,6 +302,7 @@ class epx_moe_prefill_config_t(ctypes.Structure):
         ("num_chunks", ctypes.c_int),
         ("ffn_backend", ctypes.c_int),
         ("gemm_sms", ctypes.c_int),
+        ("gemm_lanes", ctypes.c_int),
     ]
 
 
@@ -315,6 +316,7 @@ class epx_moe_prefill_info_t(ctypes.Structure):
         ("gate_up_out_fp32", ctypes.c_int),
         ("expert_alignment", ctypes.c_int),
         ("workspace_bytes", ctypes.c_size_t),
+        ("gemm_lanes", ctypes.c_int),
     ]
 
 

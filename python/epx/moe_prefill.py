@@ -20,9 +20,11 @@ class MoePrefill:
     a list of one or two with identical configs (normal mode, BF16, expand_max_rows >= R x
     max_tokens_per_rank x min(K, E/R) + 3 E/R); experts: this rank's epx.Experts; num_chunks:
     chunks of an overlapped call (0: 2); ffn_backend: "auto", "cublas" or "epx"; gemm_sms: SMs
-    the GEMMs are tuned for (0: the GPU's minus the group's num_sms)."""
+    the GEMMs are tuned for (0: the GPU's minus the group's num_sms); gemm_lanes: streams the
+    per-expert GEMMs run on at once (0: 4; cuBLAS backend)."""
 
-    def __init__(self, groups, experts, *, num_chunks=0, ffn_backend="auto", gemm_sms=0):
+    def __init__(self, groups, experts, *, num_chunks=0, ffn_backend="auto", gemm_sms=0,
+                 gemm_lanes=0):
         from .experts import Experts
         from .group import Group
         fn = "MoePrefill"
@@ -36,8 +38,8 @@ class MoePrefill:
             raise invalid_argument("%s: ffn_backend: expected one of %s, got %r" % (
                 fn, sorted(FFN_BACKENDS), ffn_backend))
         cfg = _capi.EPX_MOE_PREFILL_CONFIG_INIT()
-        cfg.num_chunks, cfg.ffn_backend, cfg.gemm_sms = num_chunks, FFN_BACKENDS[ffn_backend], \
-            gemm_sms
+        cfg.num_chunks, cfg.ffn_backend = num_chunks, FFN_BACKENDS[ffn_backend]
+        cfg.gemm_sms, cfg.gemm_lanes = gemm_sms, gemm_lanes
         ptrs = (_capi._group * len(groups))(*[g._ptr(fn) for g in groups])
         plan = ctypes.c_void_p()
         _capi.check(_capi.lib.epx_moe_prefill_create(ptrs, len(groups), ctypes.byref(experts._c),
@@ -47,6 +49,7 @@ class MoePrefill:
         info = _capi.EPX_MOE_PREFILL_INFO_INIT()
         _capi.check(_capi.lib.epx_moe_prefill_get_info(self._plan, ctypes.byref(info)))
         self.num_chunks, self.gemm_sms = info.num_chunks, info.gemm_sms
+        self.gemm_lanes = info.gemm_lanes
         self.ffn_backend = {1: "cublas", 2: "epx"}.get(info.ffn_backend, str(info.ffn_backend))
         self.workspace_bytes = info.workspace_bytes
         g = groups[0]

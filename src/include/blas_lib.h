@@ -18,6 +18,7 @@
   X(0, cublasCreate_v2)                      \
   X(0, cublasDestroy_v2)                     \
   X(0, cublasSetStream_v2)                   \
+  X(0, cublasSetWorkspace_v2)                \
   X(0, cublasSetMathMode)                    \
   X(0, cublasSetSmCountTarget)               \
   X(0, cublasGemmEx)                         \

@@ -24,6 +24,8 @@ extern "C" {
 #define EPX__MOE_MAX_CHUNKS 16       /* config.num_chunks */
 #define EPX__MOE_BLAS_WS (32u << 20) /* cuBLAS / cuBLASLt workspace bytes */
 #define EPX__MOE_LT_CACHE 64         /* cached cuBLASLt algorithms */
+#define EPX__MOE_MAX_LANES 8         /* config.gemm_lanes */
+#define EPX__MOE_AUTO_LANES 4        /* its default */
 
 /* Where each region of a call's workspace starts (bytes, 256-aligned), and the total. */
 typedef struct epx__moe_ws_layout {
@@ -33,15 +35,20 @@ typedef struct epx__moe_ws_layout {
   size_t hs;   /* FP8: [rows x I/128] float32 scales, per-segment layout (below) */
   size_t xq;   /* FP8: [rows, H] FP8 codes of the received rows */
   size_t xs;   /* FP8: [rows x H/128] float32 scales, per-segment layout */
-  size_t blas; /* EPX__MOE_BLAS_WS bytes for cuBLAS */
+  size_t blas; /* lanes x EPX__MOE_BLAS_WS bytes for cuBLAS: one slice per GEMM lane */
   size_t ffn;  /* backend EPX: epx_experts_ffn's workspace (the regions gu..blas are unused) */
   size_t total;
 } epx__moe_ws_layout_t;
 
 /* The layout for `rows` rows (config.expand_max_rows). backend: EPX_MOE_FFN_CUBLAS or _EPX;
- * ffn_bytes: epx_experts_ffn_workspace_size for rows (backend EPX). Pure. */
-epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, size_t rows, int hidden,
-                                        int intermediate, size_t ffn_bytes);
+ * lanes: the plan's GEMM lanes (cuBLAS); ffn_bytes: epx_experts_ffn_workspace_size for rows
+ * (backend EPX). Pure. */
+epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, int lanes, size_t rows,
+                                        int hidden, int intermediate, size_t ffn_bytes);
+
+/* The lane of each of L experts for a chunk with these row counts: the least-loaded lane (by
+ * rows) in expert order, so a few large experts do not queue behind each other. Pure. */
+void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane);
 
 /* Chunk c of n over T tokens: [*first, *first + *count), sizes differing by at most one, the
  * larger first; the largest is ceil(T / n). Pure. */
@@ -65,6 +72,9 @@ struct epx_moe_prefill {
   cudaStream_t comm, compute;
   cudaEvent_t start, comm_done, compute_done;
   cudaEvent_t dispatched[EPX__MOE_MAX_CHUNKS], ffn_done[EPX__MOE_MAX_CHUNKS];
+  int lanes;                                    /* GEMM lanes: 1 + the streams below */
+  cudaStream_t lane_stream[EPX__MOE_MAX_LANES]; /* [1, lanes): the plan's; lane 0 is the FFN's */
+  cudaEvent_t lane_fork, lane_done[EPX__MOE_MAX_LANES];
   cublasHandle_t blas;
   cublasLtHandle_t lt;
   cublasLtMatmulDesc_t lt_desc[2]; /* FP8: 0 gate/up (float32 or BF16 out), 1 down (BF16 out) */
@@ -74,6 +84,9 @@ struct epx_moe_prefill {
   float *ones;
   epx__moe_lt_algo_t algos[EPX__MOE_LT_CACHE];
 };
+
+/* The workspace layout of a plan's calls (epx__moe_ws_layout with the plan's values). */
+epx__moe_ws_layout_t epx__moe_plan_ws_layout(epx_moe_prefill_t p);
 
 /* One chunk's received rows, as epx_dispatch_expand left them (sync_counts = 1). */
 typedef struct {
@@ -86,7 +99,8 @@ typedef struct {
   void *y;              /* [num_rows, H] BF16: the experts' outputs */
 } epx__moe_rows_t;
 
-/* The FFN of one chunk on stream: every local expert on its rows, y written for its real rows.
+/* The FFN of one chunk on stream (src/moe_ffn.c): every local expert on its rows, y written for
+ * its real rows; the GEMMs spread over the plan's lanes and joined back into stream.
  * overlapped: the GEMMs target plan->gemm_sms SMs (communication runs beside them). */
 epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
                           char *ws, size_t ws_bytes, cudaStream_t stream);
@@ -98,9 +112,10 @@ epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t 
                                      size_t ws_bytes, cudaStream_t stream);
 
 /* cuBLAS (src/moe_gemm.c). y[rows, n] = x[rows, k] w[n, k]^T, row-major, float32 accumulation.
- * BF16: cublasGemmEx, BF16 out. sm_target 0: every SM. */
+ * BF16: cublasGemmEx, BF16 out. sm_target 0: every SM. blas_ws: EPX__MOE_BLAS_WS bytes that no
+ * GEMM on another stream uses meanwhile (a lane's slice). */
 epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *x, void *y, int n,
-                                int k, int rows, int sm_target, cudaStream_t stream);
+                                int k, int rows, int sm_target, void *blas_ws, cudaStream_t stream);
 /* FP8 (cuBLASLt block scaling): w [n, k] E4M3 with w_scales [n/128][kb4] (128x128 blocks), x
  * [rows, k] E4M3 with x_scales [k/128][rows] (1x128 blocks, rows contiguous; rows a multiple of
  * 4), y float32 (which 0 with gu_fp32) or BF16. which: 0 gate/up, 1 down. */

@@ -40,30 +40,52 @@ static int disjoint(size_t a, size_t n, size_t b, size_t m) {
 EPX_HOST_TEST(moe_prefill_workspace_regions, 10) {
   const size_t rows = 1000;
   const int H = 7168, I = 2048;
+  static const int lanes_tried[] = {1, 3, EPX__MOE_MAX_LANES};
   for (int fp8 = 0; fp8 < 2; fp8++)
-    for (int fp32 = 0; fp32 < 2; fp32++) {
-      const epx__moe_ws_layout_t l =
-          epx__moe_ws_layout(EPX_MOE_FFN_CUBLAS, fp8, fp32, rows, H, I, 0);
-      const size_t off[] = {l.y[0], l.y[1], l.gu, l.h, l.hs, l.xq, l.xs, l.blas};
-      const size_t len[] = {rows * H * 2,
-                            rows * H * 2,
-                            rows * 2 * I * (fp8 && fp32 ? 4 : 2),
-                            rows * I * (fp8 ? 1 : 2),
-                            fp8 ? rows * (I / 128) * 4 : 0,
-                            fp8 ? rows * H : 0,
-                            fp8 ? rows * (H / 128) * 4 : 0,
-                            EPX__MOE_BLAS_WS};
-      const int n = (int)(sizeof off / sizeof off[0]);
-      for (int i = 0; i < n; i++) {
-        EXPECTF(off[i] % 256 == 0, "fp8 %d region %d at %zu", fp8, i, off[i]);
-        EXPECTF(off[i] + len[i] <= l.total, "fp8 %d region %d past the total", fp8, i);
-        for (int j = i + 1; j < n; j++)
-          EXPECTF(disjoint(off[i], len[i], off[j], len[j]), "fp8 %d regions %d and %d overlap", fp8,
-                  i, j);
+    for (int fp32 = 0; fp32 < 2; fp32++)
+      for (int li = 0; li < 3; li++) {
+        const int lanes = lanes_tried[li];
+        const epx__moe_ws_layout_t l =
+            epx__moe_ws_layout(EPX_MOE_FFN_CUBLAS, fp8, fp32, lanes, rows, H, I, 0);
+        const size_t off[] = {l.y[0], l.y[1], l.gu, l.h, l.hs, l.xq, l.xs, l.blas};
+        const size_t len[] = {rows * H * 2,
+                              rows * H * 2,
+                              rows * 2 * I * (fp8 && fp32 ? 4 : 2),
+                              rows * I * (fp8 ? 1 : 2),
+                              fp8 ? rows * (I / 128) * 4 : 0,
+                              fp8 ? rows * H : 0,
+                              fp8 ? rows * (H / 128) * 4 : 0,
+                              (size_t)lanes * EPX__MOE_BLAS_WS}; /* a slice per lane */
+        const int n = (int)(sizeof off / sizeof off[0]);
+        for (int i = 0; i < n; i++) {
+          EXPECTF(off[i] % 256 == 0, "fp8 %d region %d at %zu", fp8, i, off[i]);
+          EXPECTF(off[i] + len[i] <= l.total, "fp8 %d region %d past the total", fp8, i);
+          for (int j = i + 1; j < n; j++)
+            EXPECTF(disjoint(off[i], len[i], off[j], len[j]), "fp8 %d regions %d and %d overlap",
+                    fp8, i, j);
+        }
       }
-    }
-  const epx__moe_ws_layout_t e = epx__moe_ws_layout(EPX_MOE_FFN_EPX, 1, 0, rows, H, I, 12345);
+  const epx__moe_ws_layout_t e = epx__moe_ws_layout(EPX_MOE_FFN_EPX, 1, 0, 1, rows, H, I, 12345);
   EXPECT(e.ffn >= 2 * rows * H * 2 && e.ffn % 256 == 0 && e.ffn + 12345 <= e.total);
+  return TEST_PASS;
+}
+
+/* Each expert goes to the lane with the fewest rows so far (the first such lane on ties). */
+EPX_HOST_TEST(moe_prefill_lanes_balance_rows, 10) {
+  static const int count[] = {500, 10, 10, 10, 480, 0, -3, 20};
+  int lane[8];
+  epx__moe_assign_lanes(count, 8, 3, lane);
+  /* loads after each expert: [500,0,0] [500,10,0] [500,10,10] [500,20,10] (tie: the first)
+   * [500,20,490] [500,20,490] (0 rows) [500,20,490] (negative: none) [500,40,490] */
+  static const int want[] = {0, 1, 2, 1, 2, 1, 1, 1};
+  for (int j = 0; j < 8; j++)
+    EXPECTF(lane[j] == want[j], "expert %d: lane %d, want %d", j, lane[j], want[j]);
+  epx__moe_assign_lanes(count, 8, 1, lane);
+  for (int j = 0; j < 8; j++) EXPECT(lane[j] == 0);
+  epx__moe_assign_lanes(count, 8, 0, lane); /* below 1: one lane */
+  for (int j = 0; j < 8; j++) EXPECT(lane[j] == 0);
+  epx__moe_assign_lanes(count, 8, 99, lane); /* above the maximum: clamped */
+  for (int j = 0; j < 8; j++) EXPECT(lane[j] >= 0 && lane[j] < EPX__MOE_MAX_LANES);
   return TEST_PASS;
 }
 

@@ -1,0 +1,198 @@
+/*
+ * moe_ffn.c - the prefill layer's FFN of one chunk (epx__moe_ffn, src/include/moe_prefill.h):
+ * each local expert's GEMMs on its segment of the expert-major rows, the row kernel between
+ * them (SwiGLU, and the FP8 quantization with FP8 weights), or EPX's own epx_experts_ffn.
+ *
+ * Lanes: an expert's GEMM at prefill has a few hundred rows (4096 tokens x top-8 over 256
+ * experts: about 500, half that per chunk), so its tiles do not cover the GPU and one GEMM
+ * after another leaves SMs idle at every GEMM's tail. The plan's lanes are streams that run
+ * several experts' GEMMs at once: the FFN's stream forks into them for each projection and
+ * joins them before the row kernel and at the end. Each lane has its own cuBLAS workspace
+ * slice. Experts go to the least-loaded lane by rows (epx__moe_assign_lanes). Once forked, the
+ * join is queued whatever fails, so the FFN's stream never runs ahead of a lane's GEMMs.
+ */
+#include <string.h>
+
+#include "checks.h"
+#include "experts.h"
+#include "kernels/api.h"
+#include "moe_prefill.h"
+
+void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane) {
+  long long load[EPX__MOE_MAX_LANES] = {0};
+  if (lanes < 1) lanes = 1;
+  if (lanes > EPX__MOE_MAX_LANES) lanes = EPX__MOE_MAX_LANES;
+  for (int j = 0; j < L; j++) {
+    int best = 0;
+    for (int i = 1; i < lanes; i++)
+      if (load[i] < load[best]) best = i;
+    lane[j] = best;
+    load[best] += count[j] > 0 ? count[j] : 0;
+  }
+}
+
+/* Lanes 1.. wait for everything queued on stream so far. */
+static epx_status_t fork_lanes(epx_moe_prefill_t p, cudaStream_t stream) {
+  if (p->lanes <= 1) return EPX_OK;
+  CUDA_CHECK(cudaEventRecord(p->lane_fork, stream));
+  for (int i = 1; i < p->lanes; i++)
+    CUDA_CHECK(cudaStreamWaitEvent(p->lane_stream[i], p->lane_fork, 0));
+  return EPX_OK;
+}
+
+/* stream waits for everything queued on lanes 1.. so far; every lane is joined even if one
+ * step fails (the first failure is returned). */
+static epx_status_t join_lanes(epx_moe_prefill_t p, cudaStream_t stream) {
+  epx_status_t first = EPX_OK;
+  for (int i = 1; i < p->lanes; i++) {
+    epx_status_t st = CUDA_STATUS(cudaEventRecord(p->lane_done[i], p->lane_stream[i]));
+    if (st == EPX_OK) st = CUDA_STATUS(cudaStreamWaitEvent(stream, p->lane_done[i], 0));
+    if (first == EPX_OK) first = st;
+  }
+  return first;
+}
+
+/* One projection of every expert: w_j [n, k] on the rows of segment j. */
+typedef struct {
+  int which;             /* 0 gate/up, 1 down */
+  const char *w;         /* expert 0's weights; expert j's at w + j * w_stride */
+  size_t w_stride;       /* bytes */
+  const float *w_scales; /* FP8: expert 0's repacked scales; expert j's at + j * ws_stride */
+  size_t ws_stride;      /* floats */
+  const char *x;         /* row 0's input; row r's at x + r * x_row */
+  size_t x_row;          /* bytes */
+  const float *x_scales; /* FP8: per-segment scales, segment j's at + begin[j] * xs_row */
+  size_t xs_row;         /* floats per row (k / 128) */
+  char *y;               /* row 0's output; row r's at y + r * y_row */
+  size_t y_row;          /* bytes */
+  int n, k, fp8, sm_target;
+} projection_t;
+
+static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const epx__moe_rows_t *rows,
+                            const int *lane, char *blas_ws, cudaStream_t stream) {
+  EPX_CHECK(fork_lanes(p, stream));
+  epx_status_t st = EPX_OK;
+  for (int j = 0; j < p->L && st == EPX_OK; j++) {
+    const int b = rows->begin[j];
+    cudaStream_t s = lane[j] == 0 ? stream : p->lane_stream[lane[j]];
+    char *lane_ws = blas_ws + (size_t)lane[j] * EPX__MOE_BLAS_WS;
+    if (g->fp8) /* the whole segment: its rows are a multiple of 4, the scales' stride */
+      st = epx__moe_gemm_fp8(p, g->which, g->w + j * g->w_stride, g->w_scales + j * g->ws_stride,
+                             g->x + b * g->x_row, g->x_scales + (size_t)b * g->xs_row,
+                             g->y + b * g->y_row, g->n, g->k, rows->begin[j + 1] - b, g->sm_target,
+                             lane_ws, s);
+    else
+      st = epx__moe_gemm_bf16(p, g->w + j * g->w_stride, g->x + b * g->x_row, g->y + b * g->y_row,
+                              g->n, g->k, rows->count[j], g->sm_target, lane_ws, s);
+  }
+  const epx_status_t joined = join_lanes(p, stream);
+  return st != EPX_OK ? st : joined;
+}
+
+epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
+                          char *ws, size_t ws_bytes, cudaStream_t stream) {
+  if (rows->num_rows <= 0) return EPX_OK;
+  const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
+  if (ws_bytes < l.total)
+    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_ffn: workspace of %zu bytes, %zu needed",
+                          ws_bytes, l.total);
+  const epx_experts_t *w = &p->experts;
+  if (p->backend == EPX_MOE_FFN_EPX) {
+    epx_experts_ffn_args_t f = EPX_EXPERTS_FFN_ARGS_INIT;
+    f.x = rows->x;
+    f.x_dtype = EPX_DTYPE_BF16;
+    f.num_rows = rows->num_rows;
+    f.expert_count = rows->count_dev;
+    f.expert_begin = rows->begin_dev;
+    f.out = rows->y;
+    f.workspace = ws + l.ffn;
+    f.workspace_bytes = p->ffn_bytes;
+    return epx_experts_ffn(w, &f, stream);
+  }
+  const int H = p->H, I = p->I, sms = overlapped ? p->gemm_sms : 0;
+  const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
+  int lane[EPX_MAX_EXPERTS];
+  epx__moe_assign_lanes(rows->count, p->L, p->lanes, lane);
+  const size_t gu_elem = fp8 && p->gu_fp32 ? 4 : 2, h_elem = fp8 ? 1 : 2, w_elem = fp8 ? 1 : 2;
+  /* The row kernel's launch over this chunk's segments; each use below sets what it does. */
+  epx__moe_rows_launch_args_t ra;
+  memset(&ra, 0, sizeof ra);
+  ra.num_rows = rows->num_rows;
+  ra.num_experts = p->L;
+  ra.begin = rows->begin_dev;
+  ra.count = rows->count_dev;
+  ra.num_blocks = 2 * (overlapped ? p->gemm_sms : p->device_sms);
+
+  /* gate/up: x (BF16 rows, or their FP8 quantization) -> gu [rows, 2I] */
+  if (fp8) { /* x quantized per 128 channels into the per-segment scale layout */
+    ra.in = rows->x;
+    ra.quantize = 1;
+    ra.out = ws + l.xq;
+    ra.scales = (float *)(ws + l.xs);
+    ra.cols = H;
+    EPX_CHECK(epx__moe_rows_launch(&ra, stream));
+  }
+  const projection_t gu = {.which = 0,
+                           .w = (const char *)w->gate_up,
+                           .w_stride = (size_t)2 * I * H * w_elem,
+                           .w_scales = fp8 ? p->scales[0] : NULL,
+                           .ws_stride = fp8 ? (size_t)(2 * I / 128) * p->scales_kb[0] : 0,
+                           .x = fp8 ? ws + l.xq : (const char *)rows->x,
+                           .x_row = (size_t)H * w_elem, /* FP8 codes or BF16, as the weights */
+                           .x_scales = fp8 ? (const float *)(ws + l.xs) : NULL,
+                           .xs_row = (size_t)H / 128,
+                           .y = ws + l.gu,
+                           .y_row = (size_t)2 * I * gu_elem,
+                           .n = 2 * I,
+                           .k = H,
+                           .fp8 = fp8,
+                           .sm_target = sms};
+  EPX_CHECK(project(p, &gu, rows, lane, ws + l.blas, stream));
+
+  /* SwiGLU: gu -> h [rows, I] (BF16, or FP8 with per-segment scales) */
+  ra.in = ws + l.gu;
+  ra.in_fp32 = fp8 && p->gu_fp32;
+  ra.swiglu = 1;
+  ra.quantize = fp8;
+  ra.out = ws + l.h;
+  ra.scales = fp8 ? (float *)(ws + l.hs) : NULL;
+  ra.cols = I;
+  EPX_CHECK(epx__moe_rows_launch(&ra, stream));
+
+  /* down: h -> y [rows, H] BF16 */
+  const projection_t dn = {.which = 1,
+                           .w = (const char *)w->down,
+                           .w_stride = (size_t)H * I * w_elem,
+                           .w_scales = fp8 ? p->scales[1] : NULL,
+                           .ws_stride = fp8 ? (size_t)(H / 128) * p->scales_kb[1] : 0,
+                           .x = ws + l.h,
+                           .x_row = (size_t)I * h_elem,
+                           .x_scales = fp8 ? (const float *)(ws + l.hs) : NULL,
+                           .xs_row = (size_t)I / 128,
+                           .y = (char *)rows->y,
+                           .y_row = (size_t)H * 2,
+                           .n = H,
+                           .k = I,
+                           .fp8 = fp8,
+                           .sm_target = sms};
+  return project(p, &dn, rows, lane, ws + l.blas, stream);
+}
+
+epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t *rows, char *ws,
+                                     size_t ws_bytes, cudaStream_t stream) {
+  const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
+  if (p->backend != EPX_MOE_FFN_CUBLAS || ws_bytes < l.total)
+    return epx__set_error(EPX_ERR_INVALID_USAGE,
+                          "epx__moe_gemm_reference: needs the cuBLAS backend and the workspace");
+  const epx_experts_t *w = &p->experts;
+  const int H = p->H, I = p->I, n = rows->num_rows;
+  if (w->weight_dtype != EPX_DTYPE_FP8_E4M3) {
+    EPX_CHECK(
+        epx__moe_gemm_bf16(p, w->gate_up, rows->x, ws + l.gu, 2 * I, H, n, 0, ws + l.blas, stream));
+    return epx__moe_gemm_bf16(p, w->down, ws + l.h, rows->y, H, I, n, 0, ws + l.blas, stream);
+  }
+  EPX_CHECK(epx__moe_gemm_fp8(p, 0, w->gate_up, p->scales[0], ws + l.xq, (const float *)(ws + l.xs),
+                              ws + l.gu, 2 * I, H, n, 0, ws + l.blas, stream));
+  return epx__moe_gemm_fp8(p, 1, w->down, p->scales[1], ws + l.h, (const float *)(ws + l.hs),
+                           rows->y, H, I, n, 0, ws + l.blas, stream);
+}
