@@ -136,12 +136,14 @@ typedef struct epx_group_config {
                           calls are refused, nothing is allocated for them). Needs
                           EPX_MODE_NORMAL and EPX_DTYPE_BF16. Worst case: R x max_tokens_per_rank
                           x min(top_k, E/R) + (E/R) x (expert_alignment - 1) */
+  int expand_fan_out;  /* epx_expand_fan_out_t of epx_dispatch_expand; 0 = auto
+                          (EPX_EXPAND_FAN_OUT, else the default below) */
 } epx_group_config_t;
 
 #define EPX_GROUP_CONFIG_INIT                                                             \
   {                                                                                       \
     sizeof(epx_group_config_t), EPX_VERSION_CODE, 0, 0, 0, 0, 0u, 0u, EPX_AUTO, EPX_AUTO, \
-        EPX_AUTO, EPX_AUTO, EPX_AUTO, 0                                                   \
+        EPX_AUTO, EPX_AUTO, EPX_AUTO, 0, EPX_AUTO                                         \
   }
 
 /* How low-latency mode moves a token to the experts of one rank. Every rank of a group uses the
@@ -157,6 +159,19 @@ typedef enum epx_ll_route {
   EPX_LL_ROUTE_DISPATCH_BY_RANK = 3 /* dispatch as BY_RANK, combine as DIRECT: the fastest of
                                        each measured on 4x H200 (the default) */
 } epx_ll_route_t;
+
+/* Where epx_dispatch_expand copies a token's payload to its other local-expert rows on the
+ * receiver (it crosses NVLink once per (token, rank), into the row of the token's lowest local
+ * expert there). Part of the config: every rank of a group uses the same (checked at creation).
+ * docs/moe.md, "Expert-major layout". */
+typedef enum epx_expand_fan_out {
+  EPX_EXPAND_FAN_OUT_AUTO = 0,  /* the default: AFTER (the measured one) */
+  EPX_EXPAND_FAN_OUT_AFTER = 1, /* a kernel after the dispatch's wait for every source */
+  EPX_EXPAND_FAN_OUT_DURING = 2 /* extra blocks of the dispatch kernel copy each token as its
+                                   row lands (the sender marks it ready), overlapping the copies
+                                   with the NVLink transfer; a rank's own tokens are written to
+                                   every row by the sender */
+} epx_expand_fan_out_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each
  * GPU, before anything is allocated. Uses the same layout code as the kernels. The normal-mode

@@ -82,6 +82,11 @@ static epx_status_t validate(const epx_group_config_t *c, int num_ranks) {
     return epx__set_error(EPX_ERR_UNSUPPORTED,
                           "config.ll_max_tokens_per_rank = %d: at most %d supported",
                           c->ll_max_tokens_per_rank, EPX_MAX_TOKENS_PER_RANK);
+  EPX_ARG_CHECK(c->expand_fan_out == EPX_EXPAND_FAN_OUT_AFTER ||
+                    c->expand_fan_out == EPX_EXPAND_FAN_OUT_DURING,
+                "config.expand_fan_out = %d: must be 0 (auto), EPX_EXPAND_FAN_OUT_AFTER or "
+                "EPX_EXPAND_FAN_OUT_DURING",
+                c->expand_fan_out);
   EPX_ARG_CHECK(c->expand_max_rows >= 0,
                 "config.expand_max_rows = %d: must be 0 (no expert-major dispatch) or > 0",
                 c->expand_max_rows);
@@ -140,6 +145,8 @@ epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
   if (c.ll_route == EPX_LL_ROUTE_AUTO) c.ll_route = EPX_LL_ROUTE_DEFAULT;
   /* An older caller's config ends before this field: EPX_GROUP_CONFIG_INIT left it auto. */
   if (c.ll_max_tokens_per_rank == EPX_AUTO) c.ll_max_tokens_per_rank = c.max_tokens_per_rank;
+  if (c.expand_fan_out == EPX_EXPAND_FAN_OUT_AUTO) c.expand_fan_out = (int)epx__param_ExpandFanOut();
+  if (c.expand_fan_out == EPX_EXPAND_FAN_OUT_AUTO) c.expand_fan_out = EPX_EXPAND_FAN_OUT_AFTER;
   EPX_CHECK(validate(&c, num_ranks));
   *out = c;
   return EPX_OK;

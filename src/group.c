@@ -76,6 +76,7 @@ enum {
   FP_LL_ROUTE,
   FP_LL_MAX_TOKENS,
   FP_EXPAND_ROWS,
+  FP_EXPAND_FAN_OUT,
   FP_TRACE, /* EPX_TRACE set: not compared (no name); tracing starts if every rank has it */
   FP_COUNT
 };
@@ -95,7 +96,8 @@ static const char *const fp_names[FP_COUNT] = {"local status",
                                                "config.ll_num_sms",
                                                "config.ll_route",
                                                "config.ll_max_tokens_per_rank",
-                                               "config.expand_max_rows"};
+                                               "config.expand_max_rows",
+                                               "config.expand_fan_out"};
 
 /* Ranks reach epx_group_create at times further apart than calls of a running group (model
  * loading), and a transfer's length grows with its bytes: ten wait budgets, at least a
@@ -254,6 +256,7 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
                               cfg.timeout_ms, cfg.ll_num_sms,    cfg.ll_route};
   mine[FP_LL_MAX_TOKENS] = cfg.ll_max_tokens_per_rank;
   mine[FP_EXPAND_ROWS] = cfg.expand_max_rows;
+  mine[FP_EXPAND_FAN_OUT] = cfg.expand_fan_out;
   mine[FP_TRACE] = epx__trace_env_requested();
   /* On the stack for every supported rank count: no allocation that could fail here alone. */
   long long all_small[EPX_MAX_RANKS * FP_COUNT];

@@ -31,6 +31,10 @@ EPX_LL_ROUTE_DIRECT = 1
 EPX_LL_ROUTE_BY_RANK = 2
 EPX_LL_ROUTE_DISPATCH_BY_RANK = 3
 
+EPX_EXPAND_FAN_OUT_AUTO = 0
+EPX_EXPAND_FAN_OUT_AFTER = 1
+EPX_EXPAND_FAN_OUT_DURING = 2
+
 EPX_STAGE_NONE, EPX_STAGE_LAYOUT, EPX_STAGE_BARRIER, EPX_STAGE_NOTIFY = 0, 1, 2, 3
 EPX_STAGE_DISPATCH, EPX_STAGE_COMBINE, EPX_STAGE_LL_DISPATCH, EPX_STAGE_LL_COMBINE = 4, 5, 6, 7
 
@@ -65,6 +69,7 @@ class epx_group_config_t(ctypes.Structure):
         ("ll_route", ctypes.c_int),
         ("ll_max_tokens_per_rank", ctypes.c_int),
         ("expand_max_rows", ctypes.c_int),
+        ("expand_fan_out", ctypes.c_int),
     ]
 
 

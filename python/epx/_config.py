@@ -13,6 +13,8 @@ MODE_NAMES = {"normal": _capi.EPX_MODE_NORMAL, "low_latency": _capi.EPX_MODE_LOW
 LL_ROUTE_NAMES = {"auto": _capi.EPX_LL_ROUTE_AUTO, "direct": _capi.EPX_LL_ROUTE_DIRECT,
                   "by_rank": _capi.EPX_LL_ROUTE_BY_RANK,
                   "dispatch_by_rank": _capi.EPX_LL_ROUTE_DISPATCH_BY_RANK}
+FAN_OUT_NAMES = {"auto": _capi.EPX_EXPAND_FAN_OUT_AUTO, "after": _capi.EPX_EXPAND_FAN_OUT_AFTER,
+                 "during": _capi.EPX_EXPAND_FAN_OUT_DURING}
 DTYPE_NAMES = {"bf16": _capi.EPX_DTYPE_BF16, "bfloat16": _capi.EPX_DTYPE_BF16,
                "fp8": _capi.EPX_DTYPE_FP8_E4M3, "fp8_e4m3": _capi.EPX_DTYPE_FP8_E4M3}
 
@@ -43,9 +45,18 @@ def _route(value):
                            (value, ", ".join(LL_ROUTE_NAMES)))
 
 
+def _fan_out(value):
+    if isinstance(value, int):
+        return value
+    if value in FAN_OUT_NAMES:
+        return FAN_OUT_NAMES[value]
+    raise invalid_argument("expand_fan_out: unknown name %r; expected one of %s" %
+                           (value, ", ".join(FAN_OUT_NAMES)))
+
+
 def make_config(max_tokens_per_rank, hidden, num_experts, top_k, *, modes=("normal",),
                 ll_max_tokens_per_rank=0, num_sms=0, ll_num_sms=0, ll_route=0, timeout_ms=0,
-                dtypes=0, expand_max_rows=0):
+                dtypes=0, expand_max_rows=0, expand_fan_out=0):
     """An epx_group_config_t (EPX_GROUP_CONFIG_INIT, then these fields; 0 = auto)."""
     c = _capi.EPX_GROUP_CONFIG_INIT()
     c.max_tokens_per_rank = max_tokens_per_rank
@@ -60,6 +71,7 @@ def make_config(max_tokens_per_rank, hidden, num_experts, top_k, *, modes=("norm
     c.ll_route = _route(ll_route)
     c.ll_max_tokens_per_rank = ll_max_tokens_per_rank
     c.expand_max_rows = expand_max_rows
+    c.expand_fan_out = _fan_out(expand_fan_out)
     return c
 
 

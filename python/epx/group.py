@@ -63,7 +63,8 @@ class Group:
 
     def __init__(self, max_tokens_per_rank, hidden, num_experts, top_k, *, group=None,
                  borrow_nccl_comm=False, modes=("normal",), ll_max_tokens_per_rank=0, num_sms=0,
-                 ll_num_sms=0, ll_route=0, timeout_ms=0, dtypes=0, expand_max_rows=0):
+                 ll_num_sms=0, ll_route=0, timeout_ms=0, dtypes=0, expand_max_rows=0,
+                 expand_fan_out=0):
         torch = _torch()
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
@@ -74,7 +75,8 @@ class Group:
         cfg = make_config(max_tokens_per_rank, hidden, num_experts, top_k, modes=modes,
                           ll_max_tokens_per_rank=ll_max_tokens_per_rank, num_sms=num_sms,
                           ll_num_sms=ll_num_sms, ll_route=ll_route, timeout_ms=timeout_ms,
-                          dtypes=dtypes, expand_max_rows=expand_max_rows)
+                          dtypes=dtypes, expand_max_rows=expand_max_rows,
+                          expand_fan_out=expand_fan_out)
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
         if borrow_nccl_comm:

@@ -55,10 +55,12 @@ def test_modes_by_name_or_bits(modes):
 
 def test_config_kwargs_fill_the_struct():
     c = make_config(64, 512, 8, 2, modes="low_latency", ll_route="by_rank", dtypes=("bf16",),
-                    num_sms=12, timeout_ms=1000, ll_num_sms=4, ll_max_tokens_per_rank=16)
+                    num_sms=12, timeout_ms=1000, ll_num_sms=4, ll_max_tokens_per_rank=16,
+                    expand_fan_out="during")
     d = config_dict(c)
     assert d == dict(version=100, max_tokens_per_rank=64, hidden=512, num_experts=8, top_k=2,
                      dtypes=_capi.EPX_DTYPE_BF16, modes=_capi.EPX_MODE_LOW_LATENCY, num_sms=12,
                      timeout_ms=1000, ll_num_sms=4, ll_route=_capi.EPX_LL_ROUTE_BY_RANK,
-                     ll_max_tokens_per_rank=16, expand_max_rows=0)
+                     ll_max_tokens_per_rank=16, expand_max_rows=0,
+                     expand_fan_out=_capi.EPX_EXPAND_FAN_OUT_DURING)
     assert c.size == ctypes.sizeof(c)

@@ -35,5 +35,6 @@ EPX_PARAM(TraceEvents, "TRACE_EVENTS", 1 << 16) /* = EPX_TRACE_DEFAULT_EVENTS */
 EPX_PARAM(LlNumSms, "LL_NUM_SMS", 0)            /* 0: every SM of the GPU */
 EPX_PARAM(LlRoute, "LL_ROUTE",
           0) /* 0: the library default; 1 DIRECT, 2 BY_RANK, 3 DISPATCH_BY_RANK */
+EPX_PARAM(ExpandFanOut, "EXPAND_FAN_OUT", 0) /* 0: the library default; 1 AFTER, 2 DURING */
 
 #endif /* EPX_PARAM_H_ */

@@ -89,6 +89,8 @@ EPX_HOST_TEST(config_validation_names_the_field, 10) {
       {"ll_num_sms", 4, F(ll_num_sms), 1025, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"ll_route", 4, F(ll_route), 4, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"ll_route", 4, F(ll_route), -1, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"expand_fan_out", 4, F(expand_fan_out), 3, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
+      {"expand_fan_out", 4, F(expand_fan_out), -1, NONE, 0, EPX_ERR_INVALID_ARGUMENT},
       {"hidden", 4, F(hidden), 1000, F(modes), EPX_MODE_LOW_LATENCY, EPX_ERR_INVALID_ARGUMENT},
       {"num_ranks", 0, NONE, 0, NONE, 0, EPX_ERR_UNSUPPORTED},
       {"num_ranks", EPX_MAX_RANKS + 1, F(num_experts), 18, NONE, 0, EPX_ERR_UNSUPPORTED},
