@@ -35,7 +35,7 @@ extern "C" {
  * ------------------------------------------------------------------------------------------- */
 #define EPX_VERSION_MAJOR 0
 #define EPX_VERSION_MINOR 1
-#define EPX_VERSION_PATCH 0
+#define EPX_VERSION_PATCH 1
 #define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
 
 /* ---------------------------------------------------------------------------------------------
@@ -970,10 +970,13 @@ typedef struct epx_moe_prefill_config {
   int gemm_lanes;  /* streams the per-expert GEMMs are spread over (cuBLAS backend), 1..8; 0 =
                       auto (4). An expert's GEMM has a few hundred rows at prefill, too few
                       tiles to fill the GPU alone: lanes run several experts' GEMMs at once */
+  int reserved;    /* must be 0. (With it the struct grew from 0.1.0's 24 bytes, so a caller
+                      built against 0.1.0 is refused by its size instead of leaving gemm_lanes
+                      to the old tail padding.) */
 } epx_moe_prefill_config_t;
 
 #define EPX_MOE_PREFILL_CONFIG_INIT \
-  { sizeof(epx_moe_prefill_config_t), 0, 0, 0, 0 }
+  { sizeof(epx_moe_prefill_config_t), 0, 0, 0, 0, 0 }
 
 /* What a plan resolved (epx_moe_prefill_get_info). */
 typedef struct epx_moe_prefill_info {
@@ -1022,8 +1025,8 @@ epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t plan);
 epx_status_t epx_moe_prefill_get_info(epx_moe_prefill_t plan, epx_moe_prefill_info_t *info);
 
 /* epx_moe_prefill_workspace_size - device scratch bytes a call needs: two slots of expert
- * outputs (config.expand_max_rows x H BF16 each), the FFN's intermediate rows and the cuBLAS
- * workspace. Not collective; no GPU work. */
+ * outputs (config.expand_max_rows x H BF16 each), the FFN's intermediate rows and 32 MiB of
+ * cuBLAS workspace per GEMM lane. Not collective; no GPU work. */
 epx_status_t epx_moe_prefill_workspace_size(epx_moe_prefill_t plan, size_t *bytes);
 
 typedef struct epx_moe_prefill_args {

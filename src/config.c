@@ -145,7 +145,12 @@ epx_status_t epx__config_resolve(const epx_group_config_t *in, int num_ranks,
   if (c.ll_route == EPX_LL_ROUTE_AUTO) c.ll_route = EPX_LL_ROUTE_DEFAULT;
   /* An older caller's config ends before this field: EPX_GROUP_CONFIG_INIT left it auto. */
   if (c.ll_max_tokens_per_rank == EPX_AUTO) c.ll_max_tokens_per_rank = c.max_tokens_per_rank;
-  if (c.expand_fan_out == EPX_EXPAND_FAN_OUT_AUTO) c.expand_fan_out = (int)epx__param_ExpandFanOut();
+  /* Added in 0.1.1 inside what was the struct's tail padding (the size did not change): a
+   * caller built against 0.1.0 left it undefined. */
+  if (c.version < 101 || in->size < offsetof(epx_group_config_t, expand_fan_out) + sizeof(int))
+    c.expand_fan_out = EPX_EXPAND_FAN_OUT_AUTO;
+  if (c.expand_fan_out == EPX_EXPAND_FAN_OUT_AUTO)
+    c.expand_fan_out = (int)epx__param_ExpandFanOut();
   if (c.expand_fan_out == EPX_EXPAND_FAN_OUT_AUTO) c.expand_fan_out = EPX_EXPAND_FAN_OUT_AFTER;
   EPX_CHECK(validate(&c, num_ranks));
   *out = c;

@@ -294,6 +294,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   EPX_ARG_CHECK(cfg.gemm_sms >= 0 && cfg.gemm_sms <= g->num_device_sms,
                 "%s: config->gemm_sms = %d: must be in [0, the GPU's %d SMs]", fn, cfg.gemm_sms,
                 g->num_device_sms);
+  EPX_ARG_CHECK(cfg.reserved == 0, "%s: config->reserved = %d: must be 0", fn, cfg.reserved);
   EPX_ARG_CHECK(cfg.gemm_lanes >= 0 && cfg.gemm_lanes <= EPX__MOE_MAX_LANES,
                 "%s: config->gemm_lanes = %d: must be 0 (auto) or in [1, %d]", fn, cfg.gemm_lanes,
                 EPX__MOE_MAX_LANES);

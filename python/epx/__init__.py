@@ -23,14 +23,14 @@ from .group import (DispatchResult, ExpandResult, Group, Handle, Hook, Layout,  
 from .experts import Experts  # noqa: E402
 from .moe_prefill import MoePrefill  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 if _TORCH:
     _nccl.check_nccl_version()
 
 
 def version():
-    """The version of the loaded libepx, e.g. "0.1.0"."""
+    """The version of the loaded libepx, e.g. "0.1.1"."""
     return _capi.version_string(_capi.library_version())
 
 

@@ -14,7 +14,7 @@ from . import errors
 # ---------------------------------------------------------------------------------------------
 # Constants of epx.h (the header these mirrors were written against).
 # ---------------------------------------------------------------------------------------------
-EPX_VERSION_MAJOR, EPX_VERSION_MINOR, EPX_VERSION_PATCH = 0, 1, 0
+EPX_VERSION_MAJOR, EPX_VERSION_MINOR, EPX_VERSION_PATCH = 0, 1, 1
 EPX_VERSION_CODE = EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH
 
 EPX_DTYPE_BF16 = 1 << 0
@@ -308,6 +308,7 @@ class epx_moe_prefill_config_t(ctypes.Structure):
         ("ffn_backend", ctypes.c_int),
         ("gemm_sms", ctypes.c_int),
         ("gemm_lanes", ctypes.c_int),
+        ("reserved", ctypes.c_int),
     ]
 
 

@@ -19,8 +19,8 @@ def test_library_loads_from_an_existing_file():
 
 
 def test_version_matches_package_and_header():
-    assert epx.version() == epx.__version__ == "0.1.0"
-    assert _capi.library_version() == _capi.EPX_VERSION_CODE == 100
+    assert epx.version() == epx.__version__ == "0.1.1"
+    assert _capi.library_version() == _capi.EPX_VERSION_CODE == 101
     header = HEADER.read_text()
     parts = [re.search(r"#define EPX_VERSION_%s (\d+)" % p, header).group(1)
              for p in ("MAJOR", "MINOR", "PATCH")]

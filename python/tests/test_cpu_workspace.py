@@ -58,7 +58,7 @@ def test_config_kwargs_fill_the_struct():
                     num_sms=12, timeout_ms=1000, ll_num_sms=4, ll_max_tokens_per_rank=16,
                     expand_fan_out="during")
     d = config_dict(c)
-    assert d == dict(version=100, max_tokens_per_rank=64, hidden=512, num_experts=8, top_k=2,
+    assert d == dict(version=101, max_tokens_per_rank=64, hidden=512, num_experts=8, top_k=2,
                      dtypes=_capi.EPX_DTYPE_BF16, modes=_capi.EPX_MODE_LOW_LATENCY, num_sms=12,
                      timeout_ms=1000, ll_num_sms=4, ll_route=_capi.EPX_LL_ROUTE_BY_RANK,
                      ll_max_tokens_per_rank=16, expand_max_rows=0,

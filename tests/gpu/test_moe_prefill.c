@@ -177,7 +177,7 @@ static int check_out(const prefill_fixture_t *f, const prefill_oracle_t *o, int 
       const double g = epx_ref_bf16_to_float(got[i]), err = fabs(g - o->want[i]);
       const double bound = 0.03 * o->mag[i] + f->rms_coef * o->rms * wsum + 1e-6;
       if (!(err <= bound)) over++;
-      if (!(err / bound <= worst)) { /* a NaN is the worst */
+      if (!isnan(worst) && !(err / bound <= worst)) { /* a NaN is the worst, and stays so */
         worst = err / bound, worst_i = i, worst_got = g, worst_bound = bound;
       }
     }
@@ -292,6 +292,23 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
   pc.num_chunks = 1;
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
                  "config->num_chunks");
+  EXPECT(p == NULL);
+  static const int bad_lanes[] = {-1, EPX__MOE_MAX_LANES + 1};
+  for (int i = 0; i < 2; i++) {
+    pc = (epx_moe_prefill_config_t)EPX_MOE_PREFILL_CONFIG_INIT;
+    pc.gemm_lanes = bad_lanes[i];
+    EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
+                   "config->gemm_lanes");
+    EXPECT(p == NULL);
+  }
+  pc = (epx_moe_prefill_config_t)EPX_MOE_PREFILL_CONFIG_INIT;
+  pc.reserved = 1;
+  EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
+                 "config->reserved");
+  pc = (epx_moe_prefill_config_t)EPX_MOE_PREFILL_CONFIG_INIT;
+  pc.size = 24; /* a caller built against 0.1.0 */
+  EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
+                 "config->size");
   EXPECT(p == NULL);
 
   /* A call. */

@@ -2,12 +2,14 @@
  * test_expand_config.c - host tests of the expert-major layout's pure host parts (issue 16, item
  * 1): config.expand_max_rows is validated and named, it alone sizes the expand arrays of the
  * workspace (which never overlap the other normal-mode arrays), the layout region grows by the
- * per-expert scan columns, and the expand calls refuse bad handles before touching a GPU.
+ * per-expert scan columns, and the expand calls refuse bad handles before touching a GPU; and
+ * config.expand_fan_out resolves (auto, named refusals, a 0.1.0 caller's padding ignored).
  */
 #include <stddef.h>
 #include <string.h>
 
 #include "common/runner.h"
+#include "config.h"
 #include "epx.h"
 #include "workspace.h"
 
@@ -127,5 +129,24 @@ EPX_HOST_TEST(expand_calls_refuse_without_gpu, 10) {
   EXPECT_EQ_INT(ca.weighted, 1);
   EXPECT_STATUS(epx_combine_expand(NULL, NULL, &ca, NULL), EPX_ERR_INVALID_ARGUMENT);
   EXPECT_STATUS(epx_combine_expand(bogus, NULL, &ca, NULL), EPX_ERR_INVALID_USAGE);
+  return TEST_PASS;
+}
+
+/* expand_fan_out: auto resolves to AFTER; a caller built against 0.1.0 (version 100) had tail
+ * padding where the field now is, so whatever it holds is read as auto. */
+EPX_HOST_TEST(expand_fan_out_resolves, 10) {
+  epx_group_config_t c = expand_config(100), r;
+  EXPECT_OK(epx__config_resolve(&c, 4, &r));
+  EXPECT_EQ_INT(r.expand_fan_out, EPX_EXPAND_FAN_OUT_AFTER);
+  c.expand_fan_out = EPX_EXPAND_FAN_OUT_DURING;
+  EXPECT_OK(epx__config_resolve(&c, 4, &r));
+  EXPECT_EQ_INT(r.expand_fan_out, EPX_EXPAND_FAN_OUT_DURING);
+  c.version = 100;
+  c.expand_fan_out = 0x5a5a5a5a;
+  EXPECT_OK(epx__config_resolve(&c, 4, &r));
+  EXPECT_EQ_INT(r.expand_fan_out, EPX_EXPAND_FAN_OUT_AFTER);
+  c.version = EPX_VERSION_CODE;
+  EXPECT_STATUS(epx__config_resolve(&c, 4, &r), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT(strstr(epx_last_error(), "config.expand_fan_out") != NULL);
   return TEST_PASS;
 }
