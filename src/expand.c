@@ -124,13 +124,19 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
   xa.d.idx_is_int64 = a->topk_idx_dtype == EPX_DTYPE_INT64;
   xa.d.topk_weights = a->topk_weights;
   xa.expand_pos = h->expand_pos;
+  /* The payload comes once per (token, rank); the fan-out copies it to the token's other rows:
+   * local HBM traffic instead of NVLink's. DURING: as many more blocks of the dispatch kernel
+   * as it has sending blocks, as rows land; AFTER: a kernel after it (every SM, two blocks
+   * each). */
+  const int during = g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING;
+  xa.fan_out_blocks = during ? g->config.num_sms : 0;
   EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
-  /* The payload came once per (token, rank); copy it to the token's other rows here: local
-   * HBM traffic instead of NVLink's (every SM, two blocks each). */
-  const epx__expand_fan_out_launch_args_t fa = {
-      h->meta, g->config.top_k, g->config.hidden * (d.x_is_fp8 ? 1 : 2),
-      d.x_is_fp8 ? d.scale_cols : 0, 2 * g->num_device_sms};
-  EPX_CHECK(epx__expand_fan_out_launch(&ctx, &fa, stream));
+  if (!during) {
+    const epx__expand_fan_out_launch_args_t fa = {
+        h->meta, g->config.top_k, g->config.hidden * (d.x_is_fp8 ? 1 : 2),
+        d.x_is_fp8 ? d.scale_cols : 0, 2 * g->num_device_sms};
+    EPX_CHECK(epx__expand_fan_out_launch(&ctx, &fa, stream));
+  }
   h->expand = 1;
 
   int num_recv = -1, num_rows = -1;

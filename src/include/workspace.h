@@ -168,9 +168,10 @@ typedef struct epx__ws_layout {
   size_t expand_src_info_offset;   /* [expand_rows] int4: rank, token, slot, 0 */
   size_t expand_weights_offset;    /* [expand_rows] float32 */
   size_t expand_token_rows_offset; /* [R x max_tokens, K] int32 */
-  size_t expand_ready_offset;      /* [R x max_tokens] uint32: the low 32 bits of the epoch of
-                                      the call whose sender finished that plain row's token
-                                      (EPX_EXPAND_FAN_OUT_DURING) */
+  size_t expand_ready_offset;      /* [R x max_tokens + 1] uint32 (EPX_EXPAND_FAN_OUT_DURING):
+                                      word i, the notify epoch of the last call whose sender
+                                      finished plain row i's token here; the last word, the
+                                      epoch of a call whose fan-out gave up waiting */
   size_t expand_words_offset;      /* [E][layout_tiles] scan words, in the layout region */
 } epx__ws_layout_t;
 
@@ -294,7 +295,7 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   l->expand_token_rows_offset = n;
   if (expand) n += epx__align_up(cap * top_k * 4, 256);
   l->expand_ready_offset = n;
-  if (expand) n += epx__align_up(cap * 4, 256);
+  if (expand) n += epx__align_up(cap * 4 + 4, 256);
   l->normal_bytes = (modes & EPX_MODE_NORMAL) ? epx__align_up(n, EPX_WS_ALIGN) : 0;
   off += l->normal_bytes;
 

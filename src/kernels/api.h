@@ -95,6 +95,9 @@ typedef struct epx__expand_dispatch_launch_args {
   epx__dispatch_launch_args_t d;
   const int *expand_pos; /* [T, K] the handle's: position of t among this rank's tokens listing
                             expert topk[t][k] */
+  /* config.expand_fan_out == DURING: d.num_blocks sending blocks, then fan_out_blocks blocks
+   * that copy each arrived token to its other rows (expand_dispatch.cu); 0 with AFTER. */
+  int fan_out_blocks;
 } epx__expand_dispatch_launch_args_t;
 
 /* Expert-major dispatch, receiver side (expand_dispatch.cu): each received token's payload

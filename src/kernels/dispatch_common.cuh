@@ -30,24 +30,31 @@ __device__ __forceinline__ void signal_done(const epx__kernel_ctx_t &ctx) {
   }
 }
 
-/* [begin, end) of this block's share of n items. */
+/* [begin, end) of block b's share of n items over g blocks. */
+__device__ __forceinline__ void block_share(int n, int b, int g, int *begin, int *end) {
+  *begin = (int)((long long)n * b / g);
+  *end = (int)((long long)n * (b + 1) / g);
+}
+
+/* [begin, end) of this block's share of n items over the grid. */
 __device__ __forceinline__ void block_share(int n, int *begin, int *end) {
-  const long long b = blockIdx.x, g = gridDim.x;
-  *begin = (int)(n * b / g);
-  *end = (int)(n * (b + 1) / g);
+  block_share(n, (int)blockIdx.x, (int)gridDim.x, begin, end);
 }
 
 /* Block 0's first warp: wait until every source's blocks have signalled (lane s < R for source
- * s), then consume the signals. A source that gave this call's exchange up after ours completed
- * sent nothing: raised as a timeout. aborted: our own exchange failed, wait for nothing. */
+ * s; each source signals once per sending block, `senders` of them, config.num_sms on every
+ * rank), then consume the signals. A source that gave this call's exchange up after ours
+ * completed sent nothing: raised as a timeout. aborted: our own exchange failed, wait for
+ * nothing. */
 __device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
-                                             const epx__recv_meta_t *meta, bool aborted) {
+                                             const epx__recv_meta_t *meta, bool aborted,
+                                             int senders) {
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
   if (blockIdx.x != 0 || tid >= 32) return;
   const uint64_t t_wait = epx::trace_begin(ctx);
   if (tid < R) {
     epx__control_t *ctrl = epx::control_of(ctx, me);
-    const unsigned long long expected = ctrl->dispatch_expected[tid] + gridDim.x;
+    const unsigned long long expected = ctrl->dispatch_expected[tid] + (unsigned)senders;
     if (!aborted &&
         epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected,
                       EPX_STAGE_DISPATCH, tid) &&
@@ -58,6 +65,12 @@ __device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
     ctrl->dispatch_expected[tid] = expected;
   }
   epx::trace_end_last(ctx, t_wait, EPX_TRACE_DISPATCH_WAIT, tid < R ? tid : -1);
+}
+
+/* The same when every block of the grid sends. */
+__device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
+                                             const epx__recv_meta_t *meta, bool aborted) {
+  wait_sources(ctx, meta, aborted, (int)gridDim.x);
 }
 
 }  // namespace epx::dispatch

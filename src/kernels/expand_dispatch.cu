@@ -13,14 +13,26 @@
  * (token_rows [plain row, K], ascending expert, -1 padded) at the row epx_dispatch would have
  * used, which the expert-side combine walks.
  * The payload crosses NVLink once per (token, rank), into the row of the token's lowest local
- * expert there (list entry 0); expand_fan_out, the next kernel on the receiver's stream, copies
- * it to the token's other rows in local memory. Sending it once per row instead made the
- * dispatch 2.12x the plain one at EP4 (98d7421: about 2.2 rows per (token, rank) for top-8 of
- * 256, and the kernel is NVLink-bound).
+ * expert there (list entry 0), and is copied to the token's other rows in local memory on the
+ * receiver (the fan-out). Sending it once per row instead made the dispatch 2.12x the plain one
+ * at EP4 (98d7421: about 2.2 rows per (token, rank) for top-8 of 256, and the kernel is
+ * NVLink-bound). Where the fan-out runs is config.expand_fan_out:
+ *   AFTER:  expand_fan_out, the next kernel on the receiver's stream (113 us of HBM traffic at
+ *           EP4, 4096 tokens, H 7168, a2f5d44: most of the expand row's 131 us over the plain).
+ *   DURING: the dispatch kernel has fan_out_blocks more blocks. After a token's stores to a
+ *           remote rank, the sender's warp publishes its plain row there as ready (the call's
+ *           notify epoch into expand_ready[row], a system-scope release after a warp barrier);
+ *           the receiver's fan-out warps acquire each ready word and copy that token at once, in
+ *           roughly the order tokens land (below), so the copies overlap the NVLink transfer.
+ *           A rank's own tokens are written to every row by the sender (local stores, no
+ *           fan-out). Waits are bounded; a fan-out warp that gives up raises EPX_ERR_TIMEOUT
+ *           (stage DISPATCH) and marks the call given up so the others stop at once; a source
+ *           that gave up the count exchange is skipped (block 0 raises it, as for AFTER).
  *
- * Roles as normal_dispatch.cu: num_blocks blocks of kThreads, one warp per token over a
- * contiguous share, lane k < K standing for slot k; then every block's completion signal and
- * block 0's bounded wait for every source (dispatch_common.cuh, the same counters). Before its
+ * Roles as normal_dispatch.cu: num_blocks sending blocks of kThreads, one warp per token over a
+ * contiguous share, lane k < K standing for slot k; then every sending block's completion signal
+ * and block 0's bounded wait for every source (dispatch_common.cuh, the same counters; the
+ * fan-out blocks of DURING do not signal). Before its
  * tokens each block marks a share of this rank's padding rows (src_info -1, weight 0; the
  * payload of a padding row is not written): no peer writes them, and this rank's stream is past
  * every reader of the previous call's rows.
@@ -67,16 +79,125 @@ __device__ __forceinline__ void copy_row_to_slots(const int4 *src, int4 *const *
   }
 }
 
+/* The fan-out's copy of one received row to the token's other rows (one warp): as
+ * copy_row_to_slots, but the loads go through L2 (ld.global.cg): in DURING the row was written
+ * by a peer while this kernel runs, so the read-only path (.nc) must not serve it. */
+__device__ __forceinline__ void copy_landed_row(const int4 *src, int4 *const *dst, unsigned mask,
+                                                int n16, int lane) {
+  for (int i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++)
+      if (i0 + u * 32 < n16) v[u] = __ldcg(src + i0 + u * 32);
+#pragma unroll
+    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
+      if (!((mask >> k) & 1u)) continue;
+#pragma unroll
+      for (int u = 0; u < kUnroll; u++)
+        if (i0 + u * 32 < n16) dst[k][i0 + u * 32] = v[u];
+    }
+  }
+}
+
+/* One received token's fan-out (one warp): its payload and FP8 scale words from its first row
+ * (list entry 0, where the sender wrote it) to its other rows. Rows at or past the capacity are
+ * -1 in the list and skipped (a token whose entry 0 is -1 has no row at all: later entries are
+ * in higher segments). landed: read through L2 (DURING). */
+template <bool kLanded>
+__device__ __forceinline__ void fan_out_token(const int *list, int K, int cap, int4 *x,
+                                              uint32_t *scales, int n16, int scale_cols, int lane) {
+  int row = lane < K ? (kLanded ? __ldcg(list + lane) : list[lane]) : -1;
+  if (row >= cap) row = -1; /* never past the buffer, even reading a list a late peer left */
+  const int first = __shfl_sync(kFull, row, 0);
+  const unsigned others = __ballot_sync(kFull, row >= 0) & ~1u;
+  if (first < 0 || others == 0) return;
+  int4 *dst[EPX_MAX_TOP_K];
+#pragma unroll
+  for (int k = 0; k < EPX_MAX_TOP_K; k++) {
+    const int r = __shfl_sync(kFull, row, k);
+    dst[k] = r >= 0 ? x + (size_t)r * n16 : nullptr;
+  }
+  if (kLanded)
+    copy_landed_row(x + (size_t)first * n16, dst, others, n16, lane);
+  else
+    copy_row_to_slots(x + (size_t)first * n16, dst, others, n16, lane);
+  for (unsigned m = others; m;) {
+    const int k = __ffs(m) - 1;
+    m &= m - 1;
+    const int r = __shfl_sync(kFull, row, k);
+    for (int c = lane; c < scale_cols; c += 32) {
+      const uint32_t *from = scales + (size_t)first * scale_cols + c;
+      scales[(size_t)r * scale_cols + c] = kLanded ? __ldcg(from) : *from;
+    }
+  }
+}
+
+/* DURING's fan-out blocks (blockIdx.x >= the sending blocks). Work order: source s's rows are
+ * [rank_prefix[s], rank_prefix[s + 1]); its sending block b covers about the b-th of G equal
+ * parts of them and writes its tokens in order, so rows land part by part in parallel. Item
+ * (q, s, b), q slowest, is the q-th row of part b of source s; the fan-out warps take items in
+ * that order, close to the order of arrival (an uneven routing only makes it less close). */
+__device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
+                                               const epx__expand_dispatch_launch_args_t &xa,
+                                               const epx__recv_meta_t *meta, int n16,
+                                               int scale_cols) {
+  if (meta->aborted) return; /* nothing was sent to us: block 0 says why */
+  const int R = ctx.num_ranks, me = ctx.rank, lane = threadIdx.x % 32, K = xa.d.top_k;
+  const int G = xa.d.num_blocks;
+  const epx__ws_layout_t &L = ctx.layout;
+  const int cap = (int)L.expand_rows;
+  char *base = ctx.peer_base[me] + L.normal_offset;
+  const int *token_rows = (const int *)(base + L.expand_token_rows_offset);
+  int4 *x = (int4 *)(base + L.expand_x_offset);
+  uint32_t *scales = (uint32_t *)(base + L.expand_scales_offset);
+  const uint32_t *ready = (const uint32_t *)(base + L.expand_ready_offset);
+  /* the word after the ready words: the epoch of a call whose fan-out gave up */
+  volatile uint32_t *gave_up =
+      (volatile uint32_t *)(base + L.expand_ready_offset) + L.recv_capacity;
+  const epx__control_t *ctrl = epx::control_of(ctx, me);
+  const uint32_t epoch = meta->epoch;
+  int q_max = 0;
+  for (int s = 0; s < R; s++)
+    if (s != me) q_max = max(q_max, (meta->rank_prefix[s + 1] - meta->rank_prefix[s] + G - 1) / G);
+  const long long items = (long long)q_max * R * G;
+  const int fan_blocks = gridDim.x - G;
+  const long long warps = (long long)fan_blocks * kWarps;
+  for (long long it = (long long)(blockIdx.x - G) * kWarps + threadIdx.x / 32; it < items;
+       it += warps) {
+    const int b = (int)(it % G), s = (int)((it / G) % R), q = (int)(it / ((long long)G * R));
+    if (s == me) continue; /* the sender wrote every row of its own tokens */
+    const int p0 = meta->rank_prefix[s], n_s = meta->rank_prefix[s + 1] - p0;
+    const int i = p0 + (int)((long long)n_s * b / G) + q;
+    if (i >= p0 + (int)((long long)n_s * (b + 1) / G)) continue;
+    epx::WaitResult r = epx::WaitResult::kReady;
+    if (lane == 0)
+      r = epx::wait_until<64>(
+          ctx.timeout_ns, [&] { return epx::ld_acquire_sys_u32(ready + i) == epoch; },
+          [&] {
+            return *gave_up == epoch ||
+                   *(volatile const unsigned int *)&ctrl->notify_abort[s] == epoch;
+          });
+    r = (epx::WaitResult)__shfl_sync(kFull, (int)r, 0);
+    if (r == epx::WaitResult::kTimedOut && lane == 0) {
+      epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, s, i, (long long)epoch);
+      *gave_up = epoch;
+    }
+    if (r != epx::WaitResult::kReady) continue;
+    __syncwarp(); /* lane 0's acquire orders the whole warp's reads below */
+    fan_out_token<true>(token_rows + (size_t)i * K, K, cap, x, scales, n16, scale_cols, lane);
+  }
+}
+
 /* Mark this block's share of this rank's padding rows: (j, i) for local expert j and i in
  * [begin[j] + count[j], begin[j + 1]), below the capacity. */
 __device__ __forceinline__ void mark_padding(const epx__kernel_ctx_t &ctx,
-                                             const epx__recv_meta_t *meta, int epr) {
+                                             const epx__recv_meta_t *meta, int epr, int senders) {
   const epx__ws_layout_t &L = ctx.layout;
   char *base = ctx.peer_base[ctx.rank] + L.normal_offset;
   int4 *info = (int4 *)(base + L.expand_src_info_offset);
   float *weights = (float *)(base + L.expand_weights_offset);
   const int cap = (int)L.expand_rows;
-  for (int j = blockIdx.x; j < epr; j += gridDim.x) {
+  for (int j = blockIdx.x; j < epr; j += senders) {
     const int p0 = meta->expand_begin[j] + meta->expand_count[j];
     const int p1 = min(meta->expand_begin[j + 1], cap);
     for (int r = p0 + (int)threadIdx.x; r < p1; r += kThreads) {
@@ -96,6 +217,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     dispatch_expand(epx__kernel_ctx_t ctx, epx__expand_dispatch_launch_args_t xa) {
   constexpr bool kFp8 = kScales != kNoScales;
   const epx__dispatch_launch_args_t &a = xa.d;
+  const int senders = a.num_blocks, during = xa.fan_out_blocks > 0;
+  if ((int)blockIdx.x >= senders) { /* DURING: a fan-out block */
+    fan_out_during(ctx, xa, a.routing.meta, a.hidden * (kFp8 ? 1 : 2) / 16,
+                   kFp8 ? a.scale_cols : 0);
+    return;
+  }
   const uint64_t t_send = epx::trace_begin(ctx);
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int H = a.hidden, K = a.top_k, E = a.num_experts, epr = E / R;
@@ -121,10 +248,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (blockIdx.x == 0 && tid == 0 && meta->expand_rows > cap)
       epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_DISPATCH, -1, cap,
                        meta->expand_rows);
-    mark_padding(ctx, meta, epr);
+    mark_padding(ctx, meta, epr, senders);
   }
   int begin, end;
-  epx::dispatch::block_share(aborted ? 0 : a.routing.num_tokens, &begin, &end);
+  epx::dispatch::block_share(aborted ? 0 : a.routing.num_tokens, blockIdx.x, senders, &begin, &end);
   for (int t = begin + warp; t < end; t += kWarps) {
     const uint64_t t_token = epx::trace_begin(ctx);
     /* Lane k < K: slot k's expert (invalid ids are empty slots: the layout reported them). */
@@ -159,9 +286,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int row = first ? meta->expand_base[e] + xa.expand_pos[(size_t)t * K + lane] : -1;
     const bool writes = first && row >= 0 && row < cap;
     /* The payload crosses NVLink once per rank, into the token's lowest expert row there
-     * (order 0); fan_out copies it to the others on the receiver. Every row gets its own
-     * (source, token, slot) and weight below. */
-    const unsigned wmask = __ballot_sync(kFull, writes && order == 0);
+     * (order 0); the fan-out copies it to the others on the receiver. DURING writes this rank's
+     * own rows all here (local stores). Every row gets its own (source, token, slot) and
+     * weight below. */
+    const unsigned wmask = __ballot_sync(kFull, writes && (order == 0 || (during && d == me)));
     char *peer = writes ? ctx.peer_base[d] + L.normal_offset : nullptr;
     int4 *my_dst = writes ? (int4 *)(peer + L.expand_x_offset + (size_t)row * H * elem) : nullptr;
     int4 *dst[EPX_MAX_TOP_K];
@@ -204,52 +332,44 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (first && d == dd) list[order] = writes ? row : -1;
       if (lane < K && lane >= n_d) list[lane] = -1;
     }
+    if (during) { /* publish: this token's rows, scales, infos and lists at each peer landed */
+      const unsigned peers = __reduce_or_sync(kFull, first && d != me ? 1u << d : 0u);
+      __syncwarp();
+      if (lane == 0 && peers) {
+        __threadfence_system();
+        for (unsigned m = peers; m; m &= m - 1) {
+          const int dd = __ffs(m) - 1;
+          const int prow = dest_base[dd] + a.routing.token_pos_in_rank[(size_t)t * R + dd];
+          epx::st_release_sys_u32(
+              (uint32_t *)(ctx.peer_base[dd] + L.normal_offset + L.expand_ready_offset) + prow,
+              meta->epoch);
+        }
+      }
+    }
     if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_DISPATCH_TOKEN, t);
   }
 
   epx::dispatch::signal_done(ctx);
   if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_DISPATCH_SEND, end - begin);
-  epx::dispatch::wait_sources(ctx, meta, aborted);
+  epx::dispatch::wait_sources(ctx, meta, aborted, senders);
 }
 
-/* The receiver's fan-out: for each received token, its payload (and FP8 scale words) from its
- * first row (list entry 0, where the sender wrote it) to its other rows. Stream-ordered after
- * dispatch_expand, whose block 0 waited for every source: the rows and lists are complete.
- * One warp per token, grid-strided; rows past the capacity are -1 in the list and skipped (a
- * token whose entry 0 is -1 has no row at all: later entries are in higher segments). */
+/* AFTER's fan-out: for each received token, its payload (and FP8 scale words) from its first
+ * row to its other rows. Stream-ordered after dispatch_expand, whose block 0 waited for every
+ * source: the rows and lists are complete. One warp per token, grid-strided. */
 __global__ void __launch_bounds__(kThreads)
     expand_fan_out(epx__kernel_ctx_t ctx, epx__expand_fan_out_launch_args_t fa) {
   const epx__recv_meta_t *meta = fa.meta;
   const int num_recv = meta->aborted ? 0 : meta->num_recv;
-  const int lane = threadIdx.x % 32, K = fa.top_k, n16 = fa.row_bytes / 16;
   const epx__ws_layout_t &L = ctx.layout;
-  const int cap = (int)L.expand_rows;
   char *base = ctx.peer_base[ctx.rank] + L.normal_offset;
   const int *token_rows = (const int *)(base + L.expand_token_rows_offset);
   int4 *x = (int4 *)(base + L.expand_x_offset);
   uint32_t *scales = (uint32_t *)(base + L.expand_scales_offset);
   const int warps = gridDim.x * kWarps;
-  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < num_recv; i += warps) {
-    int row = lane < K ? token_rows[(size_t)i * K + lane] : -1;
-    if (row >= cap) row = -1; /* never past the buffer, even reading a list a late peer left */
-    const int first = __shfl_sync(kFull, row, 0);
-    const unsigned others = __ballot_sync(kFull, row >= 0) & ~1u;
-    if (first < 0 || others == 0) continue;
-    int4 *dst[EPX_MAX_TOP_K];
-#pragma unroll
-    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
-      const int r = __shfl_sync(kFull, row, k);
-      dst[k] = r >= 0 ? x + (size_t)r * n16 : nullptr;
-    }
-    copy_row_to_slots(x + (size_t)first * n16, dst, others, n16, lane);
-    for (unsigned m = others; m;) {
-      const int k = __ffs(m) - 1;
-      m &= m - 1;
-      const int r = __shfl_sync(kFull, row, k);
-      for (int c = lane; c < fa.scale_cols; c += 32)
-        scales[(size_t)r * fa.scale_cols + c] = scales[(size_t)first * fa.scale_cols + c];
-    }
-  }
+  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < num_recv; i += warps)
+    fan_out_token<false>(token_rows + (size_t)i * fa.top_k, fa.top_k, (int)L.expand_rows, x, scales,
+                         fa.row_bytes / 16, fa.scale_cols, threadIdx.x % 32);
 }
 
 }  // namespace epx::normal
@@ -258,7 +378,7 @@ template <int kScales>
 static epx_status_t launch_scales(const epx__kernel_ctx_t *ctx,
                                   const epx__expand_dispatch_launch_args_t *args,
                                   cudaStream_t stream) {
-  const dim3 grid(args->d.num_blocks), block(kThreads);
+  const dim3 grid(args->d.num_blocks + args->fan_out_blocks), block(kThreads);
   return EPX_INDEX_SWITCH(args->d.idx_is_int64, IdxT, [&] {
     return epx::launch<epx::normal::dispatch_expand<IdxT, kScales>>(grid, block, 0, stream, *ctx,
                                                                     *args);

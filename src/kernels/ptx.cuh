@@ -22,6 +22,17 @@ __device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/* 32-bit flags between GPUs: the same semantics as the 64-bit pair above. */
+__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys_u32(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 /* Relaxed 64-bit load and store at GPU scope: single-copy atomic, never served from a stale L1
  * line, no ordering of other memory. For words that carry everything their reader needs (the
  * layout kernel's epoch-tagged tile words), between blocks of one GPU. */

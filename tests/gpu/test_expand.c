@@ -20,7 +20,9 @@
  *   expand_refuses_bad_arguments  named errors, nothing sent, the group still works
  *   expand_capacity_exceeded    expand_max_rows too small: EPX_ERR_INVALID_ARGUMENT (sync
  *                               counts) and an async INVALID_ARGUMENT, no row past the capacity
- * NOT YET RUN ON A GPU (written without one); `epx_test --filter expand` runs them.
+ * expand_cases, expand_loop and expand_capacity_exceeded run with both fan-out modes
+ * (config.expand_fan_out AFTER and DURING). `epx_test --filter expand` runs them; passed on
+ * 4x H200 at 2 and 4 ranks (7e1d87d) before DURING existed; DURING not yet run on a GPU.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -272,7 +274,13 @@ static void drop_weights(world_t *w) {
   for (int s = 0; s < w->R; s++) w->ranks[s].topk_weights = NULL;
 }
 
-static int run_case(epx_test_rank_t *t, const expand_case_t *c, uint64_t *rng) {
+/* Both fan-out modes (config.expand_fan_out), each test's worlds through each. */
+static const int kFanOuts[2] = {EPX_EXPAND_FAN_OUT_AFTER, EPX_EXPAND_FAN_OUT_DURING};
+static const char *fan_out_name(int mode) {
+  return mode == EPX_EXPAND_FAN_OUT_DURING ? "fan-out during" : "fan-out after";
+}
+
+static int run_case(epx_test_rank_t *t, const expand_case_t *c, int fan_out, uint64_t *rng) {
   const int R = t->num_ranks, me = t->rank;
   world_t w;
   world_make(&w, R, &c->world, WORLD_NORMAL, rng);
@@ -280,6 +288,7 @@ static int run_case(epx_test_rank_t *t, const expand_case_t *c, uint64_t *rng) {
   epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
   cfg.modes = EPX_MODE_NORMAL;
   cfg.expand_max_rows = worst_rows(R, w.M, w.E, w.K);
+  cfg.expand_fan_out = fan_out;
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
@@ -290,7 +299,8 @@ static int run_case(epx_test_rank_t *t, const expand_case_t *c, uint64_t *rng) {
   const int align = align_choices[epx_test_rand_int(rng, 4)];
   char label[128];
   for (int sync = 1; sync >= 0; sync--) {
-    snprintf(label, sizeof label, "%s (align %d, sync_counts %d)", c->name, align, sync);
+    snprintf(label, sizeof label, "%s (%s, align %d, sync_counts %d)", c->name,
+             fan_out_name(fan_out), align, sync);
     if (expand_once(t, g, h, &w, &d, c->fp8, c->no_weights, align, sync, label) != TEST_PASS)
       return TEST_FAIL;
   }
@@ -335,25 +345,29 @@ static const expand_case_t kCases[] = {
 
 EPX_GPU_TEST(expand_cases, 600) {
   uint64_t rng = t->seed;
-  for (size_t i = 0; i < sizeof kCases / sizeof kCases[0]; i++) {
-    if (kCases[i].world.empty_rank >= t->num_ranks) continue;
-    if (run_case(t, &kCases[i], &rng) != TEST_PASS) {
-      fprintf(stderr, "  case \"%s\" failed (seed %llu)\n", kCases[i].name,
-              (unsigned long long)t->seed);
-      return TEST_FAIL;
+  for (int m = 0; m < 2; m++)
+    for (size_t i = 0; i < sizeof kCases / sizeof kCases[0]; i++) {
+      if (kCases[i].world.empty_rank >= t->num_ranks) continue;
+      if (run_case(t, &kCases[i], kFanOuts[m], &rng) != TEST_PASS) {
+        fprintf(stderr, "  case \"%s\", %s, failed (seed %llu)\n", kCases[i].name,
+                fan_out_name(kFanOuts[m]), (unsigned long long)t->seed);
+        return TEST_FAIL;
+      }
     }
-  }
   return TEST_PASS;
 }
 
-/* One group, new worlds of random token counts: expand and plain calls interleaved. */
-EPX_GPU_TEST(expand_loop, 600) {
+/* One group, new worlds of random token counts: expand and plain calls interleaved (the plain
+ * calls advance the notify epoch too: DURING's ready words must not mistake one call for
+ * another). */
+static int expand_loop_mode(epx_test_rank_t *t, int fan_out) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const world_spec_t spec = {256, 128, 32, 6, ROUTE_DUPLICATES, -1, -1};
   epx_group_config_t cfg = gpu_test_config(spec.max_tokens, spec.hidden, spec.experts, spec.top_k);
   cfg.modes = EPX_MODE_NORMAL;
   cfg.expand_max_rows = worst_rows(R, spec.max_tokens, spec.experts, spec.top_k);
+  cfg.expand_fan_out = fan_out;
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
@@ -364,7 +378,7 @@ EPX_GPU_TEST(expand_loop, 600) {
     world_dev_t d;
     if (world_dev_make(&w, me, (size_t)cfg.expand_max_rows, &d) != TEST_PASS) return TEST_FAIL;
     char label[64];
-    snprintf(label, sizeof label, "iteration %d", it);
+    snprintf(label, sizeof label, "%s, iteration %d", fan_out_name(fan_out), it);
     const int align = (it % 3) * 8; /* 0, 8, 16 */
     if (expand_once(t, g, h, &w, &d, it % 4 == 1, 0, align, it % 2, label) != TEST_PASS)
       return TEST_FAIL;
@@ -399,6 +413,12 @@ EPX_GPU_TEST(expand_loop, 600) {
   EXPECT_NO_ASYNC_ERROR(g, "expand_loop");
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+EPX_GPU_TEST(expand_loop, 600) {
+  for (int m = 0; m < 2; m++)
+    if (expand_loop_mode(t, kFanOuts[m]) != TEST_PASS) return TEST_FAIL;
   return TEST_PASS;
 }
 
@@ -488,7 +508,7 @@ EPX_GPU_TEST(expand_refuses_bad_arguments, 300) {
 /* expand_max_rows below what rank 0 needs (every token of every rank to expert 0, K slots of
  * distinct experts of rank 0): the call is refused after the fact, no row past the capacity is
  * written, the async record says so, and the group recovers after a clear. */
-EPX_GPU_TEST(expand_capacity_exceeded, 300) {
+static int capacity_exceeded_mode(epx_test_rank_t *t, int fan_out) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const world_spec_t spec = {64, 128, 16, 4, ROUTE_ONE_RANK, 64, -1};
@@ -497,6 +517,7 @@ EPX_GPU_TEST(expand_capacity_exceeded, 300) {
   epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
   cfg.modes = EPX_MODE_NORMAL;
   cfg.expand_max_rows = 100; /* rank 0 needs R x 64 x min(4, L) rows: 128 or more */
+  cfg.expand_fan_out = fan_out;
   epx_group_t g = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
@@ -540,5 +561,11 @@ EPX_GPU_TEST(expand_capacity_exceeded, 300) {
   world_free(&w);
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+EPX_GPU_TEST(expand_capacity_exceeded, 300) {
+  for (int m = 0; m < 2; m++)
+    if (capacity_exceeded_mode(t, kFanOuts[m]) != TEST_PASS) return TEST_FAIL;
   return TEST_PASS;
 }

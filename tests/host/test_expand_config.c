@@ -62,9 +62,9 @@ EPX_HOST_TEST(expand_workspace_regions, 10) {
   EXPECT_EQ_INT(a.expand_rows, 0);
   EXPECT_EQ_INT(b.expand_rows, X);
   /* x 1000 x 1024 x 2 = 2048000; scales 1000 x 8 x 4 = 32000; src_info 16000 -> 16128;
-   * weights 4000 -> 4096; token_rows 512 x 4 x 4 = 8192; ready words 512 x 4 = 2048:
-   * 2110464 bytes after the combine weights, the normal region rounded up to a page. */
-  const size_t expand_bytes = 2048000 + 32000 + 16128 + 4096 + 8192 + 2048;
+   * weights 4000 -> 4096; token_rows 512 x 4 x 4 = 8192; ready words 513 x 4 = 2052 -> 2304:
+   * 2110720 bytes after the combine weights, the normal region rounded up to a page. */
+  const size_t expand_bytes = 2048000 + 32000 + 16128 + 4096 + 8192 + 2304;
   const size_t end_a = a.combine_weights_offset + 2 * a.combine_weights_bytes;
   EXPECT_EQ_INT(b.expand_x_offset, end_a);
   EXPECT_EQ_INT(b.expand_scales_offset, b.expand_x_offset + 2048000);
