@@ -6,7 +6,11 @@
  * Rows (docs/bench.md):
  *   epx dispatch expand    epx_dispatch_expand as a user calls it (sync_counts = 1): layout with
  *                          per-expert positions + the all-E count exchange + the host wait +
- *                          one row per (token, local expert) written in place
+ *                          one row per (token, local expert), the payload sent once per
+ *                          (token, rank) and fanned out after the dispatch (expand_fan_out
+ *                          AFTER, the default)
+ *   epx dispatch expand during  the same with expand_fan_out DURING (the fan-out inside the
+ *                          dispatch kernel as rows land; its own group)
  *   epx combine expand     epx_combine_expand, weighted (the workload has no top-k weights, so
  *                          every row's weight is 0: the same arithmetic): the expert-side
  *                          reduce of each token's rows + today's combine, one row per
@@ -69,26 +73,32 @@ int bench_expand_rows(bench_rank_t *b, bench_workload_t *w) {
   const int R = b->num_ranks, L = opt->num_experts / R;
   void *out = NULL;
   BENCH_CUDA(cudaMalloc(&out, (size_t)w->max_tokens * opt->hidden * 2));
-  for (int i = 0; i < opt->num_epx_sms; i++) {
-    const int sms = opt->epx_sms[i];
-    if (sms > b->device_sms) continue;
-    epx_group_config_t cfg = bench_group_config(opt);
-    cfg.num_sms = sms;
-    /* Room for the worst case: every token of every source on min(K, L) experts here. */
-    const long long rows =
-        (long long)R * cfg.max_tokens_per_rank * (opt->top_k < L ? opt->top_k : L);
-    cfg.expand_max_rows = rows < EPX_MAX_EXPAND_ROWS ? (int)rows : EPX_MAX_EXPAND_ROWS;
-    expand_op_t op;
-    memset(&op, 0, sizeof op);
-    op.w = w;
-    op.out = out;
-    BENCH_EPX(epx_group_create(b->comm, &cfg, &op.group));
-    BENCH_EPX(epx_handle_create(op.group, &op.handle));
-    BENCH_TRY(emit(b, &op, "epx dispatch expand", dispatch_iter, sms));
-    BENCH_TRY(emit(b, &op, "epx combine expand", combine_iter, sms));
-    BENCH_EPX(epx_handle_destroy(op.handle));
-    BENCH_EPX(epx_group_destroy(op.group));
-  }
+  for (int i = 0; i < opt->num_epx_sms; i++)
+    for (int during = 0; during < 2; during++) {
+      const int sms = opt->epx_sms[i];
+      if (sms > b->device_sms) continue;
+      epx_group_config_t cfg = bench_group_config(opt);
+      cfg.num_sms = sms;
+      cfg.expand_fan_out = during ? EPX_EXPAND_FAN_OUT_DURING : EPX_EXPAND_FAN_OUT_AFTER;
+      /* Room for the worst case: every token of every source on min(K, L) experts here. */
+      const long long rows =
+          (long long)R * cfg.max_tokens_per_rank * (opt->top_k < L ? opt->top_k : L);
+      cfg.expand_max_rows = rows < EPX_MAX_EXPAND_ROWS ? (int)rows : EPX_MAX_EXPAND_ROWS;
+      expand_op_t op;
+      memset(&op, 0, sizeof op);
+      op.w = w;
+      op.out = out;
+      BENCH_EPX(epx_group_create(b->comm, &cfg, &op.group));
+      BENCH_EPX(epx_handle_create(op.group, &op.handle));
+      if (during) {
+        BENCH_TRY(emit(b, &op, "epx dispatch expand during", dispatch_iter, sms));
+      } else {
+        BENCH_TRY(emit(b, &op, "epx dispatch expand", dispatch_iter, sms));
+        BENCH_TRY(emit(b, &op, "epx combine expand", combine_iter, sms));
+      }
+      BENCH_EPX(epx_handle_destroy(op.handle));
+      BENCH_EPX(epx_group_destroy(op.group));
+    }
   BENCH_CUDA(cudaFree(out));
   return 0;
 }
