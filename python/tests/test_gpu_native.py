@@ -416,41 +416,44 @@ def _n_adversarial(ctx):
 def _n_expand(ctx):
     """Group.dispatch_expand / combine_expand on a group with an expert-major buffer, against
     gpu_reference.expand / combine_expand: uniform and adversarial routings, alignments 1 and
-    8, weighted and plain sums."""
+    8, weighted and plain sums, both fan-out modes."""
     c, epx, me = ctx.checks, ctx.epx, ctx.rank
     L = ctx.E // ctx.R
-    g = epx.Group(N_M, N_H, ctx.E, N_K, expand_max_rows=ctx.R * N_M * min(N_K, L) + L * 8)
-    h = g.handle()
-    try:
-        for k, routing in enumerate(("uniform", "one_expert", "holes", "duplicates",
-                                     "empty_rank")):
-            world = ctx.world(20 + k, routing)
-            x, idx, w = inputs(ctx, world)
-            for align, weighted in ((1, True), (8, False)):
-                what = f"expand {routing} align {align}"
-                want = ctx.ref.expand(world, me, align)
-                r = g.dispatch_expand(h, x, idx, w, expert_alignment=align)
-                n, real = want["x"].shape[0], ~want["padding"]
-                c.check(r.num_rows == n, f"{what}: num_rows {r.num_rows}, expected {n}")
-                c.check(r.num_recv == want["token_rows"].shape[0],
-                        f"{what}: num_recv {r.num_recv}, expected {want['token_rows'].shape[0]}")
-                c.check(r.num_recv_per_expert == want["count"].tolist(),
-                        lambda: f"{what}: per-expert {r.num_recv_per_expert}, expected "
-                                f"{want['count'].tolist()}")
-                c.equal(r.expert_begin, want["begin"], f"{what}: expert_begin")
-                c.equal(r.expert_count, want["count"], f"{what}: expert_count")
-                c.equal(r.recv_x[:n][real.to(ctx.device)], want["x"][real], f"{what}: recv_x")
-                c.equal(r.recv_src_info[:n], want["src_info"], f"{what}: recv_src_info")
-                c.equal(r.recv_weights[:n], want["weights"], f"{what}: recv_weights")
-                c.equal(r.token_rows, want["token_rows"], f"{what}: token_rows")
-                y = r.recv_x[:n] * ctx.scale[me]
-                out = g.combine_expand(h, y, weighted=weighted)
-                exp, bound = ctx.ref.combine_expand(world, me, ctx.scale, weighted=weighted)
-                c.close(out, exp, bound, f"{what}: combine_expand weighted={weighted}")
-                ctx.barrier()
-    finally:
-        h.destroy()
-        g.destroy()
+    for fan_out in ("after", "during"):  # config.expand_fan_out: both copy paths
+        g = epx.Group(N_M, N_H, ctx.E, N_K, expand_max_rows=ctx.R * N_M * min(N_K, L) + L * 8,
+                      expand_fan_out=fan_out)
+        h = g.handle()
+        try:
+            for k, routing in enumerate(("uniform", "one_expert", "holes", "duplicates",
+                                         "empty_rank")):
+                world = ctx.world(20 + k, routing)
+                x, idx, w = inputs(ctx, world)
+                for align, weighted in ((1, True), (8, False)):
+                    what = f"expand {routing} align {align} fan-out {fan_out}"
+                    want = ctx.ref.expand(world, me, align)
+                    r = g.dispatch_expand(h, x, idx, w, expert_alignment=align)
+                    n, real = want["x"].shape[0], ~want["padding"]
+                    c.check(r.num_rows == n, f"{what}: num_rows {r.num_rows}, expected {n}")
+                    n_recv = want["token_rows"].shape[0]
+                    c.check(r.num_recv == n_recv,
+                            f"{what}: num_recv {r.num_recv}, expected {n_recv}")
+                    c.check(r.num_recv_per_expert == want["count"].tolist(),
+                            lambda: f"{what}: per-expert {r.num_recv_per_expert}, expected "
+                                    f"{want['count'].tolist()}")
+                    c.equal(r.expert_begin, want["begin"], f"{what}: expert_begin")
+                    c.equal(r.expert_count, want["count"], f"{what}: expert_count")
+                    c.equal(r.recv_x[:n][real.to(ctx.device)], want["x"][real], f"{what}: recv_x")
+                    c.equal(r.recv_src_info[:n], want["src_info"], f"{what}: recv_src_info")
+                    c.equal(r.recv_weights[:n], want["weights"], f"{what}: recv_weights")
+                    c.equal(r.token_rows, want["token_rows"], f"{what}: token_rows")
+                    y = r.recv_x[:n] * ctx.scale[me]
+                    out = g.combine_expand(h, y, weighted=weighted)
+                    exp, bound = ctx.ref.combine_expand(world, me, ctx.scale, weighted=weighted)
+                    c.close(out, exp, bound, f"{what}: combine_expand weighted={weighted}")
+                    ctx.barrier()
+        finally:
+            h.destroy()
+            g.destroy()
     try:  # the suite's group has no expert-major buffer: refused by name, nothing sent
         ctx.g.dispatch_expand(ctx.h, x, idx, w)
         c.fail("dispatch_expand without expand_max_rows did not raise")
