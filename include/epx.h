@@ -167,10 +167,12 @@ typedef enum epx_ll_route {
 typedef enum epx_expand_fan_out {
   EPX_EXPAND_FAN_OUT_AUTO = 0,  /* the default: AFTER (the measured one) */
   EPX_EXPAND_FAN_OUT_AFTER = 1, /* a kernel after the dispatch's wait for every source */
-  EPX_EXPAND_FAN_OUT_DURING = 2 /* extra blocks of the dispatch kernel copy each token as its
-                                   row lands (the sender marks it ready), overlapping the copies
-                                   with the NVLink transfer; a rank's own tokens are written to
-                                   every row by the sender */
+  EPX_EXPAND_FAN_OUT_DURING = 2 /* num_sms more blocks of the dispatch kernel copy each token as
+                                   its row lands (the sender marks it ready), overlapping the
+                                   copies with the NVLink transfer; a rank's own tokens are
+                                   written to every row by the sender. The dispatch then uses
+                                   2 x num_sms SMs: group creation refuses it where that is more
+                                   than the GPU has */
 } epx_expand_fan_out_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each

@@ -6,7 +6,8 @@
  *             variant (all E counts to every rank: segment begins and row bases, notify.cu) ->
  *             the expert-major dispatch kernel (payload once per (token, rank), every row's
  *             source and weight) -> the receiver's fan-out of the payload to the token's other
- *             rows (both expand_dispatch.cu)
+ *             rows (both expand_dispatch.cu): a kernel after the dispatch (config.expand_fan_out
+ *             AFTER), or the dispatch kernel's extra blocks as rows land (DURING)
  *   combine:  the expert-side reduce into BF16 partial rows (expand_combine.cu), in the plain
  *             receive slab's rows, which an expert-major dispatch does not use -> today's normal
  *             combine of those rows, unweighted (normal_combine.cu)
@@ -128,10 +129,10 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
    * local HBM traffic instead of NVLink's. DURING: as many more blocks of the dispatch kernel
    * as it has sending blocks, as rows land; AFTER: a kernel after it (every SM, two blocks
    * each). */
-  const int during = g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING;
-  xa.fan_out_blocks = during ? g->config.num_sms : 0;
+  /* (group creation checked that 2 x num_sms blocks fit for DURING) */
+  xa.fan_out_blocks = g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING ? g->config.num_sms : 0;
   EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
-  if (!during) {
+  if (xa.fan_out_blocks == 0) { /* AFTER: the fan-out is a kernel of its own */
     const epx__expand_fan_out_launch_args_t fa = {
         h->meta, g->config.top_k, g->config.hidden * (d.x_is_fp8 ? 1 : 2),
         d.x_is_fp8 ? d.scale_cols : 0, 2 * g->num_device_sms};

@@ -162,6 +162,15 @@ static epx_status_t local_checks(ncclComm_t comm, int num_ranks, const epx_group
   if (cfg->num_sms > *num_device_sms)
     return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "config.num_sms = %d: the GPU has only %d SMs",
                           cfg->num_sms, *num_device_sms);
+  /* DURING's dispatch runs num_sms sending and num_sms fan-out blocks (one per SM): both sets
+   * must fit, or the fan-out cannot overlap the transfer. */
+  if (cfg->expand_fan_out == EPX_EXPAND_FAN_OUT_DURING && cfg->expand_max_rows > 0 &&
+      2 * cfg->num_sms > *num_device_sms)
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
+                          "config.expand_fan_out = EPX_EXPAND_FAN_OUT_DURING with config.num_sms = "
+                          "%d: the dispatch runs 2 x num_sms blocks, one per SM, and the GPU has "
+                          "%d SMs; use num_sms <= %d or EPX_EXPAND_FAN_OUT_AFTER",
+                          cfg->num_sms, *num_device_sms, *num_device_sms / 2);
   /* Low-latency blocks must all be resident at once (one per SM): at most the SM count. */
   if (cfg->ll_num_sms == EPX_AUTO) cfg->ll_num_sms = *num_device_sms;
   if (cfg->ll_num_sms > *num_device_sms)

@@ -312,7 +312,10 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   p->rows = g->layout.expand_rows;
   p->num_chunks = cfg.num_chunks ? cfg.num_chunks : 2;
   p->device_sms = g->num_device_sms;
-  p->gemm_sms = cfg.gemm_sms ? cfg.gemm_sms : g->num_device_sms - g->config.num_sms;
+  /* The communication's SMs: num_sms, twice that with DURING's fan-out blocks. */
+  const int comm_sms =
+      g->config.num_sms * (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING ? 2 : 1);
+  p->gemm_sms = cfg.gemm_sms ? cfg.gemm_sms : g->num_device_sms - comm_sms;
   if (p->gemm_sms < 1) p->gemm_sms = 1;
   epx_status_t st = plan_build(fn, p, cfg.ffn_backend);
   if (st == EPX_OK) st = choose_backend(fn, p, cfg.ffn_backend);

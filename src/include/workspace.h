@@ -105,6 +105,9 @@ typedef struct epx__control {
    * the kernel). */
   unsigned long long agree_flag[2][EPX_MAX_RANKS];
   unsigned long long agree_epoch;
+  /* expand_ticket: blocks of DURING expand dispatches started on this rank (each takes one on
+   * entry; ticket mod the grid size is its role, so the first blocks to run are the senders). */
+  unsigned long long expand_ticket;
   long long agree_words[2][EPX_MAX_RANKS][EPX_AGREE_MAX_WORDS];
 } epx__control_t;
 

@@ -4,11 +4,12 @@
  * share of the tokens, the per-block completion signal and the receiver's wait for every
  * source.
  *
- * Invariant (completion): after its last store to rank r, every block adds 1 to r's
+ * Invariant (completion): after its last store to rank r, every sending block adds 1 to r's
  * dispatch_done[me] with release semantics at system scope; r waits (acquire, bounded) until the
- * counter has grown by the grid size. Counters are monotonic, so nothing is ever reset and a
- * captured graph replays correctly. Both kernels launch config.num_sms blocks, so their calls
- * keep the same counters in step.
+ * counter has grown by the number of sending blocks. Counters are monotonic, so nothing is ever
+ * reset and a captured graph replays correctly. Both kernels have config.num_sms sending blocks
+ * (the expand dispatch's DURING fan-out blocks do not signal), so their calls keep the same
+ * counters in step.
  */
 #ifndef EPX_KERNELS_DISPATCH_COMMON_CUH_
 #define EPX_KERNELS_DISPATCH_COMMON_CUH_
@@ -48,9 +49,9 @@ __device__ __forceinline__ void block_share(int n, int *begin, int *end) {
  * nothing. */
 __device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
                                              const epx__recv_meta_t *meta, bool aborted,
-                                             int senders) {
+                                             int senders, int block) {
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
-  if (blockIdx.x != 0 || tid >= 32) return;
+  if (block != 0 || tid >= 32) return;
   const uint64_t t_wait = epx::trace_begin(ctx);
   if (tid < R) {
     epx__control_t *ctrl = epx::control_of(ctx, me);
@@ -70,7 +71,7 @@ __device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
 /* The same when every block of the grid sends. */
 __device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
                                              const epx__recv_meta_t *meta, bool aborted) {
-  wait_sources(ctx, meta, aborted, (int)gridDim.x);
+  wait_sources(ctx, meta, aborted, (int)gridDim.x, (int)blockIdx.x);
 }
 
 }  // namespace epx::dispatch

@@ -132,14 +132,15 @@ __device__ __forceinline__ void fan_out_token(const int *list, int K, int cap, i
   }
 }
 
-/* DURING's fan-out blocks (blockIdx.x >= the sending blocks). Work order: source s's rows are
- * [rank_prefix[s], rank_prefix[s + 1]); its sending block b covers about the b-th of G equal
- * parts of them and writes its tokens in order, so rows land part by part in parallel. Item
- * (q, s, b), q slowest, is the q-th row of part b of source s; the fan-out warps take items in
- * that order, close to the order of arrival (an uneven routing only makes it less close). */
+/* DURING's fan-out blocks (those whose start ticket comes after the sending blocks'). Work order:
+ * source s's rows are [rank_prefix[s], rank_prefix[s + 1]); its sending block b covers about the
+ * b-th of G equal parts of them and writes its tokens in order, so rows land part by part in
+ * parallel. Item (q, s, b), q slowest, is the q-th row of part b of source s; the fan-out warps
+ * take items in that order, close to the order of arrival (an uneven routing only makes it less
+ * close). */
 __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
                                                const epx__expand_dispatch_launch_args_t &xa,
-                                               const epx__recv_meta_t *meta, int n16,
+                                               const epx__recv_meta_t *meta, int fan_block, int n16,
                                                int scale_cols) {
   if (meta->aborted) return; /* nothing was sent to us: block 0 says why */
   const int R = ctx.num_ranks, me = ctx.rank, lane = threadIdx.x % 32, K = xa.d.top_k;
@@ -160,23 +161,27 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
   for (int s = 0; s < R; s++)
     if (s != me) q_max = max(q_max, (meta->rank_prefix[s + 1] - meta->rank_prefix[s] + G - 1) / G);
   const long long items = (long long)q_max * R * G;
-  const int fan_blocks = gridDim.x - G;
-  const long long warps = (long long)fan_blocks * kWarps;
-  for (long long it = (long long)(blockIdx.x - G) * kWarps + threadIdx.x / 32; it < items;
-       it += warps) {
+  const long long warps = (long long)xa.fan_out_blocks * kWarps;
+  /* One budget for the whole fan-out, as block 0's wait for every source has. */
+  const uint64_t t0 = epx::globaltimer_ns();
+  for (long long it = (long long)fan_block * kWarps + threadIdx.x / 32; it < items; it += warps) {
     const int b = (int)(it % G), s = (int)((it / G) % R), q = (int)(it / ((long long)G * R));
     if (s == me) continue; /* the sender wrote every row of its own tokens */
     const int p0 = meta->rank_prefix[s], n_s = meta->rank_prefix[s + 1] - p0;
     const int i = p0 + (int)((long long)n_s * b / G) + q;
     if (i >= p0 + (int)((long long)n_s * (b + 1) / G)) continue;
     epx::WaitResult r = epx::WaitResult::kReady;
-    if (lane == 0)
+    if (lane == 0) {
+      const uint64_t spent = epx::globaltimer_ns() - t0;
       r = epx::wait_until<64>(
-          ctx.timeout_ns, [&] { return epx::ld_acquire_sys_u32(ready + i) == epoch; },
+          spent < ctx.timeout_ns ? ctx.timeout_ns - spent : 0,
+          [&] { return epx::ld_relaxed_sys_u32(ready + i) == epoch; },
           [&] {
             return *gave_up == epoch ||
                    *(volatile const unsigned int *)&ctrl->notify_abort[s] == epoch;
           });
+      if (r == epx::WaitResult::kReady) epx::fence_acq_rel_sys(); /* the poll's acquire */
+    }
     r = (epx::WaitResult)__shfl_sync(kFull, (int)r, 0);
     if (r == epx::WaitResult::kTimedOut && lane == 0) {
       epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, s, i, (long long)epoch);
@@ -191,13 +196,14 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
 /* Mark this block's share of this rank's padding rows: (j, i) for local expert j and i in
  * [begin[j] + count[j], begin[j + 1]), below the capacity. */
 __device__ __forceinline__ void mark_padding(const epx__kernel_ctx_t &ctx,
-                                             const epx__recv_meta_t *meta, int epr, int senders) {
+                                             const epx__recv_meta_t *meta, int epr, int block,
+                                             int senders) {
   const epx__ws_layout_t &L = ctx.layout;
   char *base = ctx.peer_base[ctx.rank] + L.normal_offset;
   int4 *info = (int4 *)(base + L.expand_src_info_offset);
   float *weights = (float *)(base + L.expand_weights_offset);
   const int cap = (int)L.expand_rows;
-  for (int j = blockIdx.x; j < epr; j += senders) {
+  for (int j = block; j < epr; j += senders) {
     const int p0 = meta->expand_begin[j] + meta->expand_count[j];
     const int p1 = min(meta->expand_begin[j + 1], cap);
     for (int r = p0 + (int)threadIdx.x; r < p1; r += kThreads) {
@@ -218,8 +224,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kFp8 = kScales != kNoScales;
   const epx__dispatch_launch_args_t &a = xa.d;
   const int senders = a.num_blocks, during = xa.fan_out_blocks > 0;
-  if ((int)blockIdx.x >= senders) { /* DURING: a fan-out block */
-    fan_out_during(ctx, xa, a.routing.meta, a.hidden * (kFp8 ? 1 : 2) / 16,
+  /* The block's role. DURING: by the order blocks start (a ticket), not by blockIdx, so every
+   * sending block is running before any fan-out block waits: a fan-out block holding an SM can
+   * never keep this rank's senders, and so a peer's fan-out, from starting. */
+  __shared__ int role_s;
+  int role = blockIdx.x;
+  if (during) {
+    if (threadIdx.x == 0)
+      role_s = (int)(atomicAdd(&epx::control_of(ctx, ctx.rank)->expand_ticket, 1ull) %
+                     (unsigned long long)(senders + xa.fan_out_blocks));
+    __syncthreads();
+    role = role_s;
+  }
+  if (role >= senders) { /* DURING: a fan-out block */
+    fan_out_during(ctx, xa, a.routing.meta, role - senders, a.hidden * (kFp8 ? 1 : 2) / 16,
                    kFp8 ? a.scale_cols : 0);
     return;
   }
@@ -245,13 +263,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   /* A failed count exchange: send nothing, only the done signals, and wait for nothing. */
   const bool aborted = meta->aborted != 0;
   if (!aborted) {
-    if (blockIdx.x == 0 && tid == 0 && meta->expand_rows > cap)
+    if (role == 0 && tid == 0 && meta->expand_rows > cap)
       epx::raise_error(ctx, EPX_ERR_INVALID_ARGUMENT, EPX_STAGE_DISPATCH, -1, cap,
                        meta->expand_rows);
-    mark_padding(ctx, meta, epr, senders);
+    mark_padding(ctx, meta, epr, role, senders);
   }
   int begin, end;
-  epx::dispatch::block_share(aborted ? 0 : a.routing.num_tokens, blockIdx.x, senders, &begin, &end);
+  epx::dispatch::block_share(aborted ? 0 : a.routing.num_tokens, role, senders, &begin, &end);
   for (int t = begin + warp; t < end; t += kWarps) {
     const uint64_t t_token = epx::trace_begin(ctx);
     /* Lane k < K: slot k's expert (invalid ids are empty slots: the layout reported them). */
@@ -336,11 +354,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       const unsigned peers = __reduce_or_sync(kFull, first && d != me ? 1u << d : 0u);
       __syncwarp();
       if (lane == 0 && peers) {
-        __threadfence_system();
+        epx::fence_acq_rel_sys(); /* with the barrier above: the whole warp's stores, then */
         for (unsigned m = peers; m; m &= m - 1) {
           const int dd = __ffs(m) - 1;
           const int prow = dest_base[dd] + a.routing.token_pos_in_rank[(size_t)t * R + dd];
-          epx::st_release_sys_u32(
+          epx::st_relaxed_sys_u32(
               (uint32_t *)(ctx.peer_base[dd] + L.normal_offset + L.expand_ready_offset) + prow,
               meta->epoch);
         }
@@ -351,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   epx::dispatch::signal_done(ctx);
   if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_DISPATCH_SEND, end - begin);
-  epx::dispatch::wait_sources(ctx, meta, aborted, senders);
+  epx::dispatch::wait_sources(ctx, meta, aborted, senders, role);
 }
 
 /* AFTER's fan-out: for each received token, its payload (and FP8 scale words) from its first

@@ -33,6 +33,22 @@ __device__ __forceinline__ void st_release_sys_u32(uint32_t *p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+/* For one fence covering several flag stores (fence, then relaxed stores: each a release), or
+ * after a relaxed poll saw its value (relaxed load, then fence: an acquire). */
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_relaxed_sys_u32(uint32_t *p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 /* Relaxed 64-bit load and store at GPU scope: single-copy atomic, never served from a stale L1
  * line, no ordering of other memory. For words that carry everything their reader needs (the
  * layout kernel's epoch-tagged tile words), between blocks of one GPU. */

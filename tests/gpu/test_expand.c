@@ -209,6 +209,24 @@ static int combine_and_check(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, 
   return TEST_PASS;
 }
 
+/* After a checked call: this rank's expert-major receive arrays all 0xff (rows NaN, infos and
+ * lists -1, weights NaN), so the next call must write every row, info, weight and list entry
+ * itself, and a fan-out that copied a row before it landed copies 0xff. Safe without a
+ * barrier: peers write here only after this rank's next count exchange, which this rank's
+ * stream queues after these memsets; its own readers (the combine) are done (synchronized). */
+static int poison_receive(const world_t *w, const epx_dispatch_expand_result_t *res, int fp8) {
+  const size_t cap = (size_t)res->capacity, H = (size_t)w->H, G = H / 128;
+  EXPECT_CUDA(cudaMemset(res->recv_x, 0xff, cap * H * (fp8 ? 1 : 2)));
+  EXPECT_CUDA(cudaMemset(res->recv_src_info, 0xff, cap * 16));
+  EXPECT_CUDA(cudaMemset(res->recv_weights, 0xff, cap * 4));
+  EXPECT_CUDA(cudaMemset((void *)res->token_rows, 0xff, (size_t)w->R * w->M * w->K * 4));
+  void *scales =
+      res->recv_x_scales ? (void *)res->recv_x_scales : (void *)res->recv_x_scales_packed;
+  if (scales) EXPECT_CUDA(cudaMemset(scales, 0xff, cap * G * 4));
+  EXPECT_CUDA(cudaDeviceSynchronize());
+  return TEST_PASS;
+}
+
 /* One expert-major dispatch of w's tokens on (g, h), checked, then its combines. */
 static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const world_t *w,
                        const world_dev_t *d, int fp8, int no_weights, int align, int sync,
@@ -266,7 +284,8 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
   const int ref_align = align ? align : 1;
   if (check_expand_recv(w, me, &res, fp8, ref_align, counts, sync, label) != TEST_PASS)
     return TEST_FAIL;
-  return combine_and_check(t, g, h, w, d, ref_align, label);
+  if (combine_and_check(t, g, h, w, d, ref_align, label) != TEST_PASS) return TEST_FAIL;
+  return poison_receive(w, &res, fp8);
 }
 
 /* A world with its topk_weights dropped (the dispatch gets none): the oracle's weights are 0. */
@@ -341,6 +360,9 @@ static const expand_case_t kCases[] = {
     {"many experts", {600, 128, 256, 8, ROUTE_UNIFORM, 600, -1}, 0, 0},
     {"two layout tiles", {1100, 128, 32, 8, ROUTE_DUPLICATES, -1, -1}, 0, 0},
     {"wide hidden", {32, 2048, 16, 4, ROUTE_UNIFORM, -1, -1}, 0, 0},
+    /* DeepSeek-V3's row size: rows land over a long transfer, so DURING's fan-out waits */
+    {"DeepSeek-like", {1024, 7168, 256, 8, ROUTE_UNIFORM, 1024, -1}, 0, 0},
+    {"DeepSeek-like fp8", {1024, 7168, 256, 8, ROUTE_DUPLICATES, -1, -1}, 1, 0},
 };
 
 EPX_GPU_TEST(expand_cases, 600) {
