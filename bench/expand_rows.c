@@ -77,6 +77,7 @@ int bench_expand_rows(bench_rank_t *b, bench_workload_t *w) {
     for (int during = 0; during < 2; during++) {
       const int sms = opt->epx_sms[i];
       if (sms > b->device_sms) continue;
+      if (during && 2 * sms > b->device_sms) continue; /* DURING needs 2 x sms SMs */
       epx_group_config_t cfg = bench_group_config(opt);
       cfg.num_sms = sms;
       cfg.expand_fan_out = during ? EPX_EXPAND_FAN_OUT_DURING : EPX_EXPAND_FAN_OUT_AFTER;
