@@ -20,6 +20,8 @@
  *   expand_refuses_bad_arguments  named errors, nothing sent, the group still works
  *   expand_capacity_exceeded    expand_max_rows too small: EPX_ERR_INVALID_ARGUMENT (sync
  *                               counts) and an async INVALID_ARGUMENT, no row past the capacity
+ *   expand_during_after_peer_killed  DURING, the last rank killed after a good call: the
+ *                               next call times out within about a budget, naming the peer
  * expand_cases, expand_loop and expand_capacity_exceeded run with both fan-out modes
  * (config.expand_fan_out AFTER and DURING). `epx_test --filter expand` runs them; passed on
  * 4x H200 at 2 and 4 ranks (7e1d87d) before DURING existed; DURING not yet run on a GPU.
@@ -589,5 +591,60 @@ static int capacity_exceeded_mode(epx_test_rank_t *t, int fan_out) {
 EPX_GPU_TEST(expand_capacity_exceeded, 300) {
   for (int m = 0; m < 2; m++)
     if (capacity_exceeded_mode(t, kFanOuts[m]) != TEST_PASS) return TEST_FAIL;
+  return TEST_PASS;
+}
+
+/* DURING with the last rank killed after a good call (checked): the next expand dispatch
+ * returns EPX_ERR_TIMEOUT on every other rank within about one budget (the count exchange
+ * gives up, and no fan-out block waits for the dead rank's rows), the async record names the
+ * dead peer, and destroy works. */
+EPX_DYING_PEER_TEST(expand_during_after_peer_killed, 120) {
+  const int R = t->num_ranks, me = t->rank, dead = R - 1;
+  const int budget_ms = 500;
+  uint64_t rng = t->seed;
+  const world_spec_t spec = {64, 256, 16, 4, ROUTE_UNIFORM, 64, -1};
+  world_t w;
+  world_make(&w, R, &spec, WORLD_NORMAL, &rng);
+  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
+  cfg.modes = EPX_MODE_NORMAL;
+  cfg.timeout_ms = budget_ms;
+  cfg.expand_max_rows = worst_rows(R, w.M, w.E, w.K);
+  cfg.expand_fan_out = EPX_EXPAND_FAN_OUT_DURING;
+  epx_group_t g = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
+  EXPECT_OK(epx_handle_create(g, &h));
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)cfg.expand_max_rows, &d) != TEST_PASS) return TEST_FAIL;
+  if (expand_once(t, g, h, &w, &d, 0, 0, 1, 1, "before the death") != TEST_PASS) return TEST_FAIL;
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  if (me == dead) epx_test_die();
+
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = d.x;
+  a.topk_idx = d.idx;
+  a.topk_weights = (const float *)d.w;
+  a.num_tokens = w.ranks[me].num_tokens;
+  a.sync_counts = 1;
+  epx_dispatch_expand_result_t res;
+  const double t0 = epx_test_now_s();
+  EXPECT_STATUS(epx_dispatch_expand(g, h, &a, &res, t->stream), EPX_ERR_TIMEOUT);
+  EXPECT_EQ_INT(res.num_rows, -1);
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  const double t1 = epx_test_now_s();
+  printf("  rank %d: expand dispatch returned after %.3f s: %s\n", me, t1 - t0, epx_last_error());
+  EXPECTF(t1 - t0 < budget_ms * 1e-3 + 1.0, "expand dispatch took %.3f s, budget %d ms", t1 - t0,
+          budget_ms);
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  EXPECT_EQ_INT(err.status, EPX_ERR_TIMEOUT);
+  EXPECT_EQ_INT(err.peer, dead);
+  const double t2 = epx_test_now_s();
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  printf("  rank %d: destroy returned after %.3f s\n", me, epx_test_now_s() - t2);
+  EXPECTF(epx_test_now_s() - t2 < 5.0, "destroy took %.3f s", epx_test_now_s() - t2);
+  world_dev_free(&d);
+  world_free(&w);
   return TEST_PASS;
 }
