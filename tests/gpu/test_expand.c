@@ -216,9 +216,10 @@ static int combine_and_check(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, 
  * itself, and a fan-out that copied a row before it landed copies 0xff. Safe without a
  * barrier: peers write here only after this rank's next count exchange, which this rank's
  * stream queues after these memsets; its own readers (the combine) are done (synchronized). */
-static int poison_receive(const world_t *w, const epx_dispatch_expand_result_t *res, int fp8) {
+static int poison_receive(const world_t *w, const epx_dispatch_expand_result_t *res) {
   const size_t cap = (size_t)res->capacity, H = (size_t)w->H, G = H / 128;
-  EXPECT_CUDA(cudaMemset(res->recv_x, 0xff, cap * H * (fp8 ? 1 : 2)));
+  /* the payload area holds BF16 rows (expand needs BF16 in config.dtypes): all of it */
+  EXPECT_CUDA(cudaMemset(res->recv_x, 0xff, cap * H * 2));
   EXPECT_CUDA(cudaMemset(res->recv_src_info, 0xff, cap * 16));
   EXPECT_CUDA(cudaMemset(res->recv_weights, 0xff, cap * 4));
   EXPECT_CUDA(cudaMemset((void *)res->token_rows, 0xff, (size_t)w->R * w->M * w->K * 4));
@@ -230,9 +231,11 @@ static int poison_receive(const world_t *w, const epx_dispatch_expand_result_t *
 }
 
 /* One expert-major dispatch of w's tokens on (g, h), checked, then its combines. */
+/* poison: fill the receive arrays with 0xff afterwards (poison_receive); 0 where the caller
+ * combines this dispatch's rows again. */
 static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const world_t *w,
                        const world_dev_t *d, int fp8, int no_weights, int align, int sync,
-                       const char *label) {
+                       int poison, const char *label) {
   const int me = t->rank;
   epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
   a.x = fp8 ? d->x8 : d->x;
@@ -287,7 +290,7 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
   if (check_expand_recv(w, me, &res, fp8, ref_align, counts, sync, label) != TEST_PASS)
     return TEST_FAIL;
   if (combine_and_check(t, g, h, w, d, ref_align, label) != TEST_PASS) return TEST_FAIL;
-  return poison_receive(w, &res, fp8);
+  return poison ? poison_receive(w, &res) : TEST_PASS;
 }
 
 /* A world with its topk_weights dropped (the dispatch gets none): the oracle's weights are 0. */
@@ -322,7 +325,7 @@ static int run_case(epx_test_rank_t *t, const expand_case_t *c, int fan_out, uin
   for (int sync = 1; sync >= 0; sync--) {
     snprintf(label, sizeof label, "%s (%s, align %d, sync_counts %d)", c->name,
              fan_out_name(fan_out), align, sync);
-    if (expand_once(t, g, h, &w, &d, c->fp8, c->no_weights, align, sync, label) != TEST_PASS)
+    if (expand_once(t, g, h, &w, &d, c->fp8, c->no_weights, align, sync, 1, label) != TEST_PASS)
       return TEST_FAIL;
   }
   if (c->world.route == ROUTE_BAD) { /* the layout reported the first bad id; treated as empty */
@@ -404,7 +407,7 @@ static int expand_loop_mode(epx_test_rank_t *t, int fan_out) {
     char label[64];
     snprintf(label, sizeof label, "%s, iteration %d", fan_out_name(fan_out), it);
     const int align = (it % 3) * 8; /* 0, 8, 16 */
-    if (expand_once(t, g, h, &w, &d, it % 4 == 1, 0, align, it % 2, label) != TEST_PASS)
+    if (expand_once(t, g, h, &w, &d, it % 4 == 1, 0, align, it % 2, 1, label) != TEST_PASS)
       return TEST_FAIL;
     if (it % 3 == 2) { /* a plain dispatch and combine on the same group and handle */
       epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
@@ -504,7 +507,8 @@ EPX_GPU_TEST(expand_refuses_bad_arguments, 300) {
   EXPECT_STATUS(epx_dispatch_expand(g, h, &a, NULL, t->stream), EPX_ERR_INVALID_ARGUMENT);
   EXPECT(strstr(epx_last_error(), "result") != NULL);
   /* A right call, then the combine's refusals, then a right combine: the group still works. */
-  if (expand_once(t, g, h, &w, &d, 0, 0, 4, 1, "after refusals") != TEST_PASS) return TEST_FAIL;
+  /* (not poisoned: the combine below reduces this dispatch's rows again) */
+  if (expand_once(t, g, h, &w, &d, 0, 0, 4, 1, 0, "after refusals") != TEST_PASS) return TEST_FAIL;
   ca.weighted = 2;
   EXPECT_STATUS(epx_combine_expand(g, h, &ca, t->stream), EPX_ERR_INVALID_ARGUMENT);
   EXPECT(strstr(epx_last_error(), "weighted") != NULL);
@@ -616,7 +620,8 @@ EPX_DYING_PEER_TEST(expand_during_after_peer_killed, 120) {
   EXPECT_OK(epx_handle_create(g, &h));
   world_dev_t d;
   if (world_dev_make(&w, me, (size_t)cfg.expand_max_rows, &d) != TEST_PASS) return TEST_FAIL;
-  if (expand_once(t, g, h, &w, &d, 0, 0, 1, 1, "before the death") != TEST_PASS) return TEST_FAIL;
+  if (expand_once(t, g, h, &w, &d, 0, 0, 1, 1, 1, "before the death") != TEST_PASS)
+    return TEST_FAIL;
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   if (me == dead) epx_test_die();
 
