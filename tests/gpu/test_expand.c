@@ -192,6 +192,9 @@ static int combine_and_check(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, 
   uint16_t *got = malloc(sizeof(uint16_t) * ((size_t)T * H + 1));
   EXPECT(want && got);
   for (int weighted = 1; weighted >= 0; weighted--) {
+    /* The CPU oracles between collective calls take seconds at DeepSeek's size, more on a rank
+     * with more rows: meet first, or an early rank's waits run out on a late one. */
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
     EXPECT_CUDA(cudaMemsetAsync(d->out, 0xFF, (size_t)T * H * 2, t->stream)); /* NaN */
     epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
     ca.x = d->y;
@@ -277,6 +280,7 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
     a.x_scales_stride_group = T;
   }
   epx_dispatch_expand_result_t res;
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL; /* as before a combine, below */
   EXPECT_OK(epx_dispatch_expand(g, h, &a, &res, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   EXPECT_CUDA(cudaFree(sc_cm));
