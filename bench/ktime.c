@@ -34,6 +34,9 @@ SAME_FIELD(CUpti_ActivityKernel4, CUpti_ActivityKernel10, start);
 SAME_FIELD(CUpti_ActivityKernel4, CUpti_ActivityKernel10, end);
 SAME_FIELD(CUpti_ActivityKernel4, CUpti_ActivityKernel10, correlationId);
 SAME_FIELD(CUpti_ActivityKernel4, CUpti_ActivityKernel10, name);
+SAME_FIELD(CUpti_ActivityKernel4, CUpti_ActivityKernel10, streamId);
+SAME_FIELD(CUpti_ActivityMemset, CUpti_ActivityMemset4, streamId);
+SAME_FIELD(CUpti_ActivityMemcpy, CUpti_ActivityMemcpy6, streamId);
 SAME_FIELD(CUpti_ActivityMemset, CUpti_ActivityMemset4, start);
 SAME_FIELD(CUpti_ActivityMemset, CUpti_ActivityMemset4, end);
 SAME_FIELD(CUpti_ActivityMemset, CUpti_ActivityMemset4, correlationId);
@@ -119,8 +122,8 @@ static const char *intern(const char *raw) {
   return copy;
 }
 
-static void add_activity(bench_ktime_kind_t kind, uint32_t correlation_id, uint64_t start,
-                         uint64_t end, const char *name) {
+static void add_activity(bench_ktime_kind_t kind, uint32_t correlation_id, uint32_t stream_id,
+                         uint64_t start, uint64_t end, const char *name) {
   if (reserve((void **)&st.acts, &st.cap_acts, st.num_acts, sizeof *st.acts)) {
     if (!st.error[0]) snprintf(st.error, sizeof st.error, "out of host memory for records");
     return;
@@ -128,6 +131,7 @@ static void add_activity(bench_ktime_kind_t kind, uint32_t correlation_id, uint6
   bench_ktime_activity_t *a = &st.acts[st.num_acts++];
   a->kind = kind;
   a->correlation_id = correlation_id;
+  a->stream_id = stream_id;
   a->start_ns = start;
   a->end_ns = end;
   a->name = name;
@@ -139,17 +143,18 @@ static void take(const CUpti_Activity *rec) {
     case CUPTI_ACTIVITY_KIND_KERNEL:
     case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
       const CUpti_ActivityKernel4 *k = (const CUpti_ActivityKernel4 *)rec;
-      add_activity(BENCH_KTIME_KERNEL, k->correlationId, k->start, k->end, intern(k->name));
+      add_activity(BENCH_KTIME_KERNEL, k->correlationId, k->streamId, k->start, k->end,
+                   intern(k->name));
       break;
     }
     case CUPTI_ACTIVITY_KIND_MEMSET: {
       const CUpti_ActivityMemset *m = (const CUpti_ActivityMemset *)rec;
-      add_activity(BENCH_KTIME_MEMSET, m->correlationId, m->start, m->end, NULL);
+      add_activity(BENCH_KTIME_MEMSET, m->correlationId, m->streamId, m->start, m->end, NULL);
       break;
     }
     case CUPTI_ACTIVITY_KIND_MEMCPY: {
       const CUpti_ActivityMemcpy *m = (const CUpti_ActivityMemcpy *)rec;
-      add_activity(BENCH_KTIME_MEMCPY, m->correlationId, m->start, m->end, NULL);
+      add_activity(BENCH_KTIME_MEMCPY, m->correlationId, m->streamId, m->start, m->end, NULL);
       break;
     }
     case CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION: {
@@ -322,4 +327,11 @@ int bench_ktime_summarize(uint64_t first_id, int num_calls, bench_ktime_summary_
       bench_ktime_aggregate(st.acts, st.num_acts, st.links, st.num_links, first_id, num_calls, out);
   pthread_mutex_unlock(&st.mu);
   return rc;
+}
+
+long bench_ktime_timeline(uint64_t id, bench_ktime_activity_t **out) {
+  pthread_mutex_lock(&st.mu);
+  const long n = bench_ktime_call_timeline(st.acts, st.num_acts, st.links, st.num_links, id, out);
+  pthread_mutex_unlock(&st.mu);
+  return n;
 }

@@ -43,6 +43,7 @@ typedef enum { BENCH_KTIME_KERNEL = 0, BENCH_KTIME_MEMSET, BENCH_KTIME_MEMCPY } 
 typedef struct bench_ktime_activity {
   bench_ktime_kind_t kind;
   uint32_t correlation_id; /* of the API call that launched it */
+  uint32_t stream_id;      /* CUPTI's id of the stream it ran on */
   uint64_t start_ns, end_ns;
   const char *name; /* kernels: short name (bench_ktime_short_name), owned by the collector */
 } bench_ktime_activity_t;
@@ -85,6 +86,23 @@ int bench_ktime_aggregate(const bench_ktime_activity_t *acts, size_t num_acts,
                           const bench_ktime_link_t *links, size_t num_links, uint64_t first_id,
                           int num_calls, bench_ktime_summary_t *out);
 
+/* The activities of call `id` (as bench_ktime_aggregate attributes them), sorted by start, in a
+ * new array (*out, free() it; NULL when there are none). Returns their number, or -1 when out
+ * of host memory. */
+long bench_ktime_call_timeline(const bench_ktime_activity_t *acts, size_t num_acts,
+                               const bench_ktime_link_t *links, size_t num_links, uint64_t id,
+                               bench_ktime_activity_t **out);
+
+/* Overlap of two classes of a timeline's activities (class_of(a) = 0 or 1; others ignored): the
+ * union of each class's busy intervals and of their intersection, in ns. */
+typedef struct bench_ktime_overlap {
+  uint64_t span_ns;    /* first start to last end, every class */
+  uint64_t busy_ns[2]; /* time at least one activity of the class runs */
+  uint64_t both_ns;    /* time both classes run */
+} bench_ktime_overlap_t;
+bench_ktime_overlap_t bench_ktime_overlap(const bench_ktime_activity_t *acts, size_t n,
+                                          int (*class_of)(const bench_ktime_activity_t *a));
+
 /* The short name of a kernel, from an Itanium-mangled name its identifier with its enclosing
  * scope's, anonymous namespaces left out ("_ZN3epx6normal8dispatchIiiLi0EEEv..." ->
  * "normal::dispatch", "_ZN12_GLOBAL__N_113layout_kernelILb0ElEEvN..." -> "layout_kernel"); an
@@ -117,6 +135,8 @@ void bench_ktime_call_end(void);
 int bench_ktime_stop(char *reason, size_t len);
 /* bench_ktime_aggregate of the records of the last start..stop. */
 int bench_ktime_summarize(uint64_t first_id, int num_calls, bench_ktime_summary_t *out);
+/* bench_ktime_call_timeline of the records of the last start..stop. */
+long bench_ktime_timeline(uint64_t id, bench_ktime_activity_t **out);
 
 #ifdef __cplusplus
 }

@@ -220,6 +220,86 @@ int bench_ktime_aggregate(const bench_ktime_activity_t *acts, size_t num_acts,
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * One call's timeline and overlap
+ * ------------------------------------------------------------------------------------------- */
+static int compare_start(const void *a, const void *b) {
+  const bench_ktime_activity_t *x = (const bench_ktime_activity_t *)a;
+  const bench_ktime_activity_t *y = (const bench_ktime_activity_t *)b;
+  if (x->start_ns != y->start_ns) return x->start_ns < y->start_ns ? -1 : 1;
+  return x->end_ns < y->end_ns ? -1 : x->end_ns > y->end_ns;
+}
+
+long bench_ktime_call_timeline(const bench_ktime_activity_t *acts, size_t num_acts,
+                               const bench_ktime_link_t *links, size_t num_links, uint64_t id,
+                               bench_ktime_activity_t **out) {
+  *out = NULL;
+  bench_ktime_link_t *sorted = (bench_ktime_link_t *)malloc((num_links + 1) * sizeof *sorted);
+  bench_ktime_activity_t *mine = (bench_ktime_activity_t *)malloc((num_acts + 1) * sizeof *mine);
+  if (!sorted || !mine) {
+    free(sorted), free(mine);
+    return -1;
+  }
+  if (num_links) memcpy(sorted, links, num_links * sizeof *sorted);
+  qsort(sorted, num_links, sizeof *sorted, compare_link);
+  long n = 0;
+  for (size_t i = 0; i < num_acts; i++)
+    if (external_of(sorted, num_links, acts[i].correlation_id) == id) mine[n++] = acts[i];
+  free(sorted);
+  qsort(mine, (size_t)n, sizeof *mine, compare_start);
+  if (n == 0) {
+    free(mine);
+    mine = NULL;
+  }
+  *out = mine;
+  return n;
+}
+
+/* Sweep over the start and end points in time order, counting the activities of each class
+ * running: busy while the count is positive, both while both counts are. */
+typedef struct {
+  uint64_t t;
+  int cls, delta;
+} edge_t;
+
+static int compare_edge(const void *a, const void *b) {
+  const edge_t *x = (const edge_t *)a, *y = (const edge_t *)b;
+  if (x->t != y->t) return x->t < y->t ? -1 : 1;
+  return x->delta - y->delta; /* ends first: touching intervals do not overlap */
+}
+
+bench_ktime_overlap_t bench_ktime_overlap(const bench_ktime_activity_t *acts, size_t n,
+                                          int (*class_of)(const bench_ktime_activity_t *a)) {
+  bench_ktime_overlap_t o;
+  memset(&o, 0, sizeof o);
+  edge_t *e = (edge_t *)malloc((2 * n + 1) * sizeof *e);
+  if (!e) return o;
+  size_t m = 0;
+  uint64_t first = UINT64_MAX, last = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (acts[i].start_ns < first) first = acts[i].start_ns;
+    if (acts[i].end_ns > last) last = acts[i].end_ns;
+    const int c = class_of(&acts[i]);
+    if ((c != 0 && c != 1) || acts[i].end_ns <= acts[i].start_ns) continue;
+    e[m++] = (edge_t){acts[i].start_ns, c, +1};
+    e[m++] = (edge_t){acts[i].end_ns, c, -1};
+  }
+  if (n) o.span_ns = last - first;
+  qsort(e, m, sizeof *e, compare_edge);
+  int running[2] = {0, 0};
+  for (size_t i = 0; i < m; i++) {
+    if (i > 0) {
+      const uint64_t dt = e[i].t - e[i - 1].t;
+      for (int c = 0; c < 2; c++)
+        if (running[c] > 0) o.busy_ns[c] += dt;
+      if (running[0] > 0 && running[1] > 0) o.both_ns += dt;
+    }
+    running[e[i].cls] += e[i].delta;
+  }
+  free(e);
+  return o;
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Names
  * ------------------------------------------------------------------------------------------- */
 static int is_digit(char c) {

@@ -18,6 +18,10 @@
  *                                     before the copies, and the parts still add up
  *   ktime_format_line                 the --kernels text: parts, launches per call, median,
  *                                     copies, varying kernel counts, span and event time
+ *   ktime_timeline_and_overlap        one call's activities sorted by start (others' and
+ *                                     unlinked ones left out); busy and overlapped time of two
+ *                                     classes: nested, touching, disjoint intervals, ignored
+ *                                     classes, an empty timeline
  *   cupti_candidates_order            the override, $CUDA_HOME, the build's toolkit,
  *                                     /usr/local/cuda, $VIRTUAL_ENV's and /opt/x/.venv's
  *                                     nvidia/x/lib, /usr/local's dist-packages, in that order;
@@ -78,13 +82,18 @@ EPX_HOST_TEST(ktime_short_names, 10) {
 
 static bench_ktime_activity_t kernel(uint32_t corr, uint64_t start, uint64_t dur_ns,
                                      const char *name) {
-  bench_ktime_activity_t a = {BENCH_KTIME_KERNEL, corr, start, start + dur_ns, name};
+  bench_ktime_activity_t a = {.kind = BENCH_KTIME_KERNEL,
+                              .correlation_id = corr,
+                              .start_ns = start,
+                              .end_ns = start + dur_ns,
+                              .name = name};
   return a;
 }
 
 static bench_ktime_activity_t copy(bench_ktime_kind_t kind, uint32_t corr, uint64_t start,
                                    uint64_t dur_ns) {
-  bench_ktime_activity_t a = {kind, corr, start, start + dur_ns, NULL};
+  bench_ktime_activity_t a = {
+      .kind = kind, .correlation_id = corr, .start_ns = start, .end_ns = start + dur_ns};
   return a;
 }
 
@@ -312,6 +321,42 @@ static int check_search(const char *root) {
   s.cuda_home = NULL;
   static const char *const capped[] = {"/nowhere/libcupti.so", "/usr/local/cuda/lib64/libcupti.so"};
   return expect_candidates(&s, 2, root, capped, 2);
+}
+
+static int class_by_name(const bench_ktime_activity_t *a) {
+  if (!a->name) return -1;
+  return a->name[0] == 'c' ? 0 : a->name[0] == 'g' ? 1 : -1; /* comm, gemm, else none */
+}
+
+EPX_HOST_TEST(ktime_timeline_and_overlap, 10) {
+  /* Call 3 (correlation ids 1..6) and call 4 (id 7). Times in ns. */
+  bench_ktime_activity_t acts[8];
+  acts[0] = kernel(2, 500, 300, "gemm1");  /* [500, 800) */
+  acts[1] = kernel(1, 100, 500, "comm1");  /* [100, 600) */
+  acts[2] = kernel(3, 800, 200, "gemm2");  /* [800, 1000): touches gemm1 */
+  acts[3] = kernel(4, 900, 50, "comm2");   /* [900, 950): inside gemm2 */
+  acts[4] = kernel(5, 200, 100, "comm3");  /* [200, 300): inside comm1 */
+  acts[5] = kernel(6, 1000, 400, "other"); /* [1000, 1400): no class */
+  acts[6] = kernel(7, 0, 5000, "gemm9");   /* call 4 */
+  acts[7] = kernel(99, 0, 5000, "comm9");  /* no link */
+  const bench_ktime_link_t links[] = {{1, 3}, {2, 3}, {3, 3}, {4, 3}, {5, 3}, {6, 3}, {7, 4}};
+  bench_ktime_activity_t *tl = NULL;
+  const long n = bench_ktime_call_timeline(acts, 8, links, 7, 3, &tl);
+  EXPECT_EQ_INT(n, 6);
+  EXPECT(tl != NULL);
+  for (long i = 1; i < n; i++) EXPECT(tl[i - 1].start_ns <= tl[i].start_ns);
+  EXPECT(tl[0].start_ns == 100 && tl[n - 1].start_ns == 1000);
+  const bench_ktime_overlap_t o = bench_ktime_overlap(tl, (size_t)n, class_by_name);
+  EXPECT(o.span_ns == 1300);   /* 100 .. 1400 */
+  EXPECT(o.busy_ns[0] == 550); /* [100, 600) + [900, 950) */
+  EXPECT(o.busy_ns[1] == 500); /* [500, 1000) */
+  EXPECT(o.both_ns == 150);    /* [500, 600) + [900, 950) */
+  free(tl);
+  EXPECT_EQ_INT(bench_ktime_call_timeline(acts, 8, links, 7, 42, &tl), 0);
+  EXPECT(tl == NULL);
+  const bench_ktime_overlap_t none = bench_ktime_overlap(NULL, 0, class_by_name);
+  EXPECT(none.span_ns == 0 && none.busy_ns[0] == 0 && none.both_ns == 0);
+  return TEST_PASS;
 }
 
 EPX_HOST_TEST(cupti_candidates_order, 10) {
