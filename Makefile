@@ -113,7 +113,8 @@ MOE_PREFILL_BENCH_C := $(wildcard bench/moe_prefill/*.c)
 MOE_PREFILL_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(MOE_PREFILL_BENCH_C))
 MOE_PREFILL_BENCH_LINK := $(MOE_PREFILL_BENCH_OBJ) $(BUILD)/obj/tests/common/ranks.o \
                   $(BUILD)/obj/bench/moe/moe_common.o \
-                  $(BUILD)/obj/bench/experts/bench_kernels.o $(BUILD)/obj/bench/check.o
+                  $(BUILD)/obj/bench/experts/bench_kernels.o $(BUILD)/obj/bench/check.o \
+                  $(patsubst %.c,$(BUILD)/obj/%.o,$(KTIME_C))
 
 SHARED_LIB := $(BUILD)/lib/libepx.so
 STATIC_LIB := $(BUILD)/lib/libepx.a

@@ -23,7 +23,8 @@
 #        MOE_BENCH=1: build/bin/epx_moe_bench (the decode MoE layer vs its parts, every visible
 #        GPU; MOE_BENCH_ARGS, default "--tokens 8,128"; its table in the summary), then
 #        build/bin/epx_moe_prefill_bench (the prefill MoE layer vs its parts and plain cuBLAS,
-#        every visible GPU; MOE_PREFILL_BENCH_ARGS, default "--tokens 4096 --gemm-lanes 1,4"; its table too);
+#        every visible GPU; MOE_PREFILL_BENCH_ARGS, default "--tokens 4096 --gemm-lanes 1,4 --timeline
+#        OUT/prefill-timeline", the timelines tarred to prefill-timeline.tgz; its table too);
 #        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
 #        last lines in the summary; they need one GPU, not a group);
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
@@ -154,11 +155,16 @@ moe_lines=
 if [ -n "${MOE_BENCH:-}" ]; then
   timeout 400 build/bin/epx_moe_bench ${MOE_BENCH_ARGS:---tokens 8,128} >"$out/moe-bench.log" 2>&1
   moe_lines="$(tail -20 "$out/moe-bench.log")"
-  timeout 900 build/bin/epx_moe_prefill_bench ${MOE_PREFILL_BENCH_ARGS:---tokens 4096 --gemm-lanes 1,4} \
+  # one layer and one chain call per point under CUPTI: kernel timelines (CSV) and overlap lines
+  mkdir -p "$out/prefill-timeline"
+  timeout 900 build/bin/epx_moe_prefill_bench \
+    ${MOE_PREFILL_BENCH_ARGS:---tokens 4096 --gemm-lanes 1,4 --timeline $out/prefill-timeline} \
     >"$out/moe-prefill-bench.log" 2>&1
+  (cd "$out" && tar czf prefill-timeline.tgz prefill-timeline && rm -rf prefill-timeline)
   moe_lines="$moe_lines
 MoE layer at prefill (epx_moe_prefill_bench):
-$(tail -8 "$out/moe-prefill-bench.log")"
+$(grep -v '^# timeline' "$out/moe-prefill-bench.log" | tail -10)
+$(grep '^# timeline' "$out/moe-prefill-bench.log")"
 fi
 
 py_line="(not run)"

@@ -16,10 +16,12 @@
  * a group barrier; rank 0 prints median and min over --iters. Columns: lay/max = layer /
  * max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target >= 1.15),
  * cub/gem = cublas / gemms (target >= 0.70); ln = the plan's GEMM lanes (--gemm-lanes, a list
- * to compare them in one run). Shapes: DeepSeek-V3's experts (H 7168, I 2048, 256
- * experts) and Qwen3-30B-A3B's (H 2048, I 768, 128), top-8, uniform routing, --tokens per rank
- * (default 4096); weights BF16, or FP8 with 128x128 block scales. Random values; nothing is
- * checked here (tests/gpu/test_moe_prefill.c does that).
+ * to compare them in one run). --timeline DIR: after the timed calls, one layer and one chain
+ * call under CUPTI: rank 0's kernels to DIR/<shape>-<dtype>-T<T>-R<R>-ln<lanes>-<variant>.csv and
+ * one "# timeline" line each: how long communication kernels ran beside compute kernels. Shapes:
+ * DeepSeek-V3's experts (H 7168, I 2048, 256 experts) and Qwen3-30B-A3B's (H 2048, I 768, 128),
+ * top-8, uniform routing, --tokens per rank (default 4096); weights BF16, or FP8 with 128x128 block
+ * scales. Random values; nothing is checked here (tests/gpu/test_moe_prefill.c does that).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +31,7 @@
 #include "common/ranks.h"
 #include "epx.h"
 #include "experts/bench_kernels.h"
+#include "ktime.h"
 #include "moe/moe_common.h"
 #include "moe_prefill.h"
 
@@ -40,6 +43,7 @@ typedef struct {
   int fp8[2], num_dtypes;
   int iters, warmup, ranks, chunks;
   int lanes[MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
+  const char *timeline;           /* --timeline DIR: one layer and one chain call's kernels */
 } options_t;
 
 enum { V_LAYER, V_CHAIN, V_GEMMS, V_COMM, V_CUBLAS, NUM_VARIANTS };
@@ -126,6 +130,67 @@ static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const option
   return 0;
 }
 
+/* The timeline's two classes: EPX's communication kernels (layout, notify, the normal-mode
+ * dispatch, fan-out, reduce and combine) and the expert compute (cuBLAS, the row kernel, EPX's
+ * FFN); memsets and copies in neither. */
+static int timeline_class(const bench_ktime_activity_t *a) {
+  if (a->kind != BENCH_KTIME_KERNEL || !a->name) return -1;
+  const char *n = a->name;
+  if (!strncmp(n, "normal::", 8) || !strncmp(n, "layout", 6) || !strncmp(n, "notify", 6)) return 0;
+  return 1;
+}
+
+/* One call of variant v under CUPTI: its kernels to DIR/<tag>.csv (rank 0's: kind, name,
+ * stream, start and end in us from the first start) and one line of busy and overlapped time.
+ * A CUPTI failure is printed and skipped (never fails the run). */
+static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const options_t *o,
+                    cudaStream_t stream) {
+  static uint64_t next_id = 1;
+  char why[BENCH_KTIME_REASON_LEN] = "";
+  if (bench_ktime_open(why, sizeof why) || bench_ktime_start(why, sizeof why)) {
+    if (rank == 0) printf("# timeline %s: no CUPTI: %s\n", tag, why);
+    return 0;
+  }
+  BENCH_EPX(epx_group_barrier(c->g[0], stream));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  const uint64_t id = next_id++;
+  bench_ktime_call_begin(id);
+  const int rc = run_variant(c, v, stream);
+  bench_ktime_call_end();
+  BENCH_CUDA(cudaDeviceSynchronize());
+  if (bench_ktime_stop(why, sizeof why) && rank == 0) printf("# timeline %s: %s\n", tag, why);
+  if (rc) return rc;
+  bench_ktime_activity_t *tl = NULL;
+  const long n = bench_ktime_timeline(id, &tl);
+  if (rank != 0 || n <= 0) {
+    free(tl);
+    return 0;
+  }
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s.csv", o->timeline, tag);
+  FILE *f = fopen(path, "w");
+  if (f) {
+    fprintf(f, "kind,name,stream,start_us,end_us\n");
+    for (long i = 0; i < n; i++)
+      fprintf(f, "%s,%s,%u,%.3f,%.3f\n",
+              tl[i].kind == BENCH_KTIME_KERNEL   ? "kernel"
+              : tl[i].kind == BENCH_KTIME_MEMSET ? "memset"
+                                                 : "memcpy",
+              tl[i].name ? tl[i].name : "", tl[i].stream_id,
+              (tl[i].start_ns - tl[0].start_ns) * 1e-3, (tl[i].end_ns - tl[0].start_ns) * 1e-3);
+    fclose(f);
+  }
+  const bench_ktime_overlap_t ov = bench_ktime_overlap(tl, (size_t)n, timeline_class);
+  printf(
+      "# timeline %-28s %4ld activities: span %8.1f us, communication busy %8.1f us, "
+      "compute busy %8.1f us, both %8.1f us (%.0f%% of communication beside compute)%s%s\n",
+      tag, n, ov.span_ns * 1e-3, ov.busy_ns[0] * 1e-3, ov.busy_ns[1] * 1e-3, ov.both_ns * 1e-3,
+      ov.busy_ns[0] ? 100.0 * ov.both_ns / ov.busy_ns[0] : 0.0, f ? "; " : "", f ? path : "");
+  fflush(stdout);
+  free(tl);
+  return 0;
+}
+
 static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, int fp8, int T,
                        int lanes, const options_t *o, cudaStream_t stream) {
   bench_ctx_t c;
@@ -177,6 +242,13 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
     if (v == V_CUBLAS && info.ffn_backend != EPX_MOE_FFN_CUBLAS) continue;
     if (time_variant(&c, v, stream, o, &med[v], &mn[v])) return -1;
   }
+  if (o->timeline)
+    for (int v = V_LAYER; v <= V_CHAIN; v++) {
+      char tag[128];
+      snprintf(tag, sizeof tag, "%s-%s-T%d-R%d-ln%d-%s", s->name, fp8 ? "fp8" : "bf16", T, R,
+               info.gemm_lanes, kVariantNames[v]);
+      if (timeline(&c, v, rank, tag, o, stream)) return -1;
+    }
   for (int i = 0; i < 3; i++) {
     epx_async_error_t err;
     BENCH_EPX(epx_group_get_async_error(c.g[i], &err));
@@ -239,7 +311,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
   bench_program = "epx_moe_prefill_bench";
-  options_t o = {{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0, 0, {0}, 1};
+  options_t o = {{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0, 0, {0}, 1, NULL};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--tokens") && v) {
@@ -255,6 +327,8 @@ int main(int argc, char **argv) {
       o.ranks = atoi(v), i++;
     } else if (!strcmp(a, "--chunks") && v) {
       o.chunks = atoi(v), i++;
+    } else if (!strcmp(a, "--timeline") && v) {
+      o.timeline = v, i++;
     } else if (!strcmp(a, "--gemm-lanes") && v) {
       if (bench_parse_list(a, v, 0, 8, MAX_LIST, o.lanes, &o.num_lanes)) return 2;
       i++;
@@ -262,7 +336,7 @@ int main(int argc, char **argv) {
       fprintf(stderr,
               "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
               "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
-              "[--gemm-lanes 1,4 (0 = the plan's default)]\n",
+              "[--gemm-lanes 1,4 (0 = the plan's default)] [--timeline DIR]\n",
               argv[0]);
       return 2;
     }
