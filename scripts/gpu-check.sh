@@ -158,11 +158,12 @@ if [ -n "${MOE_BENCH:-}" ]; then
   # one layer and one chain call per point under CUPTI: kernel timelines (CSV) and overlap lines
   mkdir -p "$out/prefill-timeline"
   timeout 900 build/bin/epx_moe_prefill_bench \
-    ${MOE_PREFILL_BENCH_ARGS:---tokens 4096 --gemm-lanes 1,4 --timeline $out/prefill-timeline} \
+    ${MOE_PREFILL_BENCH_ARGS:---tokens 4096 --gemm-lanes 1,4 --timeline "$out/prefill-timeline"} \
     >"$out/moe-prefill-bench.log" 2>&1
+  prefill_rc=$?
   (cd "$out" && tar czf prefill-timeline.tgz prefill-timeline && rm -rf prefill-timeline)
   moe_lines="$moe_lines
-MoE layer at prefill (epx_moe_prefill_bench):
+MoE layer at prefill (epx_moe_prefill_bench, exit $prefill_rc):
 $(grep -v '^# timeline' "$out/moe-prefill-bench.log" | tail -10)
 $(grep '^# timeline' "$out/moe-prefill-bench.log")"
 fi

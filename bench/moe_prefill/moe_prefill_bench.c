@@ -142,15 +142,15 @@ static int timeline_class(const bench_ktime_activity_t *a) {
 
 /* One call of variant v under CUPTI: its kernels to DIR/<tag>.csv (rank 0's: kind, name,
  * stream, start and end in us from the first start) and one line of busy and overlapped time.
- * A CUPTI failure is printed and skipped (never fails the run). */
+ * Every rank makes the barrier and the call whatever CUPTI did here (they are collective);
+ * a CUPTI failure is printed and costs only the line. */
 static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const options_t *o,
                     cudaStream_t stream) {
   static uint64_t next_id = 1;
   char why[BENCH_KTIME_REASON_LEN] = "";
-  if (bench_ktime_open(why, sizeof why) || bench_ktime_start(why, sizeof why)) {
-    if (rank == 0) printf("# timeline %s: no CUPTI: %s\n", tag, why);
-    return 0;
-  }
+  const int recording =
+      bench_ktime_open(why, sizeof why) == 0 && bench_ktime_start(why, sizeof why) == 0;
+  if (!recording) printf("# timeline %s: rank %d: no CUPTI: %s\n", tag, rank, why);
   BENCH_EPX(epx_group_barrier(c->g[0], stream));
   BENCH_CUDA(cudaStreamSynchronize(stream));
   const uint64_t id = next_id++;
@@ -158,12 +158,18 @@ static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const opti
   const int rc = run_variant(c, v, stream);
   bench_ktime_call_end();
   BENCH_CUDA(cudaDeviceSynchronize());
+  if (!recording) return rc;
   if (bench_ktime_stop(why, sizeof why) && rank == 0) printf("# timeline %s: %s\n", tag, why);
   if (rc) return rc;
   bench_ktime_activity_t *tl = NULL;
   const long n = bench_ktime_timeline(id, &tl);
-  if (rank != 0 || n <= 0) {
+  if (rank != 0) {
     free(tl);
+    return 0;
+  }
+  if (n <= 0) {
+    printf("# timeline %s: %s\n", tag,
+           n < 0 ? "out of host memory" : "no activity recorded (external correlation?)");
     return 0;
   }
   char path[512];
@@ -172,12 +178,14 @@ static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const opti
   if (f) {
     fprintf(f, "kind,name,stream,start_us,end_us\n");
     for (long i = 0; i < n; i++)
-      fprintf(f, "%s,%s,%u,%.3f,%.3f\n",
-              tl[i].kind == BENCH_KTIME_KERNEL   ? "kernel"
-              : tl[i].kind == BENCH_KTIME_MEMSET ? "memset"
-                                                 : "memcpy",
-              tl[i].name ? tl[i].name : "", tl[i].stream_id,
-              (tl[i].start_ns - tl[0].start_ns) * 1e-3, (tl[i].end_ns - tl[0].start_ns) * 1e-3);
+      fprintf(
+          f, "%s,%s,%u,%.3f,%.3f\n",
+          tl[i].kind == BENCH_KTIME_KERNEL   ? "kernel"
+          : tl[i].kind == BENCH_KTIME_MEMSET ? "memset"
+                                             : "memcpy",
+          tl[i].name ? tl[i].name : "", tl[i].stream_id,
+          (double)(tl[i].start_ns - tl[0].start_ns) * 1e-3,
+          (tl[i].end_ns > tl[0].start_ns ? (double)(tl[i].end_ns - tl[0].start_ns) : 0.0) * 1e-3);
     fclose(f);
   }
   const bench_ktime_overlap_t ov = bench_ktime_overlap(tl, (size_t)n, timeline_class);
@@ -242,13 +250,6 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
     if (v == V_CUBLAS && info.ffn_backend != EPX_MOE_FFN_CUBLAS) continue;
     if (time_variant(&c, v, stream, o, &med[v], &mn[v])) return -1;
   }
-  if (o->timeline)
-    for (int v = V_LAYER; v <= V_CHAIN; v++) {
-      char tag[128];
-      snprintf(tag, sizeof tag, "%s-%s-T%d-R%d-ln%d-%s", s->name, fp8 ? "fp8" : "bf16", T, R,
-               info.gemm_lanes, kVariantNames[v]);
-      if (timeline(&c, v, rank, tag, o, stream)) return -1;
-    }
   for (int i = 0; i < 3; i++) {
     epx_async_error_t err;
     BENCH_EPX(epx_group_get_async_error(c.g[i], &err));
@@ -267,6 +268,14 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
            med[V_CUBLAS] > 0 ? med[V_CUBLAS] / med[V_GEMMS] : -1.f);
     fflush(stdout);
   }
+  /* After the row is out: a failure here costs the timelines, not the figures. */
+  if (o->timeline)
+    for (int v = V_LAYER; v <= V_CHAIN; v++) {
+      char tag[128];
+      snprintf(tag, sizeof tag, "%s-%s-T%d-R%d-%s-ln%d-%s", s->name, fp8 ? "fp8" : "bf16", T, R,
+               info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cublas" : "epx", lanes, kVariantNames[v]);
+      if (timeline(&c, v, rank, tag, o, stream)) return -1;
+    }
   BENCH_EPX(epx_moe_prefill_destroy(c.plan));
   BENCH_EPX(epx_handle_destroy(c.hold_handle));
   BENCH_EPX(epx_handle_destroy(c.comm_handle));
@@ -280,6 +289,11 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   const options_t *o = (const options_t *)arg;
   bench_log_rank = rank;
   BENCH_CUDA(cudaSetDevice(rank));
+  if (o->timeline) { /* CUPTI's first load and enable here, not just before a collective call */
+    char why[BENCH_KTIME_REASON_LEN];
+    if (bench_ktime_open(why, sizeof why) == 0 && bench_ktime_start(why, sizeof why) == 0)
+      bench_ktime_stop(why, sizeof why);
+  }
   ncclComm_t comm;
   if (ncclCommInitRank(&comm, R, *id, rank) != ncclSuccess) {
     bench_report_failure(__FILE__, __LINE__, "ncclCommInitRank", "failed");
