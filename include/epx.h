@@ -962,19 +962,24 @@ typedef enum epx_moe_ffn_backend {
 } epx_moe_ffn_backend_t;
 
 typedef struct epx_moe_prefill_config {
-  size_t size;     /* sizeof(epx_moe_prefill_config_t); set by EPX_MOE_PREFILL_CONFIG_INIT */
-  int num_chunks;  /* chunks of an overlapped call, 2..16; 0 = auto (2). Every rank must use the
-                      same value (each chunk is one dispatch and one combine, collective) */
-  int ffn_backend; /* epx_moe_ffn_backend_t; 0 = auto */
-  int gemm_sms;    /* SMs the GEMMs are tuned for while communication runs beside them
-                      (cuBLAS's SM count target); 0 = auto: the GPU's SMs minus the group's
-                      config.num_sms; chain calls always target every SM */
-  int gemm_lanes;  /* streams the per-expert GEMMs are spread over (cuBLAS backend), 1..8; 0 =
-                      auto (4). An expert's GEMM has a few hundred rows at prefill, too few
-                      tiles to fill the GPU alone: lanes run several experts' GEMMs at once */
-  int reserved;    /* must be 0. (With it the struct grew from 0.1.0's 24 bytes, so a caller
-                      built against 0.1.0 is refused by its size instead of leaving gemm_lanes
-                      to the old tail padding.) */
+  size_t size;        /* sizeof(epx_moe_prefill_config_t); set by EPX_MOE_PREFILL_CONFIG_INIT */
+  int num_chunks;     /* chunks of an overlapped call, 2..16; 0 = auto (2). Every rank must use the
+                         same value (each chunk is one dispatch and one combine, collective) */
+  int ffn_backend;    /* epx_moe_ffn_backend_t; 0 = auto */
+  int gemm_sms;       /* SMs the GEMMs are tuned for while communication runs beside them
+                         (cuBLAS's SM count target); 0 = auto: the GPU's SMs minus the group's
+                         config.num_sms; chain calls always target every SM */
+  int gemm_lanes;     /* streams the per-expert GEMMs are spread over (cuBLAS backend), 1..8; 0 =
+                         auto (4). An expert's GEMM has a few hundred rows at prefill, too few
+                         tiles to fill the GPU alone: lanes run several experts' GEMMs at once */
+  int dispatch_dtype; /* what crosses NVLink: 0 = auto (FP8 where the weights are FP8, the FFN
+                         runs on cuBLAS and the groups' config.dtypes has FP8, else BF16),
+                         EPX_DTYPE_BF16, or EPX_DTYPE_FP8_E4M3 (the layer quantizes each chunk's
+                         tokens per 128 channels before its dispatch, the rule the expert side
+                         would apply: the same codes and scales, half the bytes; needs FP8
+                         weights on cuBLAS and FP8 groups). (With this field the struct grew
+                         from 0.1.0's 24 bytes, so a caller built against 0.1.0 is refused by
+                         its size.) */
 } epx_moe_prefill_config_t;
 
 #define EPX_MOE_PREFILL_CONFIG_INIT \
@@ -991,10 +996,12 @@ typedef struct epx_moe_prefill_info {
   int expert_alignment;   /* [OUT] the alignment the layer's dispatches pad each expert to */
   size_t workspace_bytes; /* [OUT] epx_moe_prefill_workspace_size */
   int gemm_lanes;         /* [OUT] streams the per-expert GEMMs run on (1 with EPX's FFN) */
+  int dispatch_dtype;     /* [OUT] EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3: what the dispatches
+                             carry */
 } epx_moe_prefill_info_t;
 
 #define EPX_MOE_PREFILL_INFO_INIT \
-  { sizeof(epx_moe_prefill_info_t), 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(epx_moe_prefill_info_t), 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* epx_moe_prefill_create - a plan for the prefill layer on these groups with these experts. Not
  * collective (no communication); creates streams, events, one handle per group and the cuBLAS

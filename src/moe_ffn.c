@@ -126,7 +126,13 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
   ra.num_blocks = 2 * (overlapped ? p->gemm_sms : p->device_sms);
 
   /* gate/up: x (BF16 rows, or their FP8 quantization) -> gu [rows, 2I] */
-  if (fp8) { /* x quantized per 128 channels into the per-segment scale layout */
+  const int x_fp8 = rows->x_scales != NULL; /* FP8 came over the wire: codes as they are */
+  if (fp8 && x_fp8) {                       /* only the scales move, into the per-segment layout */
+    const epx__moe_segment_scales_launch_args_t sa = {
+        rows->x_scales, (float *)(ws + l.xs), rows->num_rows,  H / 128,
+        p->L,           rows->begin_dev,      rows->count_dev, ra.num_blocks};
+    EPX_CHECK(epx__moe_segment_scales_launch(&sa, stream));
+  } else if (fp8) { /* x quantized per 128 channels into the per-segment scale layout */
     ra.in = rows->x;
     ra.quantize = 1;
     ra.out = ws + l.xq;
@@ -139,7 +145,7 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
                            .w_stride = (size_t)2 * I * H * w_elem,
                            .w_scales = fp8 ? p->scales[0] : NULL,
                            .ws_stride = fp8 ? (size_t)(2 * I / 128) * p->scales_kb[0] : 0,
-                           .x = fp8 ? ws + l.xq : (const char *)rows->x,
+                           .x = fp8 && !x_fp8 ? ws + l.xq : (const char *)rows->x,
                            .x_row = (size_t)H * w_elem, /* FP8 codes or BF16, as the weights */
                            .x_scales = fp8 ? (const float *)(ws + l.xs) : NULL,
                            .xs_row = (size_t)H / 128,

@@ -41,7 +41,7 @@ static size_t align_up(size_t v) {
 }
 
 epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, int lanes, size_t rows,
-                                        int H, int I, size_t ffn_bytes) {
+                                        int H, int I, size_t ffn_bytes, size_t send_tokens) {
   epx__moe_ws_layout_t l;
   memset(&l, 0, sizeof l);
   size_t off = 0;
@@ -69,6 +69,12 @@ epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, int l
   }
   l.blas = off;
   off += (size_t)(lanes > 1 ? lanes : 1) * align_up(EPX__MOE_BLAS_WS);
+  if (send_tokens) { /* a chunk's tokens in FP8, before their dispatch */
+    l.send = off;
+    off += align_up(send_tokens * (size_t)H);
+    l.send_s = off;
+    off += align_up(send_tokens * (size_t)(H / 128) * sizeof(float));
+  }
   l.total = off;
   return l;
 }
@@ -215,6 +221,23 @@ static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int aske
   return EPX_OK;
 }
 
+/* What the dispatches carry. FP8 needs FP8 weights on cuBLAS (the GEMMs take FP8 rows with
+ * per-128 scales as they are) and groups that carry FP8 (config.dtypes). */
+static epx_status_t choose_wire(const char *fn, epx_moe_prefill_t p, int asked) {
+  const int can = p->experts.weight_dtype == EPX_DTYPE_FP8_E4M3 &&
+                  p->backend == EPX_MOE_FFN_CUBLAS &&
+                  (p->groups[0]->config.dtypes & EPX_DTYPE_FP8_E4M3);
+  if (asked == EPX_DTYPE_FP8_E4M3 && !can)
+    return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
+                          "%s: config->dispatch_dtype = EPX_DTYPE_FP8_E4M3 needs FP8 weights, the "
+                          "cuBLAS FFN (this plan's is %s) and groups with EPX_DTYPE_FP8_E4M3 in "
+                          "config.dtypes (0x%x)",
+                          fn, p->backend == EPX_MOE_FFN_CUBLAS ? "cuBLAS" : "EPX's",
+                          p->groups[0]->config.dtypes);
+  p->wire_fp8 = asked == EPX_DTYPE_BF16 ? 0 : can;
+  return EPX_OK;
+}
+
 /* The GEMM lanes (moe_ffn.c): `asked` (0: auto) with the cuBLAS backend, else 1; lanes 1..
  * are streams of the compute stream's priority. */
 static epx_status_t lanes_build(epx_moe_prefill_t p, int asked) {
@@ -294,7 +317,11 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   EPX_ARG_CHECK(cfg.gemm_sms >= 0 && cfg.gemm_sms <= g->num_device_sms,
                 "%s: config->gemm_sms = %d: must be in [0, the GPU's %d SMs]", fn, cfg.gemm_sms,
                 g->num_device_sms);
-  EPX_ARG_CHECK(cfg.reserved == 0, "%s: config->reserved = %d: must be 0", fn, cfg.reserved);
+  EPX_ARG_CHECK(cfg.dispatch_dtype == 0 || cfg.dispatch_dtype == EPX_DTYPE_BF16 ||
+                    cfg.dispatch_dtype == EPX_DTYPE_FP8_E4M3,
+                "%s: config->dispatch_dtype = %d: must be 0 (auto), EPX_DTYPE_BF16 or "
+                "EPX_DTYPE_FP8_E4M3",
+                fn, cfg.dispatch_dtype);
   EPX_ARG_CHECK(cfg.gemm_lanes >= 0 && cfg.gemm_lanes <= EPX__MOE_MAX_LANES,
                 "%s: config->gemm_lanes = %d: must be 0 (auto) or in [1, %d]", fn, cfg.gemm_lanes,
                 EPX__MOE_MAX_LANES);
@@ -320,6 +347,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   epx_status_t st = plan_build(fn, p, cfg.ffn_backend);
   if (st == EPX_OK) st = choose_backend(fn, p, cfg.ffn_backend);
   if (st == EPX_OK) st = lanes_build(p, cfg.gemm_lanes);
+  if (st == EPX_OK) st = choose_wire(fn, p, cfg.dispatch_dtype);
   if (st == EPX_OK && p->backend == EPX_MOE_FFN_EPX)
     st = epx_experts_ffn_workspace_size(experts, (int)p->rows, EPX_DTYPE_BF16, &p->ffn_bytes);
   if (st == EPX_OK && p->backend == EPX_MOE_FFN_CUBLAS &&
@@ -352,7 +380,8 @@ EPX_EXPORT epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t p) {
 
 epx__moe_ws_layout_t epx__moe_plan_ws_layout(epx_moe_prefill_t p) {
   return epx__moe_ws_layout(p->backend, p->experts.weight_dtype == EPX_DTYPE_FP8_E4M3, p->gu_fp32,
-                            p->lanes, p->rows, p->H, p->I, p->ffn_bytes);
+                            p->lanes, p->rows, p->H, p->I, p->ffn_bytes,
+                            p->wire_fp8 ? (size_t)p->groups[0]->config.max_tokens_per_rank : 0);
 }
 
 EPX_EXPORT epx_status_t epx_moe_prefill_workspace_size(epx_moe_prefill_t p, size_t *bytes) {
@@ -378,6 +407,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill_get_info(epx_moe_prefill_t p,
   info->expert_alignment = EPX__MOE_ALIGN;
   info->workspace_bytes = epx__moe_plan_ws_layout(p).total;
   info->gemm_lanes = p->lanes;
+  info->dispatch_dtype = p->wire_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
   return EPX_OK;
 }
 
@@ -460,6 +490,18 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
       epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
       d.x = T > 0 ? (const char *)a->x + (size_t)t0 * H * 2 : a->x;
       d.x_dtype = EPX_DTYPE_BF16;
+      if (p->wire_fp8) { /* quantize the chunk's tokens on the communication stream, send FP8 */
+        const epx__moe_quantize_tokens_launch_args_t qa = {
+            d.x, ws + l.send, (float *)(ws + l.send_s), T, H, 2 * p->groups[0]->config.num_sms};
+        /* A failure is returned at the end; the dispatch goes anyway (every rank must make it,
+         * and in the same dtype: the receivers read FP8 rows). */
+        keep_first(epx__moe_quantize_tokens_launch(&qa, comm), &first, message, sizeof message);
+        d.x = ws + l.send;
+        d.x_dtype = EPX_DTYPE_FP8_E4M3;
+        d.x_scales = (const float *)(ws + l.send_s);
+        d.x_scales_stride_token = T > 0 ? 1 : 0;
+        d.x_scales_stride_group = T > 0 ? T : 0;
+      }
       d.topk_idx = T > 0 ? (const char *)a->topk_idx + (size_t)t0 * K * idx_bytes : a->topk_idx;
       d.topk_idx_dtype = a->topk_idx_dtype;
       d.topk_weights = (a->topk_weights ? a->topk_weights : p->ones) + (size_t)t0 * K;
@@ -487,13 +529,14 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
                                     fn, c, begin[L], res.num_rows),
                      &first, message, sizeof message);
         } else {
-          const epx__moe_rows_t rows = {res.recv_x,
-                                        res.num_rows,
-                                        counts[s],
-                                        begin,
-                                        res.expert_count_device,
-                                        res.expert_begin_device,
-                                        ws + l.y[s]};
+          const epx__moe_rows_t rows = {.x = res.recv_x,
+                                        .x_scales = res.recv_x_scales, /* NULL: BF16 rows */
+                                        .num_rows = res.num_rows,
+                                        .count = counts[s],
+                                        .begin = begin,
+                                        .count_dev = res.expert_count_device,
+                                        .begin_dev = res.expert_begin_device,
+                                        .y = ws + l.y[s]};
           /* Without the wait the FFN would read rows still arriving: skip it then. */
           const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(compute, p->dispatched[c], 0));
           keep_first(ws_st, &first, message, sizeof message);

@@ -7,7 +7,9 @@
  *           on one stream (the same GEMMs as "gemms")
  *   gemms   the FFN alone (the same cuBLAS calls, src/moe_prefill.c's epx__moe_ffn) on the rows
  *           of an earlier dispatch of the same routing, no communication
- *   comm    epx_dispatch_expand (sync_counts = 1) + epx_combine_expand, no expert compute
+ *   comm    epx_dispatch_expand (sync_counts = 1) + epx_combine_expand, no expert compute; the
+ *           dispatch carries what the layer's do (column "wire": FP8 with FP8 weights on
+ *           cuBLAS, the tokens quantized once beforehand; else BF16)
  *   cublas  plain cuBLAS on the same GEMM shapes: one gate/up and one down GEMM of all the
  *           rows at once on one expert's weights (epx__moe_gemm_reference)
  *
@@ -31,6 +33,7 @@
 #include "common/ranks.h"
 #include "epx.h"
 #include "experts/bench_kernels.h"
+#include "kernels/api.h"
 #include "ktime.h"
 #include "moe/moe_common.h"
 #include "moe_prefill.h"
@@ -56,28 +59,36 @@ typedef struct {
   epx_moe_prefill_t plan;
   epx_experts_t ex;
   void *x, *ids, *w, *out, *ws;
+  void *x8;  /* FP8 on the wire: the tokens' codes, quantized once (comm and held dispatches) */
+  float *xs; /* and their scales [H/128, T] */
   size_t ws_bytes;
   int T, L;
   epx_dispatch_expand_result_t held;
   int held_count[EPX_MAX_EXPERTS], held_begin[EPX_MAX_EXPERTS + 1];
 } bench_ctx_t;
 
+/* The layer's dispatch of all T tokens: BF16, or FP8 as the plan sends it (dispatch_dtype). */
 static epx_dispatch_args_t dispatch_args(const bench_ctx_t *c, int *counts) {
   epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
   d.x = c->x, d.topk_idx = c->ids, d.topk_weights = c->w, d.num_tokens = c->T;
   d.expert_alignment = EPX__MOE_ALIGN, d.sync_counts = 1, d.num_recv_per_expert = counts;
+  if (c->x8) {
+    d.x = c->x8, d.x_dtype = EPX_DTYPE_FP8_E4M3, d.x_scales = c->xs;
+    d.x_scales_stride_token = 1, d.x_scales_stride_group = c->T;
+  }
   return d;
 }
 
 static epx__moe_rows_t held_rows(const bench_ctx_t *c) {
   const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(c->plan);
-  const epx__moe_rows_t r = {c->held.recv_x,
-                             c->held.num_rows,
-                             c->held_count,
-                             c->held_begin,
-                             c->held.expert_count_device,
-                             c->held.expert_begin_device,
-                             (char *)c->ws + l.y[0]};
+  const epx__moe_rows_t r = {.x = c->held.recv_x,
+                             .x_scales = c->held.recv_x_scales, /* NULL: BF16 rows */
+                             .num_rows = c->held.num_rows,
+                             .count = c->held_count,
+                             .begin = c->held_begin,
+                             .count_dev = c->held.expert_count_device,
+                             .begin_dev = c->held.expert_begin_device,
+                             .y = (char *)c->ws + l.y[0]};
   return r;
 }
 
@@ -207,7 +218,8 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   c.L = s->experts / R;
   epx_group_config_t cfg = EPX_GROUP_CONFIG_INIT;
   cfg.max_tokens_per_rank = T, cfg.hidden = s->hidden, cfg.num_experts = s->experts;
-  cfg.top_k = MOE_TOP_K, cfg.modes = EPX_MODE_NORMAL, cfg.dtypes = EPX_DTYPE_BF16;
+  cfg.top_k = MOE_TOP_K, cfg.modes = EPX_MODE_NORMAL;
+  cfg.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3; /* FP8 weights: FP8 crosses NVLink */
   cfg.expand_max_rows = R * T * (MOE_TOP_K < c.L ? MOE_TOP_K : c.L) + 3 * c.L;
   for (int i = 0; i < 3; i++) BENCH_EPX(epx_group_create(comm, &cfg, &c.g[i]));
   if (moe_alloc_experts(s, c.L, fp8, 1000u + (uint64_t)rank, &c.ex)) return -1;
@@ -225,6 +237,12 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * MOE_TOP_K + 16));
   BENCH_CUDA(cudaMalloc(&c.w, sizeof(float) * T * MOE_TOP_K + 16));
   BENCH_CUDA(bench_fill_bf16(c.x, (size_t)T * s->hidden, 1.f, 5u + (uint64_t)rank));
+  if (info.dispatch_dtype == EPX_DTYPE_FP8_E4M3) { /* the comm and gemms rows as the layer's */
+    BENCH_CUDA(cudaMalloc(&c.x8, (size_t)T * s->hidden + 16));
+    BENCH_CUDA(cudaMalloc((void **)&c.xs, sizeof(float) * (size_t)T * (s->hidden / 128) + 16));
+    const epx__moe_quantize_tokens_launch_args_t qa = {c.x, c.x8, c.xs, T, s->hidden, 264};
+    BENCH_EPX(epx__moe_quantize_tokens_launch(&qa, stream));
+  }
   BENCH_CUDA(cudaMemcpy(c.ids, ids, sizeof(int64_t) * T * MOE_TOP_K, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(c.w, w, sizeof(float) * T * MOE_TOP_K, cudaMemcpyHostToDevice));
   free(ids), free(w);
@@ -260,9 +278,9 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   }
   if (rank == 0) {
     const float base = med[V_GEMMS] > med[V_COMM] ? med[V_GEMMS] : med[V_COMM];
-    printf("%-9s %-4s %5d %3d %-6s %2d %6d", s->name, fp8 ? "fp8" : "bf16", T, R,
+    printf("%-9s %-4s %5d %3d %-6s %2d %-4s %6d", s->name, fp8 ? "fp8" : "bf16", T, R,
            info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cublas" : "epx", info.gemm_lanes,
-           c.held.num_rows);
+           info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16", c.held.num_rows);
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
     printf(" %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
            med[V_CUBLAS] > 0 ? med[V_CUBLAS] / med[V_GEMMS] : -1.f);
@@ -281,6 +299,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   BENCH_EPX(epx_handle_destroy(c.comm_handle));
   moe_free_experts(&c.ex);
   cudaFree(c.x), cudaFree(c.out), cudaFree(c.ids), cudaFree(c.w), cudaFree(c.ws);
+  cudaFree(c.x8), cudaFree(c.xs);
   for (int i = 0; i < 3; i++) BENCH_EPX(epx_group_destroy(c.g[i]));
   return 0;
 }
@@ -306,7 +325,8 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
         "# median and min of %d whole calls (us, events on rank 0), after %d warm-up; "
         "rows = expert-major rows of rank 0\n",
         o->iters, o->warmup);
-    printf("%-9s %-4s %5s %3s %-6s %2s %6s", "shape", "dt", "T", "R", "ffn", "ln", "rows");
+    printf("%-9s %-4s %5s %3s %-6s %2s %-4s %6s", "shape", "dt", "T", "R", "ffn", "ln", "wire",
+           "rows");
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
     printf(" %8s %8s %8s\n", "lay/max", "chn/lay", "cub/gem");
   }

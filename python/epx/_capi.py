@@ -308,7 +308,7 @@ class epx_moe_prefill_config_t(ctypes.Structure):
         ("ffn_backend", ctypes.c_int),
         ("gemm_sms", ctypes.c_int),
         ("gemm_lanes", ctypes.c_int),
-        ("reserved", ctypes.c_int),
+        ("dispatch_dtype", ctypes.c_int),
     ]
 
 
@@ -323,6 +323,7 @@ class epx_moe_prefill_info_t(ctypes.Structure):
         ("expert_alignment", ctypes.c_int),
         ("workspace_bytes", ctypes.c_size_t),
         ("gemm_lanes", ctypes.c_int),
+        ("dispatch_dtype", ctypes.c_int),
     ]
 
 

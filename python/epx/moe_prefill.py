@@ -21,10 +21,12 @@ class MoePrefill:
     max_tokens_per_rank x min(K, E/R) + 3 E/R); experts: this rank's epx.Experts; num_chunks:
     chunks of an overlapped call (0: 2); ffn_backend: "auto", "cublas" or "epx"; gemm_sms: SMs
     the GEMMs are tuned for (0: the GPU's minus the group's num_sms); gemm_lanes: streams the
-    per-expert GEMMs run on at once (0: 4; cuBLAS backend)."""
+    per-expert GEMMs run on at once (0: 4; cuBLAS backend); dispatch_dtype: what crosses NVLink,
+    "auto" (FP8 with FP8 weights on cuBLAS and groups with dtypes including "fp8"), "bf16" or
+    "fp8"."""
 
     def __init__(self, groups, experts, *, num_chunks=0, ffn_backend="auto", gemm_sms=0,
-                 gemm_lanes=0):
+                 gemm_lanes=0, dispatch_dtype="auto"):
         from .experts import Experts
         from .group import Group
         fn = "MoePrefill"
@@ -40,6 +42,11 @@ class MoePrefill:
         cfg = _capi.EPX_MOE_PREFILL_CONFIG_INIT()
         cfg.num_chunks, cfg.ffn_backend = num_chunks, FFN_BACKENDS[ffn_backend]
         cfg.gemm_sms, cfg.gemm_lanes = gemm_sms, gemm_lanes
+        wires = {"auto": 0, "bf16": _capi.EPX_DTYPE_BF16, "fp8": _capi.EPX_DTYPE_FP8_E4M3}
+        if dispatch_dtype not in wires:
+            raise invalid_argument("%s: dispatch_dtype: expected one of %s, got %r" % (
+                fn, sorted(wires), dispatch_dtype))
+        cfg.dispatch_dtype = wires[dispatch_dtype]
         ptrs = (_capi._group * len(groups))(*[g._ptr(fn) for g in groups])
         plan = ctypes.c_void_p()
         _capi.check(_capi.lib.epx_moe_prefill_create(ptrs, len(groups), ctypes.byref(experts._c),
@@ -50,6 +57,7 @@ class MoePrefill:
         _capi.check(_capi.lib.epx_moe_prefill_get_info(self._plan, ctypes.byref(info)))
         self.num_chunks, self.gemm_sms = info.num_chunks, info.gemm_sms
         self.gemm_lanes = info.gemm_lanes
+        self.dispatch_dtype = "fp8" if info.dispatch_dtype == _capi.EPX_DTYPE_FP8_E4M3 else "bf16"
         self.ffn_backend = {1: "cublas", 2: "epx"}.get(info.ffn_backend, str(info.ffn_backend))
         self.workspace_bytes = info.workspace_bytes
         g = groups[0]

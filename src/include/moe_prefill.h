@@ -29,22 +29,26 @@ extern "C" {
 
 /* Where each region of a call's workspace starts (bytes, 256-aligned), and the total. */
 typedef struct epx__moe_ws_layout {
-  size_t y[2]; /* [rows, H] BF16: the experts' outputs of the chunks on group 0 and group 1 */
-  size_t gu;   /* [rows, 2I] BF16 or float32 (FP8 cuBLASLt with gate_up_out_fp32) */
-  size_t h;    /* [rows, I] BF16 (BF16 weights) or FP8 codes (FP8 weights) */
-  size_t hs;   /* FP8: [rows x I/128] float32 scales, per-segment layout (below) */
-  size_t xq;   /* FP8: [rows, H] FP8 codes of the received rows */
-  size_t xs;   /* FP8: [rows x H/128] float32 scales, per-segment layout */
-  size_t blas; /* lanes x EPX__MOE_BLAS_WS bytes for cuBLAS: one slice per GEMM lane */
-  size_t ffn;  /* backend EPX: epx_experts_ffn's workspace (the regions gu..blas are unused) */
+  size_t y[2];   /* [rows, H] BF16: the experts' outputs of the chunks on group 0 and group 1 */
+  size_t gu;     /* [rows, 2I] BF16 or float32 (FP8 cuBLASLt with gate_up_out_fp32) */
+  size_t h;      /* [rows, I] BF16 (BF16 weights) or FP8 codes (FP8 weights) */
+  size_t hs;     /* FP8: [rows x I/128] float32 scales, per-segment layout (below) */
+  size_t xq;     /* FP8: [rows, H] FP8 codes of the received rows */
+  size_t xs;     /* FP8: [rows x H/128] float32 scales, per-segment layout */
+  size_t send;   /* FP8 on the wire: [send_tokens, H] FP8 codes of a chunk's tokens */
+  size_t send_s; /* FP8 on the wire: [H/128, send_tokens] float32 scales (column-major) */
+  size_t blas;   /* lanes x EPX__MOE_BLAS_WS bytes for cuBLAS: one slice per GEMM lane */
+  size_t ffn;    /* backend EPX: epx_experts_ffn's workspace (the regions gu..blas are unused) */
   size_t total;
 } epx__moe_ws_layout_t;
 
 /* The layout for `rows` rows (config.expand_max_rows). backend: EPX_MOE_FFN_CUBLAS or _EPX;
  * lanes: the plan's GEMM lanes (cuBLAS); ffn_bytes: epx_experts_ffn_workspace_size for rows
- * (backend EPX). Pure. */
+ * (backend EPX); send_tokens: a chunk's most tokens when they cross NVLink in FP8, else 0.
+ * Pure. */
 epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, int lanes, size_t rows,
-                                        int hidden, int intermediate, size_t ffn_bytes);
+                                        int hidden, int intermediate, size_t ffn_bytes,
+                                        size_t send_tokens);
 
 /* The lane of each of L experts for a chunk with these row counts: the least-loaded lane (by
  * rows) in expert order, so a few large experts do not queue behind each other. Pure. */
@@ -73,6 +77,7 @@ struct epx_moe_prefill {
   cudaEvent_t start, comm_done, compute_done;
   cudaEvent_t dispatched[EPX__MOE_MAX_CHUNKS], ffn_done[EPX__MOE_MAX_CHUNKS];
   int lanes;                                    /* GEMM lanes: 1 + the streams below */
+  int wire_fp8;                                 /* the dispatches carry FP8 (dispatch_dtype) */
   cudaStream_t lane_stream[EPX__MOE_MAX_LANES]; /* [1, lanes): the plan's; lane 0 is the FFN's */
   cudaEvent_t lane_fork, lane_done[EPX__MOE_MAX_LANES];
   cublasHandle_t blas;
@@ -90,13 +95,14 @@ epx__moe_ws_layout_t epx__moe_plan_ws_layout(epx_moe_prefill_t p);
 
 /* One chunk's received rows, as epx_dispatch_expand left them (sync_counts = 1). */
 typedef struct {
-  const void *x;        /* [num_rows, H] BF16 (recv_x) */
-  int num_rows;         /* begin[L], padding included */
-  const int *count;     /* host [L]: real rows of each local expert */
-  const int *begin;     /* host [L + 1] */
-  const int *count_dev; /* device [L] */
-  const int *begin_dev; /* device [L + 1] */
-  void *y;              /* [num_rows, H] BF16: the experts' outputs */
+  const void *x;         /* [num_rows, H] BF16 (recv_x), or FP8 codes with x_scales */
+  const float *x_scales; /* FP8 rows: [num_rows, H/128] float32, row-major; NULL: BF16 rows */
+  int num_rows;          /* begin[L], padding included */
+  const int *count;      /* host [L]: real rows of each local expert */
+  const int *begin;      /* host [L + 1] */
+  const int *count_dev;  /* device [L] */
+  const int *begin_dev;  /* device [L + 1] */
+  void *y;               /* [num_rows, H] BF16: the experts' outputs */
 } epx__moe_rows_t;
 
 /* The FFN of one chunk on stream (src/moe_ffn.c): every local expert on its rows, y written for

@@ -264,6 +264,36 @@ typedef struct epx__moe_rows_launch_args {
 
 epx_status_t epx__moe_rows_launch(const epx__moe_rows_launch_args_t *args, cudaStream_t stream);
 
+/* The prefill layer's FP8 wire (moe_prefill.cu): a chunk's BF16 tokens [num_tokens, hidden]
+ * quantized per 128 channels by the row kernel's rule (so the expert side gets the codes and
+ * scales it would have made itself): codes [num_tokens, hidden], scales [hidden/128,
+ * num_tokens] (column-major: epx_dispatch's strides (1, num_tokens)). */
+typedef struct epx__moe_quantize_tokens_launch_args {
+  const void *x;
+  void *codes;
+  float *scales;
+  int num_tokens, hidden, num_blocks;
+} epx__moe_quantize_tokens_launch_args_t;
+
+epx_status_t epx__moe_quantize_tokens_launch(const epx__moe_quantize_tokens_launch_args_t *args,
+                                             cudaStream_t stream);
+
+/* Received FP8 rows' scales, in [num_rows, groups] row-major (as epx_dispatch_expand delivers
+ * them), into the per-segment layout epx__moe_rows_launch writes and the GEMMs read:
+ * out[begin[j] * groups + g * S + (r - begin[j])], S = begin[j + 1] - begin[j]; padding rows
+ * get 1. */
+typedef struct epx__moe_segment_scales_launch_args {
+  const float *in;
+  float *out;
+  int num_rows, groups, num_experts;
+  const int *begin; /* device [num_experts + 1] */
+  const int *count; /* device [num_experts] */
+  int num_blocks;
+} epx__moe_segment_scales_launch_args_t;
+
+epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch_args_t *args,
+                                            cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

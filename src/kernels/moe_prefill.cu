@@ -1,8 +1,10 @@
 /*
- * moe_prefill.cu - the prefill MoE layer's one kernel of its own, between its cuBLAS GEMMs
- * (api.h, epx__moe_rows_launch): SiLU times up and/or the per-128-channel FP8 quantization of
- * the expert-major rows, with the scales in the per-segment layout cuBLASLt's 1x128 block
- * scaling reads.
+ * moe_prefill.cu - the prefill MoE layer's kernels of its own (api.h): between its cuBLAS GEMMs
+ * (epx__moe_rows_launch) SiLU times up and/or the per-128-channel FP8 quantization of the
+ * expert-major rows, with the scales in the per-segment layout cuBLASLt's 1x128 block scaling
+ * reads; and for FP8 on the wire, the quantization of a chunk's tokens before its dispatch
+ * (epx__moe_quantize_tokens_launch) and the received scales into the per-segment layout
+ * (epx__moe_segment_scales_launch).
  *
  * Roles: one warp per (row, 512 channels); lane i holds channels [16 i, 16 i + 16) of the
  * 512, so one 128-channel group is 8 consecutive lanes (fp8.cuh's quantize16_float). Blocks
@@ -109,6 +111,45 @@ epx_status_t launch_rows(const epx__moe_rows_launch_args_t *a, cudaStream_t stre
                                                                  stream, *a);
 }
 
+/* One warp per (token, 512 channels), as moe_rows_kernel without SwiGLU: the same loads and
+ * the same quantize16_float, so the codes and scales are the ones the expert side would make
+ * from the same BF16 row. */
+__global__ void __launch_bounds__(kThreads)
+    moe_quantize_tokens_kernel(epx__moe_quantize_tokens_launch_args_t a) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (kThreads / 32);
+  const int col_blocks = (a.hidden + kChannelsPerWarp - 1) / kChannelsPerWarp;
+  const long long tasks = (long long)a.num_tokens * col_blocks;
+  for (long long task = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; task < tasks;
+       task += warps) {
+    const int t = (int)(task / col_blocks);
+    const int c0 = (int)(task % col_blocks) * kChannelsPerWarp + lane * 16;
+    const bool active = c0 < a.hidden; /* whole 128-channel groups: hidden % 128 == 0 */
+    float f[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) f[i] = 0.f;
+    if (active) load16<false>((const char *)a.x + ((size_t)t * a.hidden + c0) * 2, f);
+    float scale;
+    const int4 q = epx::quantize16_float(f, false, &scale); /* every lane: shuffles */
+    if (!active) continue;
+    *(int4 *)((char *)a.codes + (size_t)t * a.hidden + c0) = q;
+    if (lane % 8 == 0) a.scales[(size_t)(c0 / 128) * a.num_tokens + t] = scale;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    moe_segment_scales_kernel(epx__moe_segment_scales_launch_args_t a) {
+  const long long n = (long long)a.num_rows * a.groups;
+  for (long long i = blockIdx.x * (long long)kThreads + threadIdx.x; i < n;
+       i += (long long)gridDim.x * kThreads) {
+    const int r = (int)(i / a.groups), g = (int)(i % a.groups);
+    const int j = segment_of(a.begin, a.num_experts, r);
+    const int b = __ldg(a.begin + j), S = __ldg(a.begin + j + 1) - b;
+    const bool real = r - b < __ldg(a.count + j);
+    a.out[(size_t)b * a.groups + (size_t)g * S + (r - b)] = real ? a.in[i] : 1.f;
+  }
+}
+
 }  // namespace
 
 extern "C" epx_status_t epx__moe_rows_launch(const epx__moe_rows_launch_args_t *a,
@@ -128,4 +169,16 @@ extern "C" epx_status_t epx__moe_rows_launch(const epx__moe_rows_launch_args_t *
   }
   return a->in_fp32 ? launch_rows<true, true, true>(a, stream)
                     : launch_rows<false, true, true>(a, stream);
+}
+
+extern "C" epx_status_t epx__moe_quantize_tokens_launch(
+    const epx__moe_quantize_tokens_launch_args_t *a, cudaStream_t stream) {
+  if (a->num_tokens <= 0) return EPX_OK;
+  return epx::launch<moe_quantize_tokens_kernel>(dim3(a->num_blocks), kThreads, 0, stream, *a);
+}
+
+extern "C" epx_status_t epx__moe_segment_scales_launch(
+    const epx__moe_segment_scales_launch_args_t *a, cudaStream_t stream) {
+  if (a->num_rows <= 0) return EPX_OK;
+  return epx::launch<moe_segment_scales_kernel>(dim3(a->num_blocks), kThreads, 0, stream, *a);
 }

@@ -43,7 +43,8 @@ typedef struct {
   const char *name;
   world_spec_t world; /* experts: local experts L (per rank here) */
   int I, fp8_weights, backend, num_chunks;
-  int gemm_lanes; /* config.gemm_lanes (0: auto) */
+  int gemm_lanes;     /* config.gemm_lanes (0: auto) */
+  int dispatch_dtype; /* config.dispatch_dtype (0: auto: FP8 with FP8 weights on cuBLAS) */
 } prefill_case_t;
 
 /* Two groups (overlap alternates them), every rank's experts, inputs, output, plan. */
@@ -80,20 +81,28 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
   }
   epx_group_config_t cfg = gpu_test_config(f->w.M, f->w.H, f->w.E, f->w.K);
   cfg.modes = EPX_MODE_NORMAL;
-  cfg.dtypes = EPX_DTYPE_BF16;
+  cfg.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3; /* FP8 can cross NVLink (dispatch_dtype) */
   cfg.expand_max_rows = worst_rows(R, f->w.M, f->w.K, f->w.L);
   for (int i = 0; i < 2; i++) EXPECT_OK(epx_group_create(t->comm, &cfg, &f->g[i]));
   epx_moe_prefill_config_t pc = EPX_MOE_PREFILL_CONFIG_INIT;
   pc.ffn_backend = c->backend;
   pc.num_chunks = c->num_chunks;
   pc.gemm_lanes = c->gemm_lanes;
+  pc.dispatch_dtype = c->dispatch_dtype;
   EXPECT_OK(epx_moe_prefill_create(f->g, 2, &f->ex[t->rank].dev, &pc, &f->plan));
   epx_moe_prefill_info_t info = EPX_MOE_PREFILL_INFO_INIT;
   EXPECT_OK(epx_moe_prefill_get_info(f->plan, &info));
   if (t->rank == 0)
-    printf("  %s: backend %s, %d chunks, %d GEMM lanes, gate/up out %s, workspace %zu bytes\n",
-           c->name, info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cuBLAS" : "EPX", info.num_chunks,
-           info.gemm_lanes, info.gate_up_out_fp32 ? "float32" : "BF16", info.workspace_bytes);
+    printf(
+        "  %s: backend %s, %d chunks, %d GEMM lanes, %s on the wire, gate/up out %s, "
+        "workspace %zu bytes\n",
+        c->name, info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cuBLAS" : "EPX", info.num_chunks,
+        info.gemm_lanes, info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "FP8" : "BF16",
+        info.gate_up_out_fp32 ? "float32" : "BF16", info.workspace_bytes);
+  /* auto sends FP8 exactly where the weights are FP8 and the FFN is cuBLAS */
+  const int want_fp8 = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS &&
+                       c->dispatch_dtype != EPX_DTYPE_BF16;
+  EXPECT_EQ_INT(info.dispatch_dtype, want_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16);
   EXPECT_EQ_INT(info.gemm_lanes, info.ffn_backend == EPX_MOE_FFN_CUBLAS
                                      ? (c->gemm_lanes ? c->gemm_lanes : EPX__MOE_AUTO_LANES)
                                      : 1);
@@ -206,26 +215,26 @@ static int one_call(epx_test_rank_t *t, prefill_fixture_t *f, int overlap, const
 }
 
 /*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  backend (0 auto, 2 EPX)  chunks
- *  GEMM lanes */
+ *  GEMM lanes  dispatch dtype (0 auto) */
 static const prefill_case_t cases[] = {
-    {"bf16_uniform", {64, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, EPX_MOE_FFN_AUTO, 0, 0},
-    {"bf16_duplicates_uneven", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 3, 3},
-    {"bf16_one_lane", {48, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 1},
-    {"fp8_one_lane", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1},
-    {"fp8_eight_lanes", {48, 256, 8, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 0, 0, 8},
-    {"fp8_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, EPX_MOE_FFN_AUTO, 0, 0},
-    {"fp8_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, EPX_MOE_FFN_AUTO, 0, 0},
-    {"fp8_one_expert_i256", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 256, 1, 0, 0, 0},
-    {"fp8_uniform_i128", {32, 256, 4, 4, ROUTE_UNIFORM, 32, -1}, 128, 1, EPX_MOE_FFN_AUTO, 0, 0},
-    {"bf16_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, EPX_MOE_FFN_AUTO, 0, 0},
-    {"fp8_one_expert_epx", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 2, 0, 0},
-    {"fp8_epx_ffn_uniform", {64, 512, 8, 8, ROUTE_UNIFORM, -1, -1}, 256, 1, EPX_MOE_FFN_EPX, 0, 0},
-    {"bf16_all_empty", {32, 256, 4, 4, ROUTE_EMPTY, 32, -1}, 128, 0, EPX_MOE_FFN_AUTO, 0, 0},
-    {"fp8_empty_rank", {64, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, EPX_MOE_FFN_AUTO, 0, 0},
-    {"bf16_one_rank_experts", {32, 256, 4, 4, ROUTE_ONE_RANK, -1, -1}, 128, 0, 0, 0, 0},
-    {"fp8_fewer_tokens_than_chunks", {8, 256, 4, 4, ROUTE_UNIFORM, 3, -1}, 128, 1, 0, 4, 0},
-    {"bf16_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, EPX_MOE_FFN_AUTO, 0, 0},
-    {"fp8_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, EPX_MOE_FFN_AUTO, 0, 0},
+    {"bf16_uniform", {64, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, 0, 0, 0},
+    {"bf16_duplicates_uneven", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 3, 3, 0},
+    {"bf16_one_lane", {48, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 1, 0},
+    {"fp8_bf16_wire", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, EPX_DTYPE_BF16},
+    {"fp8_eight_lanes", {48, 256, 8, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 0, 0, 8, 0},
+    {"fp8_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 0, 0},
+    {"fp8_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 0, 0, 0, 0},
+    {"fp8_one_expert_i256", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 256, 1, 0, 0, 0, 0},
+    {"fp8_uniform_i128", {32, 256, 4, 4, ROUTE_UNIFORM, 32, -1}, 128, 1, 0, 0, 0, 0},
+    {"bf16_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, 0, 0, 0, 0},
+    {"fp8_one_expert_epx", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 2, 0, 0, 0},
+    {"fp8_epx_ffn_uniform", {64, 512, 8, 8, ROUTE_UNIFORM, -1, -1}, 256, 1, 2, 0, 0, 0},
+    {"bf16_all_empty", {32, 256, 4, 4, ROUTE_EMPTY, 32, -1}, 128, 0, 0, 0, 0, 0},
+    {"fp8_empty_rank", {64, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 0, 0, 0, 0},
+    {"bf16_one_rank_experts", {32, 256, 4, 4, ROUTE_ONE_RANK, -1, -1}, 128, 0, 0, 0, 0, 0},
+    {"fp8_fewer_tokens_than_chunks", {8, 256, 4, 4, ROUTE_UNIFORM, 3, -1}, 128, 1, 0, 4, 0, 0},
+    {"bf16_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 0, 0, 0, 0},
+    {"fp8_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, 0, 0, 0, 0},
 };
 
 EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
@@ -269,7 +278,7 @@ EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
 EPX_GPU_TEST(moe_prefill_refusals, 300) {
   const int me = t->rank;
   uint64_t rng = t->seed;
-  const prefill_case_t c = {"refusals", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 0};
+  const prefill_case_t c = {"refusals", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 0, 0};
   prefill_fixture_t f;
   if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
   const epx_experts_t *ex = &f.ex[me].dev;
@@ -302,9 +311,12 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
     EXPECT(p == NULL);
   }
   pc = (epx_moe_prefill_config_t)EPX_MOE_PREFILL_CONFIG_INIT;
-  pc.reserved = 1;
+  pc.dispatch_dtype = 7;
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
-                 "config->reserved");
+                 "config->dispatch_dtype");
+  pc.dispatch_dtype = EPX_DTYPE_FP8_E4M3; /* this fixture's weights are BF16 */
+  EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
+                 "config->dispatch_dtype");
   pc = (epx_moe_prefill_config_t)EPX_MOE_PREFILL_CONFIG_INIT;
   pc.size = 24; /* a caller built against 0.1.0 */
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,

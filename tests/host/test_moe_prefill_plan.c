@@ -45,9 +45,11 @@ EPX_HOST_TEST(moe_prefill_workspace_regions, 10) {
     for (int fp32 = 0; fp32 < 2; fp32++)
       for (int li = 0; li < 3; li++) {
         const int lanes = lanes_tried[li];
+        const size_t send = fp8 ? 300 : 0; /* FP8 on the wire: a chunk's tokens staged */
         const epx__moe_ws_layout_t l =
-            epx__moe_ws_layout(EPX_MOE_FFN_CUBLAS, fp8, fp32, lanes, rows, H, I, 0);
-        const size_t off[] = {l.y[0], l.y[1], l.gu, l.h, l.hs, l.xq, l.xs, l.blas};
+            epx__moe_ws_layout(EPX_MOE_FFN_CUBLAS, fp8, fp32, lanes, rows, H, I, 0, send);
+        const size_t off[] = {l.y[0], l.y[1], l.gu,   l.h,    l.hs,
+                              l.xq,   l.xs,   l.blas, l.send, l.send_s};
         const size_t len[] = {rows * H * 2,
                               rows * H * 2,
                               rows * 2 * I * (fp8 && fp32 ? 4 : 2),
@@ -55,7 +57,9 @@ EPX_HOST_TEST(moe_prefill_workspace_regions, 10) {
                               fp8 ? rows * (I / 128) * 4 : 0,
                               fp8 ? rows * H : 0,
                               fp8 ? rows * (H / 128) * 4 : 0,
-                              (size_t)lanes * EPX__MOE_BLAS_WS}; /* a slice per lane */
+                              (size_t)lanes * EPX__MOE_BLAS_WS, /* a slice per lane */
+                              send * H,
+                              send * (H / 128) * 4};
         const int n = (int)(sizeof off / sizeof off[0]);
         for (int i = 0; i < n; i++) {
           EXPECTF(off[i] % 256 == 0, "fp8 %d region %d at %zu", fp8, i, off[i]);
@@ -65,7 +69,7 @@ EPX_HOST_TEST(moe_prefill_workspace_regions, 10) {
                     fp8, i, j);
         }
       }
-  const epx__moe_ws_layout_t e = epx__moe_ws_layout(EPX_MOE_FFN_EPX, 1, 0, 1, rows, H, I, 12345);
+  const epx__moe_ws_layout_t e = epx__moe_ws_layout(EPX_MOE_FFN_EPX, 1, 0, 1, rows, H, I, 12345, 0);
   EXPECT(e.ffn >= 2 * rows * H * 2 && e.ffn % 256 == 0 && e.ffn + 12345 <= e.total);
   return TEST_PASS;
 }
