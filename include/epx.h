@@ -977,9 +977,12 @@ typedef struct epx_moe_prefill_config {
                          EPX_DTYPE_BF16, or EPX_DTYPE_FP8_E4M3 (the layer quantizes each chunk's
                          tokens per 128 channels before its dispatch, the rule the expert side
                          would apply: the same codes and scales, half the bytes; needs FP8
-                         weights on cuBLAS and FP8 groups). (With this field the struct grew
-                         from 0.1.0's 24 bytes, so a caller built against 0.1.0 is refused by
-                         its size.) */
+                         weights on cuBLAS and FP8 groups). Every rank must come out with the
+                         same (info.dispatch_dtype): auto follows the local weights and backend,
+                         so pass it explicitly where ranks could differ (e.g. cuBLAS installed on
+                         some hosts only); a mismatch is not detected. (With this field the
+                         struct grew from 0.1.0's 24 bytes, so a caller built against 0.1.0 is
+                         refused by its size.) */
 } epx_moe_prefill_config_t;
 
 #define EPX_MOE_PREFILL_CONFIG_INIT \
@@ -1034,8 +1037,9 @@ epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t plan);
 epx_status_t epx_moe_prefill_get_info(epx_moe_prefill_t plan, epx_moe_prefill_info_t *info);
 
 /* epx_moe_prefill_workspace_size - device scratch bytes a call needs: two slots of expert
- * outputs (config.expand_max_rows x H BF16 each), the FFN's intermediate rows and 32 MiB of
- * cuBLAS workspace per GEMM lane. Not collective; no GPU work. */
+ * outputs (config.expand_max_rows x H BF16 each), the FFN's intermediate rows, 32 MiB of
+ * cuBLAS workspace per GEMM lane, and with FP8 on the wire a chunk's tokens in FP8 with their
+ * scales. Not collective; no GPU work. */
 epx_status_t epx_moe_prefill_workspace_size(epx_moe_prefill_t plan, size_t *bytes);
 
 typedef struct epx_moe_prefill_args {

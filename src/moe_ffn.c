@@ -127,7 +127,9 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
 
   /* gate/up: x (BF16 rows, or their FP8 quantization) -> gu [rows, 2I] */
   const int x_fp8 = rows->x_scales != NULL; /* FP8 came over the wire: codes as they are */
-  if (fp8 && x_fp8) {                       /* only the scales move, into the per-segment layout */
+  if (x_fp8 && !fp8)
+    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_ffn: FP8 rows with BF16 weights");
+  if (fp8 && x_fp8) { /* only the scales move, into the per-segment layout */
     const epx__moe_segment_scales_launch_args_t sa = {
         rows->x_scales, (float *)(ws + l.xs), rows->num_rows,  H / 128,
         p->L,           rows->begin_dev,      rows->count_dev, ra.num_blocks};
@@ -199,7 +201,9 @@ epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t 
         epx__moe_gemm_bf16(p, w->gate_up, rows->x, ws + l.gu, 2 * I, H, n, 0, ws + l.blas, stream));
     return epx__moe_gemm_bf16(p, w->down, ws + l.h, rows->y, H, I, n, 0, ws + l.blas, stream);
   }
-  EPX_CHECK(epx__moe_gemm_fp8(p, 0, w->gate_up, p->scales[0], ws + l.xq, (const float *)(ws + l.xs),
+  /* the rows' codes: received as they are (FP8 on the wire), else the FFN's quantized copy */
+  const void *xq = rows->x_scales ? rows->x : (const void *)(ws + l.xq);
+  EPX_CHECK(epx__moe_gemm_fp8(p, 0, w->gate_up, p->scales[0], xq, (const float *)(ws + l.xs),
                               ws + l.gu, 2 * I, H, n, 0, ws + l.blas, stream));
   return epx__moe_gemm_fp8(p, 1, w->down, p->scales[1], ws + l.h, (const float *)(ws + l.hs),
                            rows->y, H, I, n, 0, ws + l.blas, stream);

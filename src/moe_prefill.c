@@ -62,8 +62,8 @@ epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, int l
   if (fp8) {
     l.hs = off;
     off += align_up(rows * (size_t)(I / 128) * sizeof(float));
-    l.xq = off;
-    off += align_up(rows * (size_t)H);
+    l.xq = off; /* FP8 on the wire: the GEMMs read the received codes; no copy here */
+    if (!send_tokens) off += align_up(rows * (size_t)H);
     l.xs = off;
     off += align_up(rows * (size_t)(H / 128) * sizeof(float));
   }
@@ -224,16 +224,23 @@ static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int aske
 /* What the dispatches carry. FP8 needs FP8 weights on cuBLAS (the GEMMs take FP8 rows with
  * per-128 scales as they are) and groups that carry FP8 (config.dtypes). */
 static epx_status_t choose_wire(const char *fn, epx_moe_prefill_t p, int asked) {
-  const int can = p->experts.weight_dtype == EPX_DTYPE_FP8_E4M3 &&
-                  p->backend == EPX_MOE_FFN_CUBLAS &&
-                  (p->groups[0]->config.dtypes & EPX_DTYPE_FP8_E4M3);
-  if (asked == EPX_DTYPE_FP8_E4M3 && !can)
+  int groups_fp8 = 1;
+  for (int i = 0; i < p->num_groups; i++)
+    groups_fp8 = groups_fp8 && (p->groups[i]->config.dtypes & EPX_DTYPE_FP8_E4M3);
+  const int weights_fp8 = p->experts.weight_dtype == EPX_DTYPE_FP8_E4M3;
+  const int can = weights_fp8 && groups_fp8 && p->backend == EPX_MOE_FFN_CUBLAS;
+  if (asked == EPX_DTYPE_FP8_E4M3 && !can) {
+    if (weights_fp8 && groups_fp8) /* cuBLAS(Lt) missing or without the kernel here */
+      return epx__set_error(EPX_ERR_UNSUPPORTED,
+                            "%s: config->dispatch_dtype = EPX_DTYPE_FP8_E4M3 needs the cuBLAS FFN, "
+                            "and this plan runs EPX's (cuBLASLt missing or without an FP8 "
+                            "block-scaled kernel)",
+                            fn);
     return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
-                          "%s: config->dispatch_dtype = EPX_DTYPE_FP8_E4M3 needs FP8 weights, the "
-                          "cuBLAS FFN (this plan's is %s) and groups with EPX_DTYPE_FP8_E4M3 in "
-                          "config.dtypes (0x%x)",
-                          fn, p->backend == EPX_MOE_FFN_CUBLAS ? "cuBLAS" : "EPX's",
-                          p->groups[0]->config.dtypes);
+                          "%s: config->dispatch_dtype = EPX_DTYPE_FP8_E4M3 needs FP8 weights (%s) "
+                          "and EPX_DTYPE_FP8_E4M3 in every group's config.dtypes (%s)",
+                          fn, weights_fp8 ? "yes" : "no", groups_fp8 ? "yes" : "no");
+  }
   p->wire_fp8 = asked == EPX_DTYPE_BF16 ? 0 : can;
   return EPX_OK;
 }
@@ -491,16 +498,17 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
       d.x = T > 0 ? (const char *)a->x + (size_t)t0 * H * 2 : a->x;
       d.x_dtype = EPX_DTYPE_BF16;
       if (p->wire_fp8) { /* quantize the chunk's tokens on the communication stream, send FP8 */
+        /* every SM in a chain call (alone on the stream); the communication's share beside
+         * the GEMMs when overlapped */
+        const int blocks = 2 * (a->overlap ? p->groups[0]->config.num_sms : p->device_sms);
         const epx__moe_quantize_tokens_launch_args_t qa = {
-            d.x, ws + l.send, (float *)(ws + l.send_s), T, H, 2 * p->groups[0]->config.num_sms};
+            d.x, ws + l.send, (float *)(ws + l.send_s), T, H, blocks};
         /* A failure is returned at the end; the dispatch goes anyway (every rank must make it,
          * and in the same dtype: the receivers read FP8 rows). */
         keep_first(epx__moe_quantize_tokens_launch(&qa, comm), &first, message, sizeof message);
         d.x = ws + l.send;
         d.x_dtype = EPX_DTYPE_FP8_E4M3;
-        d.x_scales = (const float *)(ws + l.send_s);
-        d.x_scales_stride_token = T > 0 ? 1 : 0;
-        d.x_scales_stride_group = T > 0 ? T : 0;
+        d.x_scales = (const float *)(ws + l.send_s); /* [T, H/128], contiguous */
       }
       d.topk_idx = T > 0 ? (const char *)a->topk_idx + (size_t)t0 * K * idx_bytes : a->topk_idx;
       d.topk_idx_dtype = a->topk_idx_dtype;

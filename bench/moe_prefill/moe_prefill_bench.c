@@ -9,7 +9,8 @@
  *           of an earlier dispatch of the same routing, no communication
  *   comm    epx_dispatch_expand (sync_counts = 1) + epx_combine_expand, no expert compute; the
  *           dispatch carries what the layer's do (column "wire": FP8 with FP8 weights on
- *           cuBLAS, the tokens quantized once beforehand; else BF16)
+ *           cuBLAS, the tokens quantized once beforehand, so the layer's per-chunk quantize is
+ *           not in this row; else BF16); the combine sums BF16 expert-output rows
  *   cublas  plain cuBLAS on the same GEMM shapes: one gate/up and one down GEMM of all the
  *           rows at once on one expert's weights (epx__moe_gemm_reference)
  *
@@ -60,7 +61,7 @@ typedef struct {
   epx_experts_t ex;
   void *x, *ids, *w, *out, *ws;
   void *x8;  /* FP8 on the wire: the tokens' codes, quantized once (comm and held dispatches) */
-  float *xs; /* and their scales [H/128, T] */
+  float *xs; /* and their scales [T, H/128] */
   size_t ws_bytes;
   int T, L;
   epx_dispatch_expand_result_t held;
@@ -72,10 +73,7 @@ static epx_dispatch_args_t dispatch_args(const bench_ctx_t *c, int *counts) {
   epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
   d.x = c->x, d.topk_idx = c->ids, d.topk_weights = c->w, d.num_tokens = c->T;
   d.expert_alignment = EPX__MOE_ALIGN, d.sync_counts = 1, d.num_recv_per_expert = counts;
-  if (c->x8) {
-    d.x = c->x8, d.x_dtype = EPX_DTYPE_FP8_E4M3, d.x_scales = c->xs;
-    d.x_scales_stride_token = 1, d.x_scales_stride_group = c->T;
-  }
+  if (c->x8) d.x = c->x8, d.x_dtype = EPX_DTYPE_FP8_E4M3, d.x_scales = c->xs;
   return d;
 }
 
@@ -113,7 +111,8 @@ static int run_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
   epx_dispatch_expand_result_t r;
   BENCH_EPX(epx_dispatch_expand(c->g[0], c->comm_handle, &d, &r, stream));
   epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
-  ca.x = r.recv_x, ca.out = c->out;
+  /* BF16 expert outputs as the layer combines (the workspace's first output slot) */
+  ca.x = (char *)c->ws + epx__moe_plan_ws_layout(c->plan).y[0], ca.out = c->out;
   BENCH_EPX(epx_combine_expand(c->g[0], c->comm_handle, &ca, stream));
   return 0;
 }
@@ -237,6 +236,8 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * MOE_TOP_K + 16));
   BENCH_CUDA(cudaMalloc(&c.w, sizeof(float) * T * MOE_TOP_K + 16));
   BENCH_CUDA(bench_fill_bf16(c.x, (size_t)T * s->hidden, 1.f, 5u + (uint64_t)rank));
+  BENCH_CUDA(
+      cudaDeviceSynchronize()); /* the fill ran on the legacy stream; `stream` does not wait */
   if (info.dispatch_dtype == EPX_DTYPE_FP8_E4M3) { /* the comm and gemms rows as the layer's */
     BENCH_CUDA(cudaMalloc(&c.x8, (size_t)T * s->hidden + 16));
     BENCH_CUDA(cudaMalloc((void **)&c.xs, sizeof(float) * (size_t)T * (s->hidden / 128) + 16));
@@ -258,7 +259,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   for (int j = 0; j < c.L; j++)
     c.held_begin[j + 1] = c.held_begin[j] + (c.held_count[j] + 3) / 4 * 4;
   epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
-  ca.x = c.held.recv_x, ca.out = c.out;
+  ca.x = (char *)c.ws + epx__moe_plan_ws_layout(c.plan).y[0], ca.out = c.out;
   BENCH_EPX(epx_combine_expand(c.g[2], c.hold_handle, &ca, stream));
   BENCH_CUDA(cudaStreamSynchronize(stream));
 

@@ -266,8 +266,8 @@ epx_status_t epx__moe_rows_launch(const epx__moe_rows_launch_args_t *args, cudaS
 
 /* The prefill layer's FP8 wire (moe_prefill.cu): a chunk's BF16 tokens [num_tokens, hidden]
  * quantized per 128 channels by the row kernel's rule (so the expert side gets the codes and
- * scales it would have made itself): codes [num_tokens, hidden], scales [hidden/128,
- * num_tokens] (column-major: epx_dispatch's strides (1, num_tokens)). */
+ * scales it would have made itself): codes [num_tokens, hidden], scales [num_tokens,
+ * hidden/128] (row-major: epx_dispatch's contiguous scales). */
 typedef struct epx__moe_quantize_tokens_launch_args {
   const void *x;
   void *codes;

@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads)
     const int4 q = epx::quantize16_float(f, false, &scale); /* every lane: shuffles */
     if (!active) continue;
     *(int4 *)((char *)a.codes + (size_t)t * a.hidden + c0) = q;
-    if (lane % 8 == 0) a.scales[(size_t)(c0 / 128) * a.num_tokens + t] = scale;
+    if (lane % 8 == 0) a.scales[(size_t)t * (a.hidden / 128) + c0 / 128] = scale;
   }
 }
 

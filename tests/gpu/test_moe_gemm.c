@@ -7,6 +7,8 @@
  * scale layout the GPU's values match (rows' scales per row instead of per block, weight
  * scales transposed or unpadded), to name the misread.
  *
+ *   moe_fp8_wire_quantizes_as_expert_side  the sender-side quantization and the scales' move
+ *                              of FP8 on the wire give the expert side's codes and scale words
  *   moe_gemm_fp8_block_scales  gate/up form (float32 out) and down form (BF16 out) over shapes
  *                              with k/128 of 1 to 4 and row counts 4 to 260, one algorithm
  *                              cache per shape as in a plan
@@ -17,6 +19,7 @@
 #include <string.h>
 
 #include "gpu/gpu_util.h"
+#include "kernels/api.h"
 #include "moe_prefill.h"
 #include "ref/epx_ref.h"
 
@@ -257,4 +260,70 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_block_scales, 300) {
   cudaFree(p->ones), cudaFree(blas_ws);
   EXPECT_CUDA(cudaStreamDestroy(stream));
   return rc;
+}
+
+/* FP8 on the wire (src/moe_prefill.c, dispatch_dtype): the sender's quantization of its tokens
+ * plus the expert side's scale move give exactly what the expert side's own quantization of the
+ * same BF16 rows gave: the codes of every real row byte for byte, and every scale word of the
+ * per-segment layout (padding rows' 1 included). Segments of 8, 12 and 8 rows with 5, 12 and 0
+ * real rows; H 384 (a 512-channel block half used). */
+EPX_ONE_GPU_TEST(moe_fp8_wire_quantizes_as_expert_side, 120) {
+  enum { L = 3, ROWS = 28, H = 384, G = H / 128 };
+  static const int begin[L + 1] = {0, 8, 20, 28}, count[L] = {5, 12, 0};
+  uint64_t rng = 0xbb67ae8584caa73bull;
+  uint16_t *x = malloc(sizeof(uint16_t) * ROWS * H);
+  EXPECT(x != NULL);
+  for (int i = 0; i < ROWS * H; i++) {
+    const float u = (float)epx_test_rand_int(&rng, 1 << 20) / (float)(1 << 19) - 1.f;
+    x[i] = epx_ref_bf16_from_float(u * (1 + i % 7) * 3.f);
+  }
+  void *xd, *codes_a, *codes_b;
+  float *scales_a, *scales_b, *scales_c;
+  int *begin_d, *count_d;
+  EXPECT_CUDA(cudaMalloc(&xd, sizeof(uint16_t) * ROWS * H));
+  EXPECT_CUDA(cudaMalloc(&codes_a, ROWS * H));
+  EXPECT_CUDA(cudaMalloc(&codes_b, ROWS * H));
+  EXPECT_CUDA(cudaMalloc((void **)&scales_a, sizeof(float) * ROWS * G));
+  EXPECT_CUDA(cudaMalloc((void **)&scales_b, sizeof(float) * ROWS * G));
+  EXPECT_CUDA(cudaMalloc((void **)&scales_c, sizeof(float) * ROWS * G));
+  EXPECT_CUDA(cudaMalloc((void **)&begin_d, sizeof begin));
+  EXPECT_CUDA(cudaMalloc((void **)&count_d, sizeof count));
+  EXPECT_CUDA(cudaMemcpy(xd, x, sizeof(uint16_t) * ROWS * H, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(begin_d, begin, sizeof begin, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemcpy(count_d, count, sizeof count, cudaMemcpyHostToDevice));
+  EXPECT_CUDA(cudaMemset(scales_c, 0xff, sizeof(float) * ROWS * G)); /* NaN: every word written */
+
+  /* A: the expert side's quantization of the received BF16 rows (epx__moe_ffn before). */
+  epx__moe_rows_launch_args_t ra;
+  memset(&ra, 0, sizeof ra);
+  ra.in = xd, ra.quantize = 1, ra.out = codes_a, ra.scales = scales_a, ra.cols = H;
+  ra.num_rows = ROWS, ra.num_experts = L, ra.begin = begin_d, ra.count = count_d;
+  ra.num_blocks = 4;
+  EXPECT_OK(epx__moe_rows_launch(&ra, 0));
+  /* B: the sender's quantization of the same rows as tokens, then the scales' move. */
+  const epx__moe_quantize_tokens_launch_args_t qa = {xd, codes_b, scales_b, ROWS, H, 3};
+  EXPECT_OK(epx__moe_quantize_tokens_launch(&qa, 0));
+  const epx__moe_segment_scales_launch_args_t sa = {scales_b, scales_c, ROWS,    G,
+                                                    L,        begin_d,  count_d, 2};
+  EXPECT_OK(epx__moe_segment_scales_launch(&sa, 0));
+  EXPECT_CUDA(cudaDeviceSynchronize());
+
+  uint8_t *ca = malloc(ROWS * H), *cb = malloc(ROWS * H);
+  float *sa_h = malloc(sizeof(float) * ROWS * G), *sc_h = malloc(sizeof(float) * ROWS * G);
+  EXPECT(ca && cb && sa_h && sc_h);
+  EXPECT_CUDA(cudaMemcpy(ca, codes_a, ROWS * H, cudaMemcpyDeviceToHost));
+  EXPECT_CUDA(cudaMemcpy(cb, codes_b, ROWS * H, cudaMemcpyDeviceToHost));
+  EXPECT_CUDA(cudaMemcpy(sa_h, scales_a, sizeof(float) * ROWS * G, cudaMemcpyDeviceToHost));
+  EXPECT_CUDA(cudaMemcpy(sc_h, scales_c, sizeof(float) * ROWS * G, cudaMemcpyDeviceToHost));
+  for (int j = 0; j < L; j++)
+    for (int r = begin[j]; r < begin[j] + count[j]; r++)
+      EXPECTF(memcmp(ca + (size_t)r * H, cb + (size_t)r * H, H) == 0,
+              "row %d (expert %d): the sender's codes differ from the expert side's", r, j);
+  for (int i = 0; i < ROWS * G; i++)
+    EXPECTF(memcmp(&sa_h[i], &sc_h[i], sizeof(float)) == 0,
+            "scale word %d: %.9g after the move, %.9g from the expert side", i, sc_h[i], sa_h[i]);
+  free(x), free(ca), free(cb), free(sa_h), free(sc_h);
+  cudaFree(xd), cudaFree(codes_a), cudaFree(codes_b), cudaFree(scales_a), cudaFree(scales_b);
+  cudaFree(scales_c), cudaFree(begin_d), cudaFree(count_d);
+  return TEST_PASS;
 }

@@ -221,6 +221,7 @@ static const prefill_case_t cases[] = {
     {"bf16_duplicates_uneven", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 3, 3, 0},
     {"bf16_one_lane", {48, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 1, 0},
     {"fp8_bf16_wire", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, EPX_DTYPE_BF16},
+    {"fp8_one_lane", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, 0},
     {"fp8_eight_lanes", {48, 256, 8, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 0, 0, 8, 0},
     {"fp8_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 0, 0},
     {"fp8_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 0, 0, 0, 0},
