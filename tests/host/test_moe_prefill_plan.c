@@ -43,9 +43,10 @@ EPX_HOST_TEST(moe_prefill_workspace_regions, 10) {
   static const int lanes_tried[] = {1, 3, EPX__MOE_MAX_LANES};
   for (int fp8 = 0; fp8 < 2; fp8++)
     for (int fp32 = 0; fp32 < 2; fp32++)
-      for (int li = 0; li < 3; li++) {
-        const int lanes = lanes_tried[li];
-        const size_t send = fp8 ? 300 : 0; /* FP8 on the wire: a chunk's tokens staged */
+      for (int li = 0; li < 6; li++) {
+        const int lanes = lanes_tried[li % 3];
+        /* FP8 on the wire (li >= 3): a chunk's tokens staged, no xq copy */
+        const size_t send = fp8 && li >= 3 ? 300 : 0;
         const epx__moe_ws_layout_t l =
             epx__moe_ws_layout(EPX_MOE_FFN_CUBLAS, fp8, fp32, lanes, rows, H, I, 0, send);
         const size_t off[] = {l.y[0], l.y[1], l.gu,   l.h,    l.hs,
@@ -55,7 +56,7 @@ EPX_HOST_TEST(moe_prefill_workspace_regions, 10) {
                               rows * 2 * I * (fp8 && fp32 ? 4 : 2),
                               rows * I * (fp8 ? 1 : 2),
                               fp8 ? rows * (I / 128) * 4 : 0,
-                              fp8 ? rows * H : 0,
+                              fp8 && !send ? rows * H : 0,
                               fp8 ? rows * (H / 128) * 4 : 0,
                               (size_t)lanes * EPX__MOE_BLAS_WS, /* a slice per lane */
                               send * H,
