@@ -61,34 +61,18 @@ static_assert(EPX_MAX_TOP_K <= 32, "lane k of a token's warp stands for slot k")
 enum ScaleMode { kNoScales = 0, kContiguousScales = 1, kStridedScales = 2 };
 
 /* Copy one row of n16 16-byte words from src to dst[k] for every slot k in mask (one warp).
- * The slot loop is unrolled to the compile-time maximum so dst stays in registers. */
+ * The slot loop is unrolled to the compile-time maximum so dst stays in registers.
+ * kLanded: the row was written by a peer while this kernel runs (DURING's fan-out), so the loads
+ * go through L2 (ld.global.cg), never the read-only path (.nc). */
+template <bool kLanded = false>
 __device__ __forceinline__ void copy_row_to_slots(const int4 *src, int4 *const *dst, unsigned mask,
                                                   int n16, int lane) {
   for (int i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; u++)
-      if (i0 + u * 32 < n16) v[u] = epx::ld_nc_na_v4(src + i0 + u * 32);
-#pragma unroll
-    for (int k = 0; k < EPX_MAX_TOP_K; k++) {
-      if (!((mask >> k) & 1u)) continue;
-#pragma unroll
-      for (int u = 0; u < kUnroll; u++)
-        if (i0 + u * 32 < n16) dst[k][i0 + u * 32] = v[u];
-    }
-  }
-}
-
-/* The fan-out's copy of one received row to the token's other rows (one warp): as
- * copy_row_to_slots, but the loads go through L2 (ld.global.cg): in DURING the row was written
- * by a peer while this kernel runs, so the read-only path (.nc) must not serve it. */
-__device__ __forceinline__ void copy_landed_row(const int4 *src, int4 *const *dst, unsigned mask,
-                                                int n16, int lane) {
-  for (int i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; u++)
-      if (i0 + u * 32 < n16) v[u] = __ldcg(src + i0 + u * 32);
+      if (i0 + u * 32 < n16)
+        v[u] = kLanded ? __ldcg(src + i0 + u * 32) : epx::ld_nc_na_v4(src + i0 + u * 32);
 #pragma unroll
     for (int k = 0; k < EPX_MAX_TOP_K; k++) {
       if (!((mask >> k) & 1u)) continue;
@@ -117,10 +101,7 @@ __device__ __forceinline__ void fan_out_token(const int *list, int K, int cap, i
     const int r = __shfl_sync(kFull, row, k);
     dst[k] = r >= 0 ? x + (size_t)r * n16 : nullptr;
   }
-  if (kLanded)
-    copy_landed_row(x + (size_t)first * n16, dst, others, n16, lane);
-  else
-    copy_row_to_slots(x + (size_t)first * n16, dst, others, n16, lane);
+  copy_row_to_slots<kLanded>(x + (size_t)first * n16, dst, others, n16, lane);
   for (unsigned m = others; m;) {
     const int k = __ffs(m) - 1;
     m &= m - 1;
