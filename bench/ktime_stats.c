@@ -189,18 +189,25 @@ static int breakdown(const owned_t *owned, size_t n, int num_calls, bench_ktime_
   return 0;
 }
 
+/* A copy of links sorted by correlation id, for external_of; NULL when out of host memory. */
+static bench_ktime_link_t *sorted_links(const bench_ktime_link_t *links, size_t num_links) {
+  bench_ktime_link_t *sorted = (bench_ktime_link_t *)malloc((num_links + 1) * sizeof *sorted);
+  if (!sorted) return NULL;
+  if (num_links) memcpy(sorted, links, num_links * sizeof *sorted);
+  qsort(sorted, num_links, sizeof *sorted, compare_link);
+  return sorted;
+}
+
 int bench_ktime_aggregate(const bench_ktime_activity_t *acts, size_t num_acts,
                           const bench_ktime_link_t *links, size_t num_links, uint64_t first_id,
                           int num_calls, bench_ktime_summary_t *out) {
   *out = bench_ktime_none();
   if (num_calls <= 0) return 0;
-  bench_ktime_link_t *sorted = (bench_ktime_link_t *)malloc((num_links + 1) * sizeof *sorted);
+  bench_ktime_link_t *sorted = sorted_links(links, num_links);
   owned_t *owned = (owned_t *)malloc((num_acts + 1) * sizeof *owned);
   int rc = sorted && owned ? 0 : -1;
   size_t n = 0;
   if (rc == 0) {
-    if (num_links) memcpy(sorted, links, num_links * sizeof *sorted);
-    qsort(sorted, num_links, sizeof *sorted, compare_link);
     for (size_t i = 0; i < num_acts; i++) {
       const uint64_t id = external_of(sorted, num_links, acts[i].correlation_id);
       if (id < first_id || id - first_id >= (uint64_t)num_calls) continue;
@@ -233,14 +240,12 @@ long bench_ktime_call_timeline(const bench_ktime_activity_t *acts, size_t num_ac
                                const bench_ktime_link_t *links, size_t num_links, uint64_t id,
                                bench_ktime_activity_t **out) {
   *out = NULL;
-  bench_ktime_link_t *sorted = (bench_ktime_link_t *)malloc((num_links + 1) * sizeof *sorted);
+  bench_ktime_link_t *sorted = sorted_links(links, num_links);
   bench_ktime_activity_t *mine = (bench_ktime_activity_t *)malloc((num_acts + 1) * sizeof *mine);
   if (!sorted || !mine) {
     free(sorted), free(mine);
     return -1;
   }
-  if (num_links) memcpy(sorted, links, num_links * sizeof *sorted);
-  qsort(sorted, num_links, sizeof *sorted, compare_link);
   long n = 0;
   for (size_t i = 0; i < num_acts; i++)
     if (external_of(sorted, num_links, acts[i].correlation_id) == id) mine[n++] = acts[i];
