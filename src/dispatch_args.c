@@ -10,6 +10,7 @@
 #include "arg_check.h"
 #include "checks.h"
 #include "group.h"
+#include "registry.h"
 
 /* The scale format of an FP8 payload: packed or float32 words, per-row count and strides. */
 static epx_status_t check_scale_format(epx_group_t g, const char *fn, const char *prefix,
@@ -115,5 +116,26 @@ epx_status_t epx__dispatch_check_routing(epx_group_t g, const char *fn,
     if (a->topk_weights)
       EPX_CHECK(epx__check_device_ptr(fn, "args->topk_weights", a->topk_weights, 4));
   }
+  return EPX_OK;
+}
+
+epx_status_t epx__dispatch_check_call(epx_group_t g, epx_handle_t h, const char *fn,
+                                      const epx_dispatch_args_t *a, const void *result) {
+  EPX_CHECK(epx__handle_check(g, h));
+  EPX_CHECK(epx__check_not_null(fn, "args", a));
+  EPX_CHECK(epx__check_not_null(fn, "result", result));
+  return epx__check_struct_size(fn, "args", a->size, sizeof(epx_dispatch_args_t),
+                                "EPX_DISPATCH_ARGS_INIT");
+}
+
+epx_status_t epx__dispatch_check_inputs(epx_group_t g, const char *fn, const epx_dispatch_args_t *a,
+                                        cudaStream_t stream, epx__dispatch_launch_args_t *d) {
+  EPX_CHECK(epx__dispatch_check_routing(g, fn, a));
+  memset(d, 0, sizeof *d);
+  EPX_CHECK(epx__dispatch_check_payload(g, fn, "args->", a, a->num_tokens, d));
+  if (a->sync_counts && epx__stream_is_capturing(stream))
+    return epx__set_error(
+        EPX_ERR_INVALID_USAGE,
+        "%s: args->sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs", fn);
   return EPX_OK;
 }

@@ -72,20 +72,10 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
                                             epx_dispatch_expand_result_t *out,
                                             cudaStream_t stream) {
   static const char fn[] = "epx_dispatch_expand";
-  EPX_CHECK(epx__handle_check(g, h));
-  EPX_CHECK(epx__check_not_null(fn, "args", a));
-  EPX_CHECK(epx__check_not_null(fn, "result", out));
-  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_dispatch_args_t),
-                                   "EPX_DISPATCH_ARGS_INIT"));
+  EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, out));
   EPX_CHECK(check_expand_args(g, fn, a));
-  EPX_CHECK(epx__dispatch_check_routing(g, fn, a));
   epx__dispatch_launch_args_t d;
-  memset(&d, 0, sizeof d);
-  EPX_CHECK(epx__dispatch_check_payload(g, fn, "args->", a, a->num_tokens, &d));
-  if (a->sync_counts && epx__stream_is_capturing(stream))
-    return epx__set_error(
-        EPX_ERR_INVALID_USAGE,
-        "%s: args->sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs", fn);
+  EPX_CHECK(epx__dispatch_check_inputs(g, fn, a, stream, &d));
 
   const int error_before = ((volatile epx__error_record_t *)g->error_host)->status;
   const int L = g->config.num_experts / g->num_ranks;

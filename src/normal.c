@@ -75,19 +75,9 @@ static epx_status_t enqueue_layout(epx_group_t g, epx_handle_t h, const epx_disp
 EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_dispatch_args_t *a,
                                      epx_dispatch_result_t *out, cudaStream_t stream) {
   static const char fn[] = "epx_dispatch";
-  EPX_CHECK(epx__handle_check(g, h));
-  EPX_CHECK(epx__check_not_null(fn, "args", a));
-  EPX_CHECK(epx__check_not_null(fn, "result", out));
-  EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_dispatch_args_t),
-                                   "EPX_DISPATCH_ARGS_INIT"));
-  EPX_CHECK(epx__dispatch_check_routing(g, fn, a));
+  EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, out));
   epx__dispatch_launch_args_t d;
-  memset(&d, 0, sizeof d);
-  EPX_CHECK(epx__dispatch_check_payload(g, fn, "args->", a, a->num_tokens, &d));
-  if (a->sync_counts && epx__stream_is_capturing(stream))
-    return epx__set_error(
-        EPX_ERR_INVALID_USAGE,
-        "%s: args->sync_counts = 1 on a stream being captured; use sync_counts = 0 in graphs", fn);
+  EPX_CHECK(epx__dispatch_check_inputs(g, fn, a, stream, &d));
 
   /* Whether an async error was on record before this call (see the count check below). */
   const int error_before = ((volatile epx__error_record_t *)g->error_host)->status;
