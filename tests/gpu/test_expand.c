@@ -50,6 +50,21 @@ static int worst_rows(int R, int M, int E, int K) {
   return R * M * (K < L ? K : L) + L * (MAX_ALIGN - 1);
 }
 
+/* A normal-mode group of this shape with rows expert-major rows (worst_rows when 0) and the
+ * fan-out mode, and its handle; timeout_ms 0: the tests' default. */
+static int expand_group_make(epx_test_rank_t *t, int M, int H, int E, int K, int rows, int fan_out,
+                             int timeout_ms, epx_group_t *g, epx_handle_t *h) {
+  epx_group_config_t cfg = gpu_test_config(M, H, E, K);
+  cfg.modes = EPX_MODE_NORMAL;
+  cfg.expand_max_rows = rows ? rows : worst_rows(t->num_ranks, M, E, K);
+  cfg.expand_fan_out = fan_out;
+  if (timeout_ms) cfg.timeout_ms = timeout_ms;
+  *g = NULL, *h = NULL;
+  EXPECT_OK(epx_group_create(t->comm, &cfg, g));
+  EXPECT_OK(epx_handle_create(*g, h));
+  return TEST_PASS;
+}
+
 /* Expert output of rank d, row i, channel c: BF16 of a value in [-2, 2), from (d, i, c) alone. */
 static uint16_t expert_output(int d, int i, int c) {
   uint64_t s = ((uint64_t)d << 56) ^ ((uint64_t)i << 20) ^ (uint64_t)c;
@@ -313,16 +328,13 @@ static int run_case(epx_test_rank_t *t, const expand_case_t *c, int fan_out, uin
   world_t w;
   world_make(&w, R, &c->world, WORLD_NORMAL, rng);
   if (c->no_weights) drop_weights(&w);
-  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
-  cfg.modes = EPX_MODE_NORMAL;
-  cfg.expand_max_rows = worst_rows(R, w.M, w.E, w.K);
-  cfg.expand_fan_out = fan_out;
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
+  epx_group_t g;
+  epx_handle_t h;
+  if (expand_group_make(t, w.M, w.H, w.E, w.K, 0, fan_out, 0, &g, &h) != TEST_PASS)
+    return TEST_FAIL;
   world_dev_t d;
-  if (world_dev_make(&w, me, (size_t)cfg.expand_max_rows, &d) != TEST_PASS) return TEST_FAIL;
+  if (world_dev_make(&w, me, (size_t)worst_rows(R, w.M, w.E, w.K), &d) != TEST_PASS)
+    return TEST_FAIL;
   const int align_choices[] = {0, 1, 4, MAX_ALIGN};
   const int align = align_choices[epx_test_rand_int(rng, 4)];
   char label[128];
@@ -395,19 +407,17 @@ static int expand_loop_mode(epx_test_rank_t *t, int fan_out) {
   const int R = t->num_ranks, me = t->rank;
   uint64_t rng = t->seed;
   const world_spec_t spec = {256, 128, 32, 6, ROUTE_DUPLICATES, -1, -1};
-  epx_group_config_t cfg = gpu_test_config(spec.max_tokens, spec.hidden, spec.experts, spec.top_k);
-  cfg.modes = EPX_MODE_NORMAL;
-  cfg.expand_max_rows = worst_rows(R, spec.max_tokens, spec.experts, spec.top_k);
-  cfg.expand_fan_out = fan_out;
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
+  const int rows = worst_rows(R, spec.max_tokens, spec.experts, spec.top_k);
+  epx_group_t g;
+  epx_handle_t h;
+  if (expand_group_make(t, spec.max_tokens, spec.hidden, spec.experts, spec.top_k, rows, fan_out, 0,
+                        &g, &h) != TEST_PASS)
+    return TEST_FAIL;
   for (int it = 0; it < 12; it++) {
     world_t w;
     world_make(&w, R, &spec, WORLD_NORMAL, &rng);
     world_dev_t d;
-    if (world_dev_make(&w, me, (size_t)cfg.expand_max_rows, &d) != TEST_PASS) return TEST_FAIL;
+    if (world_dev_make(&w, me, (size_t)rows, &d) != TEST_PASS) return TEST_FAIL;
     char label[64];
     snprintf(label, sizeof label, "%s, iteration %d", fan_out_name(fan_out), it);
     const int align = (it % 3) * 8; /* 0, 8, 16 */
@@ -546,14 +556,11 @@ static int capacity_exceeded_mode(epx_test_rank_t *t, int fan_out) {
   const world_spec_t spec = {64, 128, 16, 4, ROUTE_ONE_RANK, 64, -1};
   world_t w;
   world_make(&w, R, &spec, WORLD_NORMAL, &rng);
-  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
-  cfg.modes = EPX_MODE_NORMAL;
-  cfg.expand_max_rows = 100; /* rank 0 needs R x 64 x min(4, L) rows: 128 or more */
-  cfg.expand_fan_out = fan_out;
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
+  epx_group_t g;
+  epx_handle_t h;
+  /* 100 rows: rank 0 needs R x 64 x min(4, L) rows, 128 or more */
+  if (expand_group_make(t, w.M, w.H, w.E, w.K, 100, fan_out, 0, &g, &h) != TEST_PASS)
+    return TEST_FAIL;
   world_dev_t d;
   if (world_dev_make(&w, me, 256, &d) != TEST_PASS) return TEST_FAIL;
   epx_ref_expand_t ref;
@@ -613,17 +620,14 @@ EPX_DYING_PEER_TEST(expand_during_after_peer_killed, 120) {
   const world_spec_t spec = {64, 256, 16, 4, ROUTE_UNIFORM, 64, -1};
   world_t w;
   world_make(&w, R, &spec, WORLD_NORMAL, &rng);
-  epx_group_config_t cfg = gpu_test_config(w.M, w.H, w.E, w.K);
-  cfg.modes = EPX_MODE_NORMAL;
-  cfg.timeout_ms = budget_ms;
-  cfg.expand_max_rows = worst_rows(R, w.M, w.E, w.K);
-  cfg.expand_fan_out = EPX_EXPAND_FAN_OUT_DURING;
-  epx_group_t g = NULL;
-  epx_handle_t h = NULL;
-  EXPECT_OK(epx_group_create(t->comm, &cfg, &g));
-  EXPECT_OK(epx_handle_create(g, &h));
+  epx_group_t g;
+  epx_handle_t h;
+  if (expand_group_make(t, w.M, w.H, w.E, w.K, 0, EPX_EXPAND_FAN_OUT_DURING, budget_ms, &g, &h) !=
+      TEST_PASS)
+    return TEST_FAIL;
   world_dev_t d;
-  if (world_dev_make(&w, me, (size_t)cfg.expand_max_rows, &d) != TEST_PASS) return TEST_FAIL;
+  if (world_dev_make(&w, me, (size_t)worst_rows(R, w.M, w.E, w.K), &d) != TEST_PASS)
+    return TEST_FAIL;
   if (expand_once(t, g, h, &w, &d, 0, 0, 1, 1, 1, "before the death") != TEST_PASS)
     return TEST_FAIL;
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
