@@ -60,6 +60,7 @@ typedef struct {
   epx_moe_prefill_t plan;
   epx_experts_t ex;
   void *x, *ids, *w, *out, *ws;
+  void *y0;  /* the workspace's first slot of BF16 expert outputs (the FFN's and combine's rows) */
   void *x8;  /* FP8 on the wire: the tokens' codes, quantized once (comm and held dispatches) */
   float *xs; /* and their scales [T, H/128] */
   size_t ws_bytes;
@@ -78,7 +79,6 @@ static epx_dispatch_args_t dispatch_args(const bench_ctx_t *c, int *counts) {
 }
 
 static epx__moe_rows_t held_rows(const bench_ctx_t *c) {
-  const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(c->plan);
   const epx__moe_rows_t r = {.x = c->held.recv_x,
                              .x_scales = c->held.recv_x_scales, /* NULL: BF16 rows */
                              .num_rows = c->held.num_rows,
@@ -86,7 +86,7 @@ static epx__moe_rows_t held_rows(const bench_ctx_t *c) {
                              .begin = c->held_begin,
                              .count_dev = c->held.expert_count_device,
                              .begin_dev = c->held.expert_begin_device,
-                             .y = (char *)c->ws + l.y[0]};
+                             .y = c->y0};
   return r;
 }
 
@@ -112,7 +112,7 @@ static int run_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
   BENCH_EPX(epx_dispatch_expand(c->g[0], c->comm_handle, &d, &r, stream));
   epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
   /* BF16 expert outputs as the layer combines (the workspace's first output slot) */
-  ca.x = (char *)c->ws + epx__moe_plan_ws_layout(c->plan).y[0], ca.out = c->out;
+  ca.x = c->y0, ca.out = c->out;
   BENCH_EPX(epx_combine_expand(c->g[0], c->comm_handle, &ca, stream));
   return 0;
 }
@@ -249,6 +249,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   free(ids), free(w);
   c.ws_bytes = info.workspace_bytes;
   BENCH_CUDA(cudaMalloc(&c.ws, c.ws_bytes));
+  c.y0 = (char *)c.ws + epx__moe_plan_ws_layout(c.plan).y[0];
   BENCH_EPX(epx_handle_create(c.g[2], &c.hold_handle));
   BENCH_EPX(epx_handle_create(c.g[0], &c.comm_handle));
   /* The gemms and cublas variants' rows: one dispatch of the same routing on the third group,
@@ -259,7 +260,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   for (int j = 0; j < c.L; j++)
     c.held_begin[j + 1] = c.held_begin[j] + (c.held_count[j] + 3) / 4 * 4;
   epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
-  ca.x = (char *)c.ws + epx__moe_plan_ws_layout(c.plan).y[0], ca.out = c.out;
+  ca.x = c.y0, ca.out = c.out;
   BENCH_EPX(epx_combine_expand(c.g[2], c.hold_handle, &ca, stream));
   BENCH_CUDA(cudaStreamSynchronize(stream));
 
