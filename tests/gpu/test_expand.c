@@ -344,12 +344,16 @@ static int run_case(epx_test_rank_t *t, const expand_case_t *c, int fan_out, uin
     if (expand_once(t, g, h, &w, &d, c->fp8, c->no_weights, align, sync, 1, label) != TEST_PASS)
       return TEST_FAIL;
   }
-  if (c->world.route == ROUTE_BAD) { /* the layout reported the first bad id; treated as empty */
+  const long long first_bad = world_first_bad_id(&w, me);
+  if (first_bad >= 0) { /* the layout reported the first bad id; treated as empty */
     epx_async_error_t e;
     EXPECT_OK(epx_group_get_async_error(g, &e));
-    EXPECTF(e.status == EPX_ERR_INVALID_ARGUMENT && e.stage == EPX_STAGE_LAYOUT,
-            "%s: async error %d stage %d, want INVALID_ARGUMENT at LAYOUT", c->name, (int)e.status,
-            (int)e.stage);
+    EXPECTF(e.status == EPX_ERR_INVALID_ARGUMENT && e.stage == EPX_STAGE_LAYOUT &&
+                e.position == first_bad && e.value == w.idx[me][first_bad],
+            "%s: async error %d stage %d at %lld (value %lld), want INVALID_ARGUMENT at LAYOUT at "
+            "%lld",
+            c->name, (int)e.status, (int)e.stage, (long long)e.position, (long long)e.value,
+            first_bad);
     EXPECT_OK(epx_group_clear_async_error(g));
   }
   EXPECT_NO_ASYNC_ERROR(g, c->name);

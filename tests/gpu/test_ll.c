@@ -549,9 +549,7 @@ EPX_GPU_TEST(ll_bad_expert_ids, 300) {
     world_dev_t d;
     if (ll_dev_alloc(&w, &d) != TEST_PASS) return TEST_FAIL;
     if (run_cycle(t, g, &w, &c, &d, route_name(route)) != TEST_PASS) return TEST_FAIL;
-    long long first = -1;
-    for (long long i = 0; i < (long long)w.ranks[me].num_tokens * w.K && first < 0; i++)
-      if (w.idx[me][i] < -1 || w.idx[me][i] >= w.E) first = i;
+    const long long first = world_first_bad_id(&w, me);
     epx_async_error_t err;
     EXPECT_OK(epx_group_get_async_error(g, &err));
     if (first < 0) {

@@ -20,13 +20,18 @@
  * places the oracle does not round: cuBLAS's summation order, the BF16 rounding of the gate and
  * up outputs (BF16 weights), the expert side's BF16 partial rows of the combine; each is well
  * inside the bound, and a wrong row, expert or weight is off by about rms x |w|.
- * FP8 weights on cuBLASLt: 0.06 in place of 0.02. Hopper's FP8 tensor cores sum a 128-deep
- * block with fewer bits than float32 (test_moe_gemm prints how far), so the gate and up values
- * differ from the oracle's exact sums by about 0.1%; h is then quantized to FP8, where that
- * moves a few values per row across a rounding boundary (one FP8 step, 6-12% of the value).
- * Measured at 7e1d87d and bffc9a2 (2 and 4 ranks): the first value past the 0.02 bound in each
- * failing call was 1.0-1.5 x it, every call of a case alike (deterministic); EPX's FFN on the
- * same routing (float32 sums) stayed at 0.04-0.1 x. Unconfirmed on a GPU with 0.06.
+ * FP8 weights on cuBLASLt: 0.2 in place of 0.02 per value, and the root mean square of
+ * |err| / (rms x sum |w|) over all values at most 0.05. Why: Hopper's FP8 tensor cores sum with
+ * fewer bits than float32 (test_moe_gemm measured 1.2-1.6e-4 of the sum of |products| on
+ * 4x H200 at 9aa124a), so gate and up differ from the oracle's exact sums by about 0.1%; h is
+ * then quantized to FP8, where a value that close to a rounding boundary moves one FP8 step
+ * (6-12%). About 5% of h values move, each moving an output by ~0.09 x |h_j W_down| with a
+ * random sign: an output's error is then noise of about 0.02 x rms, and its largest over the
+ * 10^4-10^5 values of a case is 4-4.5 sigma. Measured at 9aa124a (2 and 4 ranks, 0.06 bound):
+ * the worst value of a failing case was 1.06-1.47 x 0.06 x rms x sum |w| (0.064-0.09), every call
+ * alike (deterministic); EPX's FFN on the same routing (float32 sums) stayed at 0.04-0.1 x the
+ * 0.02 bound. A wrong row, expert or weight is off by about rms x |w| (1.0): past the
+ * per-value bound 5x over, and past the mean-square bound once 0.3% of the values are wrong.
  */
 #include <math.h>
 #include <stdio.h>
@@ -57,7 +62,8 @@ typedef struct {
   world_dev_t d;
   void *ws;
   size_t ws_bytes;
-  double rms_coef; /* the tolerance's rms term (above): 0.06 for FP8 weights on cuBLASLt */
+  double rms_coef;    /* the tolerance's rms term (above): 0.2 for FP8 weights on cuBLASLt */
+  double rms_err_max; /* the bound on the mean-square error (above); 0: none */
 } prefill_fixture_t;
 
 /* The worst case of expert-major rows at alignment 4: every (token, local expert) pair plus
@@ -113,7 +119,9 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
             "%s: EPX_MOE_FFN_AUTO chose EPX's FFN: cuBLAS%s is missing or has no kernel for these "
             "scale modes (epx_last_error after create: %s)",
             c->name, c->fp8_weights ? "Lt" : "", epx_last_error());
-  f->rms_coef = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS ? 0.06 : 0.02;
+  const int fp8_tensor_cores = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS;
+  f->rms_coef = fp8_tensor_cores ? 0.2 : 0.02;
+  f->rms_err_max = fp8_tensor_cores ? 0.05 : 0;
   if (world_dev_make(&f->w, t->rank, 1, &f->d) != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_moe_prefill_workspace_size(f->plan, &f->ws_bytes));
   EXPECT(f->ws_bytes == info.workspace_bytes);
@@ -171,35 +179,47 @@ static int check_out(const prefill_fixture_t *f, const prefill_oracle_t *o, int 
   uint16_t *got = malloc(n * 2 + 2);
   EXPECT(got);
   EXPECT_CUDA(cudaMemcpy(got, f->d.out, n * 2, cudaMemcpyDeviceToHost));
-  /* Every value is checked; the worst one (|err| / bound) is reported, past the bound or not. */
+  /* Every value is checked; the worst one (|err| / bound) is reported, past the bound or not,
+   * and the root mean square of |err| / (rms x sum |w|) beside it. */
   double worst = 0, worst_got = 0;
   size_t worst_i = 0, over = 0;
-  double worst_bound = 0;
+  double worst_bound = 0, sq_sum = 0;
+  size_t sq_count = 0;
   for (int t = 0; t < T; t++) {
     double wsum = 0;
     for (int k = 0; k < K; k++) {
       const int64_t e = w->ranks[me].topk_idx[(size_t)t * K + k];
       if (e >= 0 && e < w->E) wsum += fabs((double)w->ranks[me].topk_weights[(size_t)t * K + k]);
     }
+    const double scale = o->rms * wsum;
     for (int col = 0; col < H; col++) {
       const size_t i = (size_t)t * H + col;
       const double g = epx_ref_bf16_to_float(got[i]), err = fabs(g - o->want[i]);
-      const double bound = 0.03 * o->mag[i] + f->rms_coef * o->rms * wsum + 1e-6;
+      const double bound = 0.03 * o->mag[i] + f->rms_coef * scale + 1e-6;
       if (!(err <= bound)) over++;
       if (!isnan(worst) && !(err / bound <= worst)) { /* a NaN is the worst, and stays so */
         worst = err / bound, worst_i = i, worst_got = g, worst_bound = bound;
       }
+      if (scale > 0) sq_sum += (err / scale) * (err / scale), sq_count++;
     }
   }
-  const int rc = over ? TEST_FAIL : TEST_PASS;
+  const double rms_err = sq_count ? sqrt(sq_sum / (double)sq_count) : 0;
+  const int rms_over = f->rms_err_max > 0 && !(rms_err <= f->rms_err_max);
+  const int rc = over || rms_over ? TEST_FAIL : TEST_PASS;
   if (over)
     fprintf(stderr,
             "  %s: rank %d: %zu values past the bound; worst out[%zu][%zu] = %.6g, oracle %.6g "
             "(|err| / bound %.3g, bound %.3g, rms %.3g)\n",
             label, me, over, worst_i / H, worst_i % H, worst_got, o->want[worst_i], worst,
             worst_bound, o->rms);
-  else if (me == 0)
-    printf("  %s: ok, worst |err| / bound %.3f (rms of FFN rows %.3g)\n", label, worst, o->rms);
+  if (rms_over)
+    fprintf(stderr, "  %s: rank %d: rms of |err| / (rms x sum |w|) %.4f, bound %.3f\n", label, me,
+            rms_err, f->rms_err_max);
+  else if (!over && me == 0)
+    printf(
+        "  %s: ok, worst |err| / bound %.3f, rms of |err| / (rms x sum |w|) %.4f (rms of FFN "
+        "rows %.3g)\n",
+        label, worst, rms_err, o->rms);
   free(got);
   return rc;
 }

@@ -33,6 +33,13 @@ void world_free(world_t *w) {
   memset(w, 0, sizeof *w);
 }
 
+long long world_first_bad_id(const world_t *w, int s) {
+  const long long n = (long long)w->ranks[s].num_tokens * w->K;
+  for (long long i = 0; i < n; i++)
+    if (w->idx[s][i] < -1 || w->idx[s][i] >= w->E) return i;
+  return -1;
+}
+
 /* One value of x and, for WORLD_NORMAL, of x8: the draws of each payload, in their order. */
 static void draw_element(world_t *w, int s, size_t i, uint64_t *rng) {
   float v = 4.f * epx_test_rand_unit(rng) - 2.f;

@@ -71,6 +71,10 @@ void world_route_token(int64_t *ids, int K, int E, int R, route_t route, uint64_
 void world_make(world_t *w, int R, const world_spec_t *spec, world_payload_t payload,
                 uint64_t *rng);
 void world_free(world_t *w);
+/* The flat position of rank s's first id outside [-1, E), or -1: where a dispatch's async error
+ * must point, and whether there must be one (ROUTE_BAD may draw none for a rank with few tokens).
+ */
+long long world_first_bad_id(const world_t *w, int s);
 
 /* Device buffers for any world of w's shape: M tokens of inputs and output, y_rows rows of
  * expert output. */

@@ -85,21 +85,13 @@ void soak_result(soak_rank_t *s, int check_result, const char *what) {
             SOAK_PRINT_WRONG);
 }
 
-/* The flat position of the first id of rank me outside [-1, E), or -1. */
-static long long first_bad_id(const world_t *w, int me) {
-  const long long n = (long long)w->ranks[me].num_tokens * w->K;
-  for (long long i = 0; i < n; i++)
-    if (w->idx[me][i] < -1 || w->idx[me][i] >= w->E) return i;
-  return -1;
-}
-
 int soak_check_async(soak_rank_t *s, const world_t *w, int stage) {
   epx_async_error_t err;
   if (epx_group_get_async_error(s->g, &err) != EPX_OK) {
     fprintf(s->msg, "epx_soak rank %d: epx_group_get_async_error: %s\n", s->rank, epx_last_error());
     return -1;
   }
-  const long long bad = w ? first_bad_id(w, s->rank) : -1;
+  const long long bad = w ? world_first_bad_id(w, s->rank) : -1;
   const long long value = bad >= 0 ? (long long)w->idx[s->rank][bad] : 0;
   const int quiet = s->wrong >= SOAK_PRINT_WRONG;
   if (err.status == EPX_OK) {
