@@ -482,6 +482,7 @@ def _prefill_reference(ctx, world, weights, I):
     out = torch.zeros_like(x)
     mag = torch.zeros_like(x)
     wsum = torch.zeros(x.shape[0], device=ctx.device)
+    y_sq, y_count = 0.0, 0  # rms(FFN) is over the FFN rows, not over out (already weighted)
     for k in range(idx.shape[1]):
         for e in idx[:, k].unique().tolist():
             if e < 0:
@@ -494,7 +495,8 @@ def _prefill_reference(ctx, world, weights, I):
             out[rows] += w[rows, k:k + 1] * y
             mag[rows] += w[rows, k:k + 1].abs() * y.abs()
             wsum[rows] += w[rows, k].abs()
-    rms = out.pow(2).mean().sqrt() if out.numel() else torch.zeros((), device=ctx.device)
+            y_sq, y_count = y_sq + y.pow(2).sum().item(), y_count + y.numel()
+    rms = (y_sq / y_count) ** 0.5 if y_count else 0.0
     return out, 0.03 * mag + 0.02 * (rms + 1e-3) * wsum[:, None]
 
 
