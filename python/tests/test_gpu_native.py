@@ -968,6 +968,9 @@ def _l_moe(ctx):
             c.check(out.data_ptr() == given.data_ptr(), "moe_decode(out=...) returned another tensor")
         want, mag, wsum, rms = _moe_reference(ctx, world, gate_up, down)
         c.close(out, want, 0.03 * mag + 0.02 * rms * wsum + 1e-6, f"moe_decode ({routing})")
+        # The CPU oracle takes seconds, longer on a rank with more tokens: meet before the next
+        # layer call, or an early rank's low-latency wait runs out on a late one (peer masked).
+        ctx.barrier()
     c.raises(epx.errors.EpxInvalidArgument, lambda: g.moe_decode(None, x, idx, w),
              "moe_decode(experts=None)", contains=("experts",))
     c.check(g.async_error() is None, f"async error after moe_decode: {g.async_error()}")
