@@ -958,8 +958,14 @@ typedef struct epx_moe_prefill *epx_moe_prefill_t;
 /* Which GEMMs run the experts' FFN. */
 typedef enum epx_moe_ffn_backend {
   EPX_MOE_FFN_AUTO = 0,   /* cuBLAS where it has a kernel for the weights, else EPX */
-  EPX_MOE_FFN_CUBLAS = 1, /* cuBLAS / cuBLASLt; refused at creation if it has no kernel */
-  EPX_MOE_FFN_EPX = 2     /* epx_experts_ffn (built for decode sizes) */
+  EPX_MOE_FFN_CUBLAS = 1, /* cuBLAS / cuBLASLt, one GEMM per (expert, projection) over the GEMM
+                             lanes; refused at creation if it has no kernel */
+  EPX_MOE_FFN_EPX = 2,    /* epx_experts_ffn (built for decode sizes) */
+  EPX_MOE_FFN_CUBLAS_GROUPED = 3 /* BF16 weights only: cuBLAS's grouped GEMM
+                                    (cublasGemmGroupedBatchedEx, cuBLAS 12.5+), one call per
+                                    projection for all of a chunk's experts: two host calls per
+                                    chunk instead of two per expert (docs/moe.md). Refused at
+                                    creation with FP8 weights, or where cuBLAS lacks it */
 } epx_moe_ffn_backend_t;
 
 typedef struct epx_moe_prefill_config {
@@ -991,11 +997,11 @@ typedef struct epx_moe_prefill_config {
 
 /* What a plan resolved (epx_moe_prefill_get_info). */
 typedef struct epx_moe_prefill_info {
-  size_t size;            /* sizeof(epx_moe_prefill_info_t); set by EPX_MOE_PREFILL_INFO_INIT */
-  int num_chunks;         /* [OUT] of an overlapped call */
-  int num_groups;         /* [OUT] 1 (chain only) or 2 */
-  int ffn_backend;        /* [OUT] EPX_MOE_FFN_CUBLAS or EPX_MOE_FFN_EPX */
-  int gemm_sms;           /* [OUT] SM count target of overlapped GEMMs */
+  size_t size;     /* sizeof(epx_moe_prefill_info_t); set by EPX_MOE_PREFILL_INFO_INIT */
+  int num_chunks;  /* [OUT] of an overlapped call */
+  int num_groups;  /* [OUT] 1 (chain only) or 2 */
+  int ffn_backend; /* [OUT] EPX_MOE_FFN_CUBLAS, EPX_MOE_FFN_CUBLAS_GROUPED or EPX_MOE_FFN_EPX */
+  int gemm_sms;    /* [OUT] SM count target of overlapped GEMMs */
   int gate_up_out_fp32;   /* [OUT] FP8 cuBLASLt: 1 if the gate/up GEMM writes float32 (else BF16) */
   int expert_alignment;   /* [OUT] the alignment the layer's dispatches pad each expert to */
   size_t workspace_bytes; /* [OUT] epx_moe_prefill_workspace_size */

@@ -23,7 +23,7 @@
 #        MOE_BENCH=1: build/bin/epx_moe_bench (the decode MoE layer vs its parts, every visible
 #        GPU; MOE_BENCH_ARGS, default "--tokens 8,128"; its table in the summary), then
 #        build/bin/epx_moe_prefill_bench (the prefill MoE layer vs its parts and plain cuBLAS,
-#        every visible GPU; MOE_PREFILL_BENCH_ARGS, default "--tokens 4096 --gemm-lanes 1,4 --timeline
+#        every visible GPU; MOE_PREFILL_BENCH_ARGS, default "--tokens 4096 --gemm-lanes 1,4 --grouped --timeline
 #        OUT/prefill-timeline", the timelines tarred to prefill-timeline.tgz; its table too);
 #        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
 #        last lines in the summary; they need one GPU, not a group);
@@ -158,7 +158,7 @@ if [ -n "${MOE_BENCH:-}" ]; then
   # one layer and one chain call per point under CUPTI: kernel timelines (CSV) and overlap lines
   mkdir -p "$out/prefill-timeline"
   timeout 900 build/bin/epx_moe_prefill_bench \
-    ${MOE_PREFILL_BENCH_ARGS:---tokens 4096 --gemm-lanes 1,4 --timeline "$out/prefill-timeline"} \
+    ${MOE_PREFILL_BENCH_ARGS:---tokens 4096 --gemm-lanes 1,4 --grouped --timeline "$out/prefill-timeline"} \
     >"$out/moe-prefill-bench.log" 2>&1
   prefill_rc=$?
   (cd "$out" && tar czf prefill-timeline.tgz prefill-timeline && rm -rf prefill-timeline)

@@ -10,6 +10,9 @@
  * joins them before the row kernel and at the end. Each lane has its own cuBLAS workspace
  * slice. Experts go to the least-loaded lane by rows (epx__moe_assign_lanes). Once forked, the
  * join is queued whatever fails, so the FFN's stream never runs ahead of a lane's GEMMs.
+ * Grouped (EPX_MOE_FFN_CUBLAS_GROUPED): one cuBLAS call per projection for every expert, on the
+ * FFN's stream, no lanes: two host calls per chunk where the lanes make two per expert (the
+ * per-GEMM host cost bounded the layer: docs/moe.md).
  */
 #include <string.h>
 
@@ -72,6 +75,12 @@ typedef struct {
 
 static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const epx__moe_rows_t *rows,
                             const int *lane, char *blas_ws, cudaStream_t stream) {
+  if (p->grouped) { /* BF16: one call for every expert, on the FFN's stream */
+    const epx__moe_grouped_gemm_t gg = {g->w,        g->w_stride,     g->x,           g->x_row,
+                                        g->y,        g->y_row,        g->n,           g->k,
+                                        rows->count, rows->count_dev, rows->begin_dev};
+    return epx__moe_gemm_bf16_grouped(p, &gg, g->sm_target, blas_ws, stream);
+  }
   EPX_CHECK(fork_lanes(p, stream));
   epx_status_t st = EPX_OK;
   for (int j = 0; j < p->L && st == EPX_OK; j++) {

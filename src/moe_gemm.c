@@ -13,14 +13,19 @@
  *                 A's [k/128, n/128] column-major with its leading dimension k/128 rounded up
  *                 to 4 (the plan repacks the weights' scales so); B's [k/128, rows] with rows
  *                 contiguous (the quantize kernels write each expert's segment so).
+ *   BF16 weights, grouped (EPX_MOE_FFN_CUBLAS_GROUPED): every expert's GEMM of one projection
+ *                 in one cublasGemmGroupedBatchedEx (cuBLAS 12.5+, resolved as optional), its
+ *                 matrix pointers listed on the device by epx__moe_group_ptrs_launch.
  * cuBLASLt algorithms come from its heuristic, cached per (projection, row-count bucket); a
  * cached algorithm that refuses a new size is looked up again for that size.
  * Every cuBLAS failure becomes EPX_ERR_CUDA with cuBLAS's status name.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "blas_lib.h"
 #include "checks.h"
+#include "kernels/api.h"
 #include "moe_prefill.h"
 
 /* cuBLAS's functions, loaded by the first plan's epx__moe_gemm_create (blas_lib.h). */
@@ -59,7 +64,10 @@ epx_status_t epx__moe_gemm_create(epx_moe_prefill_t p) {
   return EPX_OK;
 }
 
+static void grouped_free(epx_moe_prefill_t p); /* below, with the grouped GEMM */
+
 void epx__moe_gemm_destroy(epx_moe_prefill_t p) {
+  grouped_free(p);
   for (int which = 0; which < 2; which++)
     if (p->lt_desc[which]) B->cublasLtMatmulDescDestroy(p->lt_desc[which]);
   if (p->lt) B->cublasLtDestroy(p->lt);
@@ -82,6 +90,81 @@ epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *
   BLAS_CHECK(B->cublasGemmEx(p->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k,
                              x, CUDA_R_16BF, k, &zero, y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
                              CUBLAS_GEMM_DEFAULT));
+  return EPX_OK;
+}
+
+/* The grouped GEMM's per-problem host arrays (one problem per expert with rows; cuBLAS reads
+ * them during the call, so one set per plan serves every call). */
+struct epx__moe_group_host {
+  cublasOperation_t *ta, *tb;
+  int *m, *n, *k, *lda, *ldb, *ldc, *size;
+  float *alpha, *beta;
+};
+
+int epx__moe_gemm_grouped_available(void) {
+  return B && B->cublasGemmGroupedBatchedEx;
+}
+
+epx_status_t epx__moe_gemm_grouped_alloc(epx_moe_prefill_t p) {
+  const size_t L = (size_t)p->L;
+  CUDA_CHECK(cudaMalloc((void **)&p->group_ptrs, 3 * L * sizeof(void *)));
+  struct epx__moe_group_host *h = calloc(1, sizeof *h);
+  if (h) {
+    h->ta = malloc(L * sizeof *h->ta), h->tb = malloc(L * sizeof *h->tb);
+    int **ints[] = {&h->m, &h->n, &h->k, &h->lda, &h->ldb, &h->ldc, &h->size};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) *ints[i] = malloc(L * sizeof(int));
+    h->alpha = malloc(L * sizeof(float)), h->beta = malloc(L * sizeof(float));
+  }
+  p->group_host = h;
+  if (!h || !h->ta || !h->tb || !h->m || !h->n || !h->k || !h->lda || !h->ldb || !h->ldc ||
+      !h->size || !h->alpha || !h->beta)
+    return epx__set_error(EPX_ERR_SYSTEM, "epx_moe_prefill_create: out of host memory");
+  return EPX_OK;
+}
+
+static void grouped_free(epx_moe_prefill_t p) {
+  if (p->group_ptrs) cudaFree(p->group_ptrs);
+  struct epx__moe_group_host *h = p->group_host;
+  if (h) {
+    void *all[] = {h->ta,  h->tb,  h->m,    h->n,     h->k,   h->lda,
+                   h->ldb, h->ldc, h->size, h->alpha, h->beta};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
+    free(h);
+  }
+  p->group_ptrs = NULL;
+  p->group_host = NULL;
+}
+
+epx_status_t epx__moe_gemm_bf16_grouped(epx_moe_prefill_t p, const epx__moe_grouped_gemm_t *g,
+                                        int sm_target, void *blas_ws, cudaStream_t stream) {
+  struct epx__moe_group_host *h = p->group_host;
+  if (!h || !p->group_ptrs || !epx__moe_gemm_grouped_available())
+    return epx__set_error(EPX_ERR_INTERNAL, "epx_moe_prefill: the grouped GEMM was not set up");
+  /* The problems in expert order, as the pointer kernel lists them (the same counts). In
+   * cuBLAS's column-major terms each is C (n x rows) = A^T (A: k x n) B (k x rows). */
+  int G = 0;
+  for (int j = 0; j < p->L; j++) {
+    if (g->count[j] <= 0) continue;
+    h->ta[G] = CUBLAS_OP_T, h->tb[G] = CUBLAS_OP_N;
+    h->m[G] = g->n, h->n[G] = g->count[j], h->k[G] = g->k;
+    h->lda[G] = g->k, h->ldb[G] = g->k, h->ldc[G] = g->n;
+    h->size[G] = 1, h->alpha[G] = 1.f, h->beta[G] = 0.f;
+    G++;
+  }
+  if (G == 0) return EPX_OK;
+  const size_t L = (size_t)p->L;
+  const epx__moe_group_ptrs_launch_args_t pa = {g->w, g->w_stride,  g->x,         g->x_row,
+                                                g->y, g->y_row,     g->begin_dev, g->count_dev,
+                                                p->L, p->group_ptrs};
+  EPX_CHECK(epx__moe_group_ptrs_launch(&pa, stream));
+  BLAS_CHECK(B->cublasSetStream(p->blas, stream));
+  BLAS_CHECK(B->cublasSetWorkspace(p->blas, blas_ws, EPX__MOE_BLAS_WS));
+  BLAS_CHECK(B->cublasSetSmCountTarget(p->blas, sm_target));
+  void **ptrs = p->group_ptrs;
+  BLAS_CHECK(B->cublasGemmGroupedBatchedEx(
+      p->blas, h->ta, h->tb, h->m, h->n, h->k, h->alpha, (const void *const *)ptrs, CUDA_R_16BF,
+      h->lda, (const void *const *)(ptrs + L), CUDA_R_16BF, h->ldb, h->beta, ptrs + 2 * L,
+      CUDA_R_16BF, h->ldc, G, h->size, CUBLAS_COMPUTE_32F));
   return EPX_OK;
 }
 

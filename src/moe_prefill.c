@@ -3,7 +3,8 @@
  * (docs/moe.md, "MoE layer at prefill"), and its plan. Per chunk of tokens:
  *   epx_dispatch_expand (sync_counts = 1: the host learns each local expert's rows)  ->
  *   the FFN on the compute stream (src/moe_ffn.c: cuBLAS GEMMs per expert over the plan's
- *   GEMM lanes, the row kernel between them; or epx_experts_ffn)  ->  epx_combine_expand
+ *   GEMM lanes, or one grouped GEMM per projection, the row kernel between them; or
+ *   epx_experts_ffn)  ->  epx_combine_expand
  *   (weighted).
  *
  * Overlap: chunk c uses group c % 2 and its handle. Every dispatch and combine goes on the
@@ -201,6 +202,16 @@ static epx_status_t repack_scales(const float *src, int E, int n, int k, float *
 /* Which backend runs the FFN, and the gate/up output type of FP8 cuBLASLt. */
 static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int asked) {
   p->backend = asked == EPX_MOE_FFN_EPX || p->no_blas ? EPX_MOE_FFN_EPX : EPX_MOE_FFN_CUBLAS;
+  if (asked == EPX_MOE_FFN_CUBLAS_GROUPED) { /* BF16 weights (checked), cuBLAS loaded */
+    if (!epx__moe_gemm_grouped_available())
+      return epx__set_error(EPX_ERR_UNSUPPORTED,
+                            "%s: config->ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED, but the loaded "
+                            "cuBLAS has no cublasGemmGroupedBatchedEx (cuBLAS 12.5+); use "
+                            "EPX_MOE_FFN_CUBLAS",
+                            fn);
+    p->grouped = 1;
+    return epx__moe_gemm_grouped_alloc(p);
+  }
   if (p->backend == EPX_MOE_FFN_EPX || p->experts.weight_dtype != EPX_DTYPE_FP8_E4M3) return EPX_OK;
   p->gu_fp32 = 1; /* closest to the oracle: h from float32 gate and up */
   int ok = epx__moe_lt_supported(p, 0);
@@ -245,10 +256,12 @@ static epx_status_t choose_wire(const char *fn, epx_moe_prefill_t p, int asked) 
   return EPX_OK;
 }
 
-/* The GEMM lanes (moe_ffn.c): `asked` (0: auto) with the cuBLAS backend, else 1; lanes 1..
- * are streams of the compute stream's priority. */
+/* The GEMM lanes (moe_ffn.c): `asked` (0: auto) with the per-expert cuBLAS GEMMs, else 1 (EPX's
+ * FFN, and the grouped GEMM: one call per projection); lanes 1.. are streams of the compute
+ * stream's priority. */
 static epx_status_t lanes_build(epx_moe_prefill_t p, int asked) {
-  p->lanes = p->backend == EPX_MOE_FFN_CUBLAS ? (asked ? asked : EPX__MOE_AUTO_LANES) : 1;
+  p->lanes =
+      p->backend == EPX_MOE_FFN_CUBLAS && !p->grouped ? (asked ? asked : EPX__MOE_AUTO_LANES) : 1;
   if (p->lanes <= 1) return EPX_OK;
   int least = 0, greatest = 0;
   CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -287,8 +300,10 @@ static epx_status_t plan_build(const char *fn, epx_moe_prefill_t p, int asked) {
   free(host);
   EPX_CHECK(st);
   st = epx__moe_gemm_create(p);
-  /* No cuBLAS on this machine: AUTO runs EPX's own FFN (choose_backend); CUBLAS fails here. */
-  if (st == EPX_ERR_UNSUPPORTED && asked != EPX_MOE_FFN_CUBLAS) {
+  /* No cuBLAS on this machine: AUTO runs EPX's own FFN (choose_backend); the cuBLAS backends
+   * fail here. */
+  if (st == EPX_ERR_UNSUPPORTED && asked != EPX_MOE_FFN_CUBLAS &&
+      asked != EPX_MOE_FFN_CUBLAS_GROUPED) {
     p->no_blas = 1;
     return EPX_OK;
   }
@@ -317,9 +332,9 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
       cfg.num_chunks == 0 || (cfg.num_chunks >= 2 && cfg.num_chunks <= EPX__MOE_MAX_CHUNKS),
       "%s: config->num_chunks = %d: must be 0 (auto) or in [2, %d]", fn, cfg.num_chunks,
       EPX__MOE_MAX_CHUNKS);
-  EPX_ARG_CHECK(cfg.ffn_backend >= EPX_MOE_FFN_AUTO && cfg.ffn_backend <= EPX_MOE_FFN_EPX,
-                "%s: config->ffn_backend = %d: must be an epx_moe_ffn_backend_t", fn,
-                cfg.ffn_backend);
+  EPX_ARG_CHECK(
+      cfg.ffn_backend >= EPX_MOE_FFN_AUTO && cfg.ffn_backend <= EPX_MOE_FFN_CUBLAS_GROUPED,
+      "%s: config->ffn_backend = %d: must be an epx_moe_ffn_backend_t", fn, cfg.ffn_backend);
   epx_group_t g = groups[0];
   EPX_ARG_CHECK(cfg.gemm_sms >= 0 && cfg.gemm_sms <= g->num_device_sms,
                 "%s: config->gemm_sms = %d: must be in [0, the GPU's %d SMs]", fn, cfg.gemm_sms,
@@ -332,6 +347,11 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   EPX_ARG_CHECK(cfg.gemm_lanes >= 0 && cfg.gemm_lanes <= EPX__MOE_MAX_LANES,
                 "%s: config->gemm_lanes = %d: must be 0 (auto) or in [1, %d]", fn, cfg.gemm_lanes,
                 EPX__MOE_MAX_LANES);
+  EPX_ARG_CHECK(
+      cfg.ffn_backend != EPX_MOE_FFN_CUBLAS_GROUPED || experts->weight_dtype == EPX_DTYPE_BF16,
+      "%s: config->ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED needs BF16 weights (cuBLAS's "
+      "grouped GEMM has no FP8 block scaling); use EPX_MOE_FFN_CUBLAS for FP8",
+      fn);
 
   epx_moe_prefill_t p = calloc(1, sizeof *p);
   if (!p) return epx__set_error(EPX_ERR_SYSTEM, "%s: out of host memory", fn);
@@ -408,7 +428,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill_get_info(epx_moe_prefill_t p,
                                    "EPX_MOE_PREFILL_INFO_INIT"));
   info->num_chunks = p->num_chunks;
   info->num_groups = p->num_groups;
-  info->ffn_backend = p->backend;
+  info->ffn_backend = p->grouped ? EPX_MOE_FFN_CUBLAS_GROUPED : p->backend;
   info->gemm_sms = p->gemm_sms;
   info->gate_up_out_fp32 = p->gu_fp32;
   info->expert_alignment = EPX__MOE_ALIGN;

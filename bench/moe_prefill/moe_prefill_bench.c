@@ -19,12 +19,14 @@
  * a group barrier; rank 0 prints median and min over --iters. Columns: lay/max = layer /
  * max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target >= 1.15),
  * cub/gem = cublas / gemms (target >= 0.70); ln = the plan's GEMM lanes (--gemm-lanes, a list
- * to compare them in one run). --timeline DIR: after the timed calls, one layer and one chain
- * call under CUPTI: rank 0's kernels to DIR/<shape>-<dtype>-T<T>-R<R>-ln<lanes>-<variant>.csv and
- * one "# timeline" line each: how long communication kernels ran beside compute kernels. Shapes:
- * DeepSeek-V3's experts (H 7168, I 2048, 256 experts) and Qwen3-30B-A3B's (H 2048, I 768, 128),
- * top-8, uniform routing, --tokens per rank (default 4096); weights BF16, or FP8 with 128x128 block
- * scales. Random values; nothing is checked here (tests/gpu/test_moe_prefill.c does that).
+ * to compare them in one run); ffn = cublas (per-expert GEMMs), group (--grouped: BF16 points
+ * once more with EPX_MOE_FFN_CUBLAS_GROUPED, one grouped GEMM per projection) or epx. --timeline
+ * DIR: after the timed calls, one layer and one chain call under CUPTI: rank 0's kernels to
+ * DIR/<shape>-<dtype>-T<T>-R<R>-ln<lanes>-<variant>.csv and one "# timeline" line each: how long
+ * communication kernels ran beside compute kernels. Shapes: DeepSeek-V3's experts (H 7168, I 2048,
+ * 256 experts) and Qwen3-30B-A3B's (H 2048, I 768, 128), top-8, uniform routing, --tokens per rank
+ * (default 4096); weights BF16, or FP8 with 128x128 block scales. Random values; nothing is checked
+ * here (tests/gpu/test_moe_prefill.c does that).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,7 +50,15 @@ typedef struct {
   int iters, warmup, ranks, chunks;
   int lanes[MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
   const char *timeline;           /* --timeline DIR: one layer and one chain call's kernels */
+  int grouped;                    /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED */
 } options_t;
+
+/* The ffn column: which GEMMs ran. */
+static const char *ffn_name(int backend) {
+  return backend == EPX_MOE_FFN_CUBLAS           ? "cublas"
+         : backend == EPX_MOE_FFN_CUBLAS_GROUPED ? "group"
+                                                 : "epx";
+}
 
 enum { V_LAYER, V_CHAIN, V_GEMMS, V_COMM, V_CUBLAS, NUM_VARIANTS };
 static const char *const kVariantNames[NUM_VARIANTS] = {"layer", "chain", "gemms", "comm",
@@ -210,7 +220,7 @@ static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const opti
 }
 
 static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, int fp8, int T,
-                       int lanes, const options_t *o, cudaStream_t stream) {
+                       int lanes, int backend, const options_t *o, cudaStream_t stream) {
   bench_ctx_t c;
   memset(&c, 0, sizeof c);
   c.T = T;
@@ -225,6 +235,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   epx_moe_prefill_config_t pc = EPX_MOE_PREFILL_CONFIG_INIT;
   pc.num_chunks = o->chunks;
   pc.gemm_lanes = lanes;
+  pc.ffn_backend = backend;
   BENCH_EPX(epx_moe_prefill_create(c.g, 2, &c.ex, &pc, &c.plan));
   epx_moe_prefill_info_t info = EPX_MOE_PREFILL_INFO_INIT;
   BENCH_EPX(epx_moe_prefill_get_info(c.plan, &info));
@@ -267,7 +278,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   float med[NUM_VARIANTS], mn[NUM_VARIANTS];
   for (int v = 0; v < NUM_VARIANTS; v++) {
     med[v] = mn[v] = -1.f;
-    if (v == V_CUBLAS && info.ffn_backend != EPX_MOE_FFN_CUBLAS) continue;
+    if (v == V_CUBLAS && info.ffn_backend == EPX_MOE_FFN_EPX) continue;
     if (time_variant(&c, v, stream, o, &med[v], &mn[v])) return -1;
   }
   for (int i = 0; i < 3; i++) {
@@ -281,7 +292,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   if (rank == 0) {
     const float base = med[V_GEMMS] > med[V_COMM] ? med[V_GEMMS] : med[V_COMM];
     printf("%-9s %-4s %5d %3d %-6s %2d %-4s %6d", s->name, fp8 ? "fp8" : "bf16", T, R,
-           info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cublas" : "epx", info.gemm_lanes,
+           ffn_name(info.ffn_backend), info.gemm_lanes,
            info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16", c.held.num_rows);
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
     printf(" %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
@@ -293,7 +304,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
     for (int v = V_LAYER; v <= V_CHAIN; v++) {
       char tag[128];
       snprintf(tag, sizeof tag, "%s-%s-T%d-R%d-%s-ln%d-%s", s->name, fp8 ? "fp8" : "bf16", T, R,
-               info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cublas" : "epx", lanes, kVariantNames[v]);
+               ffn_name(info.ffn_backend), info.gemm_lanes, kVariantNames[v]);
       if (timeline(&c, v, rank, tag, o, stream)) return -1;
     }
   BENCH_EPX(epx_moe_prefill_destroy(c.plan));
@@ -335,10 +346,15 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   int rc = 0;
   for (int i = 0; i < o->num_shapes && !rc; i++)
     for (int j = 0; j < o->num_dtypes && !rc; j++)
-      for (int k = 0; k < o->num_tokens && !rc; k++)
+      for (int k = 0; k < o->num_tokens && !rc; k++) {
+        const moe_shape_t *s = &moe_shapes[o->shapes[i]];
         for (int m = 0; m < o->num_lanes && !rc; m++)
-          rc = bench_point(comm, rank, R, &moe_shapes[o->shapes[i]], o->fp8[j], o->tokens[k],
-                           o->lanes[m], o, stream);
+          rc = bench_point(comm, rank, R, s, o->fp8[j], o->tokens[k], o->lanes[m], EPX_MOE_FFN_AUTO,
+                           o, stream);
+        if (!rc && o->grouped && !o->fp8[j]) /* one call per projection: no lanes */
+          rc = bench_point(comm, rank, R, s, 0, o->tokens[k], 0, EPX_MOE_FFN_CUBLAS_GROUPED, o,
+                           stream);
+      }
   cudaStreamDestroy(stream);
   ncclCommDestroy(comm);
   return rc;
@@ -347,7 +363,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
   bench_program = "epx_moe_prefill_bench";
-  options_t o = {{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0, 0, {0}, 1, NULL};
+  options_t o = {{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0, 0, {0}, 1, NULL, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--tokens") && v) {
@@ -365,6 +381,8 @@ int main(int argc, char **argv) {
       o.chunks = atoi(v), i++;
     } else if (!strcmp(a, "--timeline") && v) {
       o.timeline = v, i++;
+    } else if (!strcmp(a, "--grouped")) {
+      o.grouped = 1;
     } else if (!strcmp(a, "--gemm-lanes") && v) {
       if (bench_parse_list(a, v, 0, 8, MAX_LIST, o.lanes, &o.num_lanes)) return 2;
       i++;
@@ -372,7 +390,7 @@ int main(int argc, char **argv) {
       fprintf(stderr,
               "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
               "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
-              "[--gemm-lanes 1,4 (0 = the plan's default)] [--timeline DIR]\n",
+              "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped] [--timeline DIR]\n",
               argv[0]);
       return 2;
     }

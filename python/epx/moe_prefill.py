@@ -12,14 +12,15 @@ from . import _capi, _tensors, errors
 from ._tensors import _torch, data_ptr, invalid_argument
 from ._tensors import stream_ptr as _stream_ptr
 
-FFN_BACKENDS = {"auto": 0, "cublas": 1, "epx": 2}
+FFN_BACKENDS = {"auto": 0, "cublas": 1, "epx": 2, "cublas_grouped": 3}
 
 
 class MoePrefill:
     """A prefill-layer plan (epx_moe_prefill_create; not collective). groups: one epx.Group or
     a list of one or two with identical configs (normal mode, BF16, expand_max_rows >= R x
     max_tokens_per_rank x min(K, E/R) + 3 E/R); experts: this rank's epx.Experts; num_chunks:
-    chunks of an overlapped call (0: 2); ffn_backend: "auto", "cublas" or "epx"; gemm_sms: SMs
+    chunks of an overlapped call (0: 2); ffn_backend: "auto", "cublas", "cublas_grouped" (BF16
+    weights: one cuBLAS grouped GEMM per projection for all experts) or "epx"; gemm_sms: SMs
     the GEMMs are tuned for (0: the GPU's minus the group's num_sms); gemm_lanes: streams the
     per-expert GEMMs run on at once (0: 4; cuBLAS backend); dispatch_dtype: what crosses NVLink,
     "auto" (FP8 with FP8 weights on cuBLAS and groups with dtypes including "fp8"), "bf16" or
@@ -58,7 +59,8 @@ class MoePrefill:
         self.num_chunks, self.gemm_sms = info.num_chunks, info.gemm_sms
         self.gemm_lanes = info.gemm_lanes
         self.dispatch_dtype = "fp8" if info.dispatch_dtype == _capi.EPX_DTYPE_FP8_E4M3 else "bf16"
-        self.ffn_backend = {1: "cublas", 2: "epx"}.get(info.ffn_backend, str(info.ffn_backend))
+        names = {v: k for k, v in FFN_BACKENDS.items()}
+        self.ffn_backend = names.get(info.ffn_backend, str(info.ffn_backend))
         self.workspace_bytes = info.workspace_bytes
         g = groups[0]
         self.device, self._dims = g.device, g._dims

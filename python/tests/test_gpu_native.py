@@ -502,7 +502,8 @@ def _prefill_reference(ctx, world, weights, I):
 
 def _n_moe_prefill(ctx):
     """epx.MoePrefill on two groups with expert-major buffers: the chain and the overlapped
-    layer against a plain-torch layer, uniform and adversarial routings, BF16 weights."""
+    layer against a plain-torch layer, uniform and adversarial routings, BF16 weights, on the
+    per-expert cuBLAS GEMMs (auto) and on cuBLAS's grouped GEMM."""
     c, epx = ctx.checks, ctx.epx
     L, I = ctx.E // ctx.R, 256
     rows = ctx.R * N_M * min(N_K, L) + 3 * L
@@ -510,16 +511,19 @@ def _n_moe_prefill(ctx):
     weights = [_prefill_experts(ctx, d, I) for d in range(ctx.R)]
     layer = None
     try:
-        layer = epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]))
-        c.check(layer.ffn_backend == "cublas", f"MoePrefill chose {layer.ffn_backend}")
-        for k, routing in enumerate(("uniform", "one_expert", "holes", "empty_rank")):
-            world = ctx.world(40 + k, routing)
-            x, idx, w = inputs(ctx, world)
-            want, bound = _prefill_reference(ctx, world, weights, I)
-            for overlap in (False, True):
-                out = layer(x, idx, w, overlap=overlap)
-                c.close(out, want, bound, f"moe prefill {routing} overlap={overlap}")
-            ctx.barrier()
+        for backend, chosen in (("auto", "cublas"), ("cublas_grouped", "cublas_grouped")):
+            layer = epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]), ffn_backend=backend)
+            c.check(layer.ffn_backend == chosen, f"MoePrefill({backend}) chose {layer.ffn_backend}")
+            for k, routing in enumerate(("uniform", "one_expert", "holes", "empty_rank")):
+                world = ctx.world(40 + k, routing)
+                x, idx, w = inputs(ctx, world)
+                want, bound = _prefill_reference(ctx, world, weights, I)
+                for overlap in (False, True):
+                    out = layer(x, idx, w, overlap=overlap)
+                    c.close(out, want, bound, f"moe prefill {backend} {routing} overlap={overlap}")
+                ctx.barrier()
+            layer.destroy()
+            layer = None
     finally:
         if layer is not None:
             layer.destroy()

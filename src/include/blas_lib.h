@@ -36,9 +36,14 @@
   X(1, cublasLtMatrixLayoutCreate)           \
   X(1, cublasLtMatrixLayoutDestroy)
 
+/* Functions a cuBLAS may lack (newer than the oldest it runs with): NULL members then, and only
+ * the feature that needs one is refused. cublasGemmGroupedBatchedEx: cuBLAS 12.5+. */
+#define EPX__BLAS_OPTIONAL_FUNCTIONS(X) X(0, cublasGemmGroupedBatchedEx)
+
 typedef struct epx__blas {
 #define EPX__BLAS_MEMBER(lib, name) __typeof__(&name) name;
   EPX__BLAS_FUNCTIONS(EPX__BLAS_MEMBER)
+  EPX__BLAS_OPTIONAL_FUNCTIONS(EPX__BLAS_MEMBER)
 #undef EPX__BLAS_MEMBER
 } epx__blas_t;
 

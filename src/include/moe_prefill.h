@@ -87,6 +87,12 @@ struct epx_moe_prefill {
   int scales_kb[2]; /* kb4: k/128 rounded up to a multiple of 4 */
   /* [num_chunks x max_tokens_per_rank x K] 1.0f: the weights of calls without */
   float *ones;
+  /* EPX_MOE_FFN_CUBLAS_GROUPED (backend CUBLAS, BF16 weights, one lane): one grouped GEMM per
+   * projection. group_ptrs: device [3][L], the problems' A, B, C (epx__moe_group_ptrs_launch);
+   * group_host: the host arrays cuBLAS takes per problem (moe_gemm.c). */
+  int grouped;
+  void **group_ptrs;
+  struct epx__moe_group_host *group_host;
   epx__moe_lt_algo_t algos[EPX__MOE_LT_CACHE];
 };
 
@@ -122,6 +128,29 @@ epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t 
  * GEMM on another stream uses meanwhile (a lane's slice). */
 epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *x, void *y, int n,
                                 int k, int rows, int sm_target, void *blas_ws, cudaStream_t stream);
+/* BF16, grouped (plan->grouped): every expert j with count[j] > 0 rows in one
+ * cublasGemmGroupedBatchedEx, y_j[count[j], n] = x_j[count[j], k] w_j[n, k]^T with w_j at
+ * w + j * w_stride, x_j at x + begin[j] * x_row, y_j at y + begin[j] * y_row (bytes). count: the
+ * host's copy of count_dev; begin_dev: device [L + 1]. */
+typedef struct {
+  const char *w;
+  size_t w_stride;
+  const char *x;
+  size_t x_row;
+  char *y;
+  size_t y_row;
+  int n, k;
+  const int *count;     /* host [L] */
+  const int *count_dev; /* device [L] */
+  const int *begin_dev; /* device [L + 1] */
+} epx__moe_grouped_gemm_t;
+epx_status_t epx__moe_gemm_bf16_grouped(epx_moe_prefill_t p, const epx__moe_grouped_gemm_t *g,
+                                        int sm_target, void *blas_ws, cudaStream_t stream);
+/* Whether the loaded cuBLAS has the grouped GEMM (12.5+); 0 before epx__moe_gemm_create. */
+int epx__moe_gemm_grouped_available(void);
+/* The grouped GEMM's device pointer arrays and host scratch for L experts (plan->grouped);
+ * released by epx__moe_gemm_destroy. */
+epx_status_t epx__moe_gemm_grouped_alloc(epx_moe_prefill_t p);
 /* FP8 (cuBLASLt block scaling): w [n, k] E4M3 with w_scales [n/128][kb4] (128x128 blocks), x
  * [rows, k] E4M3 with x_scales [k/128][rows] (1x128 blocks, rows contiguous; rows a multiple of
  * 4), y float32 (which 0 with gu_fp32) or BF16. which: 0 gate/up, 1 down. */

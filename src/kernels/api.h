@@ -294,6 +294,27 @@ typedef struct epx__moe_segment_scales_launch_args {
 epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch_args_t *args,
                                             cudaStream_t stream);
 
+/* The prefill layer's grouped GEMM (EPX_MOE_FFN_CUBLAS_GROUPED, moe_gemm.c): cuBLAS takes the
+ * problems' matrices as device arrays of pointers. For the experts with rows (count[j] > 0), in
+ * expert order, ptrs[i] = w + j * w_stride (A: the weights), ptrs[L + i] = x + begin[j] * x_row
+ * (B: the rows), ptrs[2 L + i] = y + begin[j] * y_row (C: the outputs), L = num_experts: the
+ * order in which the host, from its copy of the same counts, lists the problems' sizes. */
+typedef struct epx__moe_group_ptrs_launch_args {
+  const char *w;
+  size_t w_stride; /* bytes */
+  const char *x;
+  size_t x_row; /* bytes */
+  char *y;
+  size_t y_row;     /* bytes */
+  const int *begin; /* device [num_experts + 1] */
+  const int *count; /* device [num_experts] */
+  int num_experts;
+  void **ptrs; /* device [3 x num_experts] */
+} epx__moe_group_ptrs_launch_args_t;
+
+epx_status_t epx__moe_group_ptrs_launch(const epx__moe_group_ptrs_launch_args_t *args,
+                                        cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

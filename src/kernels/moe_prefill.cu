@@ -4,7 +4,8 @@
  * expert-major rows, with the scales in the per-segment layout cuBLASLt's 1x128 block scaling
  * reads; and for FP8 on the wire, the quantization of a chunk's tokens before its dispatch
  * (epx__moe_quantize_tokens_launch) and the received scales into the per-segment layout
- * (epx__moe_segment_scales_launch).
+ * (epx__moe_segment_scales_launch); for the grouped GEMM, its device arrays of matrix pointers
+ * (epx__moe_group_ptrs_launch).
  *
  * Roles: one warp per (row, 512 channels); lane i holds channels [16 i, 16 i + 16) of the
  * 512, so one 128-channel group is 8 consecutive lanes (fp8.cuh's quantize16_float). Blocks
@@ -150,7 +151,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+/* One warp lists the experts with rows, 32 at a time: a ballot gives each its place. */
+__global__ void __launch_bounds__(32) moe_group_ptrs_kernel(epx__moe_group_ptrs_launch_args_t a) {
+  const int lane = threadIdx.x, L = a.num_experts;
+  int placed = 0;
+  for (int j0 = 0; j0 < L; j0 += 32) {
+    const int j = j0 + lane;
+    const bool has = j < L && __ldg(a.count + j) > 0;
+    const unsigned mask = __ballot_sync(0xffffffffu, has);
+    if (has) {
+      const int i = placed + __popc(mask & ((1u << lane) - 1u));
+      const size_t b = (size_t)__ldg(a.begin + j);
+      a.ptrs[i] = (void *)(a.w + (size_t)j * a.w_stride);
+      a.ptrs[L + i] = (void *)(a.x + b * a.x_row);
+      a.ptrs[2 * L + i] = (void *)(a.y + b * a.y_row);
+    }
+    placed += __popc(mask);
+  }
+}
+
 }  // namespace
+
+extern "C" epx_status_t epx__moe_group_ptrs_launch(const epx__moe_group_ptrs_launch_args_t *a,
+                                                   cudaStream_t stream) {
+  if (a->num_experts <= 0) return EPX_OK;
+  return epx::launch<moe_group_ptrs_kernel>(dim3(1), 32, 0, stream, *a);
+}
 
 extern "C" epx_status_t epx__moe_rows_launch(const epx__moe_rows_launch_args_t *a,
                                              cudaStream_t stream) {

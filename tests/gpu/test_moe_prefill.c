@@ -11,7 +11,9 @@
  *                                  (cuBLAS) and FP8 weights (cuBLASLt where it has the kernel,
  *                                  and EPX's FFN by config); routings uniform, holes, duplicates,
  *                                  all to one expert, all empty, a rank with no token, uneven
- *                                  counts, fewer tokens than chunks, a Qwen3-like shape
+ *                                  counts, fewer tokens than chunks, a Qwen3-like shape;
+ *                                  and BF16 on cuBLAS's grouped GEMM
+ *                                  (EPX_MOE_FFN_CUBLAS_GROUPED)
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
  *                                  queued, then a call that is right
  *
@@ -102,16 +104,22 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
     printf(
         "  %s: backend %s, %d chunks, %d GEMM lanes, %s on the wire, gate/up out %s, "
         "workspace %zu bytes\n",
-        c->name, info.ffn_backend == EPX_MOE_FFN_CUBLAS ? "cuBLAS" : "EPX", info.num_chunks,
-        info.gemm_lanes, info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "FP8" : "BF16",
+        c->name,
+        info.ffn_backend == EPX_MOE_FFN_CUBLAS           ? "cuBLAS"
+        : info.ffn_backend == EPX_MOE_FFN_CUBLAS_GROUPED ? "cuBLAS grouped"
+                                                         : "EPX",
+        info.num_chunks, info.gemm_lanes,
+        info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "FP8" : "BF16",
         info.gate_up_out_fp32 ? "float32" : "BF16", info.workspace_bytes);
   /* auto sends FP8 exactly where the weights are FP8 and the FFN is cuBLAS */
   const int want_fp8 = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS &&
                        c->dispatch_dtype != EPX_DTYPE_BF16;
   EXPECT_EQ_INT(info.dispatch_dtype, want_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16);
+  /* lanes for the per-expert cuBLAS GEMMs only (grouped: one call per projection) */
   EXPECT_EQ_INT(info.gemm_lanes, info.ffn_backend == EPX_MOE_FFN_CUBLAS
                                      ? (c->gemm_lanes ? c->gemm_lanes : EPX__MOE_AUTO_LANES)
                                      : 1);
+  if (c->backend == EPX_MOE_FFN_CUBLAS_GROUPED) EXPECT_EQ_INT(info.ffn_backend, c->backend);
   /* AUTO must pick cuBLAS(Lt) on the lent machines (Hopper, CUDA 13): a silent fallback to
    * EPX's FFN would pass every check below and leave the cuBLASLt path unrun. */
   if (c->backend == EPX_MOE_FFN_AUTO)
@@ -256,6 +264,12 @@ static const prefill_case_t cases[] = {
     {"fp8_fewer_tokens_than_chunks", {8, 256, 4, 4, ROUTE_UNIFORM, 3, -1}, 128, 1, 0, 4, 0, 0},
     {"bf16_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 0, 0, 0, 0},
     {"fp8_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, 0, 0, 0, 0},
+    /* EPX_MOE_FFN_CUBLAS_GROUPED: experts without rows left out of the call, one expert
+     * only, a rank with no token, three chunks, Qwen3's shape */
+    {"bf16_grouped_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 0, 3, 0, 0, 0},
+    {"bf16_grouped_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, 3, 0, 0, 0},
+    {"bf16_grouped_empty_rank", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, 0}, 128, 0, 3, 3, 0, 0},
+    {"bf16_grouped_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 3, 0, 0, 0},
 };
 
 EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
@@ -338,6 +352,16 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
   pc.dispatch_dtype = EPX_DTYPE_FP8_E4M3; /* this fixture's weights are BF16 */
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
                  "config->dispatch_dtype");
+  pc = (epx_moe_prefill_config_t)EPX_MOE_PREFILL_CONFIG_INIT;
+  pc.ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED + 1;
+  EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
+                 "config->ffn_backend");
+  pc.ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED; /* with FP8 weights: no block-scaled grouped GEMM */
+  bad = *ex, bad.weight_dtype = EPX_DTYPE_FP8_E4M3;
+  bad.gate_up_scales = bad.down_scales = (const float *)f.ws; /* any device memory: not read */
+  EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, &bad, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
+                 "EPX_MOE_FFN_CUBLAS_GROUPED");
+  EXPECT(p == NULL);
   pc = (epx_moe_prefill_config_t)EPX_MOE_PREFILL_CONFIG_INIT;
   pc.size = 24; /* a caller built against 0.1.0 */
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
