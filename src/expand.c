@@ -11,7 +11,9 @@
  *   combine:  the expert-side reduce into BF16 partial rows (expand_combine.cu), in the plain
  *             receive slab's rows, which an expert-major dispatch does not use -> today's normal
  *             combine of those rows, unweighted (normal_combine.cu)
- * With sync_counts the host waits for notify only, as epx_dispatch does.
+ * With sync_counts the host waits for notify only, as epx_dispatch does. The dispatch is two
+ * halves (expand.h): queue everything, then wait for the counts; the prefill layer queues the
+ * next chunk's dispatch between them.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -20,6 +22,7 @@
 #include "arg_check.h"
 #include "checks.h"
 #include "dispatch_args.h"
+#include "expand.h"
 #include "group.h"
 #include "handle.h"
 #include "kernels/api.h"
@@ -67,18 +70,20 @@ static epx_status_t check_expand_args(epx_group_t g, const char *fn, const epx_d
   return EPX_OK;
 }
 
-EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
-                                            const epx_dispatch_args_t *a,
-                                            epx_dispatch_expand_result_t *out,
-                                            cudaStream_t stream) {
-  static const char fn[] = "epx_dispatch_expand";
-  EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, out));
+static const char kDispatchFn[] = "epx_dispatch_expand";
+
+epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
+                                          const epx_dispatch_args_t *a, cudaStream_t stream,
+                                          epx__expand_pending_t *pending) {
+  const char *fn = kDispatchFn;
+  memset(pending, 0, sizeof *pending);
+  /* (the result pointer is checked by epx_dispatch_expand; here any non-NULL will do) */
+  EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, pending));
   EPX_CHECK(check_expand_args(g, fn, a));
   epx__dispatch_launch_args_t d;
   EPX_CHECK(epx__dispatch_check_inputs(g, fn, a, stream, &d));
 
   const int error_before = ((volatile epx__error_record_t *)g->error_host)->status;
-  const int L = g->config.num_experts / g->num_ranks;
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   h->num_tokens = a->num_tokens;
@@ -129,15 +134,26 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
     EPX_CHECK(epx__expand_fan_out_launch(&ctx, &fa, stream));
   }
   h->expand = 1;
+  pending->d = d;
+  pending->error_before = error_before;
+  pending->sync_counts = a->sync_counts;
+  pending->num_recv_per_expert = a->num_recv_per_expert;
+  return EPX_OK;
+}
 
+epx_status_t epx__dispatch_expand_finish(epx_group_t g, epx_handle_t h,
+                                         const epx__expand_pending_t *pending,
+                                         epx_dispatch_expand_result_t *out) {
+  const char *fn = kDispatchFn;
+  const int L = g->config.num_experts / g->num_ranks;
   int num_recv = -1, num_rows = -1;
-  if (a->sync_counts) {
+  if (pending->sync_counts) {
     /* The one host synchronization: wait for the count exchange, not for the data. */
     epx_async_error_t err;
     int timed_out = 0;
-    EPX_CHECK(epx__handle_wait_counts(g, h, error_before, &timed_out, &err));
+    EPX_CHECK(epx__handle_wait_counts(g, h, pending->error_before, &timed_out, &err));
     if (timed_out) {
-      fill_result(g, h, &d, -1, -1, out);
+      fill_result(g, h, &pending->d, -1, -1, out);
       return epx__set_error(EPX_ERR_TIMEOUT,
                             "%s: %s; the receive counts are unknown (result->num_rows = -1); see "
                             "epx_group_get_async_error",
@@ -146,16 +162,26 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
     const volatile int *hc = (const volatile int *)h->host_counts;
     num_recv = hc[0];
     num_rows = hc[1 + L];
-    if (a->num_recv_per_expert)
-      for (int j = 0; j < L; j++) a->num_recv_per_expert[j] = hc[1 + j];
+    if (pending->num_recv_per_expert)
+      for (int j = 0; j < L; j++) pending->num_recv_per_expert[j] = hc[1 + j];
   }
-  fill_result(g, h, &d, num_recv, num_rows, out);
+  fill_result(g, h, &pending->d, num_recv, num_rows, out);
   if (num_rows > (int)g->layout.expand_rows)
     return epx__set_error(EPX_ERR_INVALID_ARGUMENT,
                           "%s: this rank receives %d expert-major rows (padding included), "
                           "config.expand_max_rows = %zu; the rows past it were not written",
                           fn, num_rows, g->layout.expand_rows);
   return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
+                                            const epx_dispatch_args_t *a,
+                                            epx_dispatch_expand_result_t *out,
+                                            cudaStream_t stream) {
+  EPX_CHECK(epx__dispatch_check_call(g, h, kDispatchFn, a, out));
+  epx__expand_pending_t pending;
+  EPX_CHECK(epx__dispatch_expand_enqueue(g, h, a, stream, &pending));
+  return epx__dispatch_expand_finish(g, h, &pending, out);
 }
 
 EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,

@@ -15,8 +15,10 @@
  *   - D c (group c % 2) comes after C c-2 on that stream, so chunk c-2's rows and outputs are no
  *     longer needed when the group's receive buffers are overwritten;
  *   - FFN c writes output slot c % 2, which C c-2 (before D c, which FFN c waits for) has read.
- * The host waits in each dispatch for its count exchange; by then FFN c-1 is queued, so the
- * compute stream does not starve while it waits.
+ * The host queues D c+1 (and C c-1 before it) before it waits for chunk c's count exchange and
+ * queues FFN c (epx_dispatch_expand in its two halves, expand.h), so D c+1's transfer runs while
+ * the host is still queueing FFN c's GEMMs; when the host waits, FFN c-1 is queued, so the
+ * compute stream does not starve.
  *
  * Invariant: every argument a step could refuse is checked before the first dispatch; once a
  * dispatch is queued, the call queues every remaining dispatch and every combine, whatever
@@ -28,6 +30,7 @@
 
 #include "arg_check.h"
 #include "checks.h"
+#include "expand.h"
 #include "experts.h"
 #include "group.h"
 #include "handle.h"
@@ -479,11 +482,125 @@ static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_mo
   return EPX_OK;
 }
 
+/* One call's state across its chunks (epx_moe_prefill's loop). Chunk c uses slot c % 2: its
+ * group, handle, counts and output rows. */
+typedef struct {
+  epx_moe_prefill_t p;
+  const epx_moe_prefill_args_t *a;
+  epx__moe_ws_layout_t l;
+  char *ws;
+  cudaStream_t comm, compute;
+  size_t idx_bytes;
+  epx_status_t first; /* the first failure, returned at the end */
+  char message[512];
+  int queued[2];   /* the slot's dispatch reached the GPU: its combine must follow */
+  int enqueued[2]; /* ... without an error: its counts can be waited for */
+  int tok_first[2];
+  int counts[2][EPX_MAX_EXPERTS];
+  epx__expand_pending_t pending[2];
+} chunk_call_t;
+
 /* Remember the first failure with its message. */
-static void keep_first(epx_status_t st, epx_status_t *first, char *message, size_t size) {
-  if (st == EPX_OK || *first != EPX_OK) return;
-  *first = st;
-  snprintf(message, size, "%s", epx_last_error());
+static void keep_first(chunk_call_t *k, epx_status_t st) {
+  if (st == EPX_OK || k->first != EPX_OK) return;
+  k->first = st;
+  snprintf(k->message, sizeof k->message, "%s", epx_last_error());
+}
+
+/* Queue chunk c's dispatch on the communication stream (no host wait: the counts are waited for
+ * in run_ffn, after the next chunk's dispatch is queued). */
+static void enqueue_dispatch(chunk_call_t *k, int n, int c) {
+  epx_moe_prefill_t p = k->p;
+  const epx_moe_prefill_args_t *a = k->a;
+  const int s = c % 2, H = p->H, K = p->K;
+  int t0 = 0, T = 0;
+  epx__moe_chunk(a->num_tokens, n, c, &t0, &T);
+  epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
+  d.x = T > 0 ? (const char *)a->x + (size_t)t0 * H * 2 : a->x;
+  d.x_dtype = EPX_DTYPE_BF16;
+  if (p->wire_fp8) { /* quantize the chunk's tokens on the communication stream, send FP8 */
+    /* every SM in a chain call (alone on the stream); the communication's share beside the
+     * GEMMs when overlapped */
+    const int blocks = 2 * (a->overlap ? p->groups[0]->config.num_sms : p->device_sms);
+    const epx__moe_quantize_tokens_launch_args_t qa = {
+        d.x, k->ws + k->l.send, (float *)(k->ws + k->l.send_s), T, H, blocks};
+    /* A failure is returned at the end; the dispatch goes anyway (every rank must make it,
+     * and in the same dtype: the receivers read FP8 rows). */
+    keep_first(k, epx__moe_quantize_tokens_launch(&qa, k->comm));
+    d.x = k->ws + k->l.send;
+    d.x_dtype = EPX_DTYPE_FP8_E4M3;
+    d.x_scales = (const float *)(k->ws + k->l.send_s); /* [T, H/128], contiguous */
+  }
+  d.topk_idx = T > 0 ? (const char *)a->topk_idx + (size_t)t0 * K * k->idx_bytes : a->topk_idx;
+  d.topk_idx_dtype = a->topk_idx_dtype;
+  d.topk_weights = (a->topk_weights ? a->topk_weights : p->ones) + (size_t)t0 * K;
+  d.num_tokens = T;
+  d.expert_alignment = EPX__MOE_ALIGN;
+  d.sync_counts = 1;
+  d.num_recv_per_expert = k->counts[s];
+  p->handles[s]->expand = 0; /* set again by the dispatch once everything is queued */
+  const epx_status_t st =
+      epx__dispatch_expand_enqueue(p->groups[s], p->handles[s], &d, k->comm, &k->pending[s]);
+  keep_first(k, st);
+  keep_first(k, CUDA_STATUS(cudaEventRecord(p->dispatched[c], k->comm)));
+  k->queued[s] = p->handles[s]->expand;
+  k->enqueued[s] = st == EPX_OK;
+  k->tok_first[s] = t0;
+}
+
+/* Wait for chunk c's counts and queue its FFN on the compute stream once its rows are in; the
+ * FFN's end is recorded whatever failed, for the combine to wait on. */
+static void run_ffn(chunk_call_t *k, int c) {
+  epx_moe_prefill_t p = k->p;
+  const int s = c % 2, L = p->L;
+  epx_dispatch_expand_result_t res;
+  epx_status_t st = k->enqueued[s] ? epx__dispatch_expand_finish(p->groups[s], p->handles[s],
+                                                                 &k->pending[s], &res)
+                                   : EPX_ERR_INTERNAL; /* (its failure is already kept) */
+  if (k->enqueued[s]) keep_first(k, st);
+  if (st == EPX_OK) {
+    int begin[EPX_MAX_EXPERTS + 1];
+    begin[0] = 0;
+    for (int j = 0; j < L; j++)
+      begin[j + 1] =
+          begin[j] + (k->counts[s][j] + EPX__MOE_ALIGN - 1) / EPX__MOE_ALIGN * EPX__MOE_ALIGN;
+    if (begin[L] != res.num_rows) {
+      keep_first(k, epx__set_error(EPX_ERR_INTERNAL,
+                                   "epx_moe_prefill: chunk %d: %d rows from the counts, %d from "
+                                   "the dispatch",
+                                   c, begin[L], res.num_rows));
+    } else {
+      const epx__moe_rows_t rows = {.x = res.recv_x,
+                                    .x_scales = res.recv_x_scales, /* NULL: BF16 rows */
+                                    .num_rows = res.num_rows,
+                                    .count = k->counts[s],
+                                    .begin = begin,
+                                    .count_dev = res.expert_count_device,
+                                    .begin_dev = res.expert_begin_device,
+                                    .y = k->ws + k->l.y[s]};
+      /* Without the wait the FFN would read rows still arriving: skip it then. */
+      const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(k->compute, p->dispatched[c], 0));
+      keep_first(k, ws_st);
+      if (ws_st == EPX_OK)
+        keep_first(k,
+                   epx__moe_ffn(p, &rows, k->a->overlap, k->ws, k->a->workspace_bytes, k->compute));
+    }
+  }
+  keep_first(k, CUDA_STATUS(cudaEventRecord(p->ffn_done[c], k->compute)));
+}
+
+/* Queue chunk c's combine once its FFN is done (queued even after an FFN failure: every peer
+ * waits for this rank's rows). */
+static void enqueue_combine(chunk_call_t *k, int c) {
+  epx_moe_prefill_t p = k->p;
+  const int s = c % 2;
+  if (!k->queued[s]) return;
+  keep_first(k, CUDA_STATUS(cudaStreamWaitEvent(k->comm, p->ffn_done[c], 0)));
+  epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
+  ca.x = k->ws + k->l.y[s];
+  ca.weighted = 1;
+  ca.out = (char *)k->a->out + (size_t)k->tok_first[s] * p->H * 2;
+  keep_first(k, epx_combine_expand(p->groups[s], p->handles[s], &ca, k->comm));
 }
 
 EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,
@@ -492,109 +609,36 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
   EPX_CHECK(plan_check(fn, p));
   const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
   EPX_CHECK(check_call(fn, p, a, &l, stream));
-  const int n = a->overlap ? p->num_chunks : 1, L = p->L, H = p->H, K = p->K;
-  /* Chain: every step on the caller's stream. Overlapped: the plan's two streams, after and
-   * before the caller's. */
-  cudaStream_t comm = a->overlap ? p->comm : stream, compute = a->overlap ? p->compute : stream;
-  char *ws = (char *)a->workspace;
-  const size_t idx_bytes = epx__index_bytes(a->topk_idx_dtype);
+  const int n = a->overlap ? p->num_chunks : 1;
   if (a->overlap) {
     CUDA_CHECK(cudaEventRecord(p->start, stream));
     CUDA_CHECK(cudaStreamWaitEvent(p->comm, p->start, 0));
     CUDA_CHECK(cudaStreamWaitEvent(p->compute, p->start, 0));
   }
-
-  epx_status_t first = EPX_OK;
-  char message[512] = "";
-  int queued[2] = {0, 0};    /* the chunk in the slot was dispatched: its combine must follow */
-  int tok_first[2] = {0, 0}; /* its first token */
-  int counts[2][EPX_MAX_EXPERTS];
-  for (int c = 0; c <= n; c++) {
-    const int s = c % 2;
-    if (c < n) { /* dispatch chunk c */
-      int t0 = 0, T = 0;
-      epx__moe_chunk(a->num_tokens, n, c, &t0, &T);
-      epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
-      d.x = T > 0 ? (const char *)a->x + (size_t)t0 * H * 2 : a->x;
-      d.x_dtype = EPX_DTYPE_BF16;
-      if (p->wire_fp8) { /* quantize the chunk's tokens on the communication stream, send FP8 */
-        /* every SM in a chain call (alone on the stream); the communication's share beside
-         * the GEMMs when overlapped */
-        const int blocks = 2 * (a->overlap ? p->groups[0]->config.num_sms : p->device_sms);
-        const epx__moe_quantize_tokens_launch_args_t qa = {
-            d.x, ws + l.send, (float *)(ws + l.send_s), T, H, blocks};
-        /* A failure is returned at the end; the dispatch goes anyway (every rank must make it,
-         * and in the same dtype: the receivers read FP8 rows). */
-        keep_first(epx__moe_quantize_tokens_launch(&qa, comm), &first, message, sizeof message);
-        d.x = ws + l.send;
-        d.x_dtype = EPX_DTYPE_FP8_E4M3;
-        d.x_scales = (const float *)(ws + l.send_s); /* [T, H/128], contiguous */
-      }
-      d.topk_idx = T > 0 ? (const char *)a->topk_idx + (size_t)t0 * K * idx_bytes : a->topk_idx;
-      d.topk_idx_dtype = a->topk_idx_dtype;
-      d.topk_weights = (a->topk_weights ? a->topk_weights : p->ones) + (size_t)t0 * K;
-      d.num_tokens = T;
-      d.expert_alignment = EPX__MOE_ALIGN;
-      d.sync_counts = 1;
-      d.num_recv_per_expert = counts[s];
-      epx_dispatch_expand_result_t res;
-      p->handles[s]->expand = 0; /* set again by the dispatch once everything is queued */
-      const epx_status_t st = epx_dispatch_expand(p->groups[s], p->handles[s], &d, &res, comm);
-      keep_first(st, &first, message, sizeof message);
-      keep_first(CUDA_STATUS(cudaEventRecord(p->dispatched[c], comm)), &first, message,
-                 sizeof message);
-      queued[s] = p->handles[s]->expand;
-      tok_first[s] = t0;
-      if (st == EPX_OK) { /* queue chunk c's FFN once the rows are in */
-        int begin[EPX_MAX_EXPERTS + 1];
-        begin[0] = 0;
-        for (int j = 0; j < L; j++)
-          begin[j + 1] =
-              begin[j] + (counts[s][j] + EPX__MOE_ALIGN - 1) / EPX__MOE_ALIGN * EPX__MOE_ALIGN;
-        if (begin[L] != res.num_rows) {
-          keep_first(epx__set_error(EPX_ERR_INTERNAL,
-                                    "%s: chunk %d: %d rows from the counts, %d from the dispatch",
-                                    fn, c, begin[L], res.num_rows),
-                     &first, message, sizeof message);
-        } else {
-          const epx__moe_rows_t rows = {.x = res.recv_x,
-                                        .x_scales = res.recv_x_scales, /* NULL: BF16 rows */
-                                        .num_rows = res.num_rows,
-                                        .count = counts[s],
-                                        .begin = begin,
-                                        .count_dev = res.expert_count_device,
-                                        .begin_dev = res.expert_begin_device,
-                                        .y = ws + l.y[s]};
-          /* Without the wait the FFN would read rows still arriving: skip it then. */
-          const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(compute, p->dispatched[c], 0));
-          keep_first(ws_st, &first, message, sizeof message);
-          if (ws_st == EPX_OK)
-            keep_first(epx__moe_ffn(p, &rows, a->overlap, ws, a->workspace_bytes, compute), &first,
-                       message, sizeof message);
-        }
-      }
-      keep_first(CUDA_STATUS(cudaEventRecord(p->ffn_done[c], compute)), &first, message,
-                 sizeof message);
-    }
-    if (c >= 1 && queued[(c - 1) % 2]) {
-      /* combine chunk c-1 once its FFN is done (queued even after an FFN failure) */
-      const int ps = (c - 1) % 2;
-      keep_first(CUDA_STATUS(cudaStreamWaitEvent(comm, p->ffn_done[c - 1], 0)), &first, message,
-                 sizeof message);
-      epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
-      ca.x = ws + l.y[ps];
-      ca.weighted = 1;
-      ca.out = (char *)a->out + (size_t)tok_first[ps] * H * 2;
-      keep_first(epx_combine_expand(p->groups[ps], p->handles[ps], &ca, comm), &first, message,
-                 sizeof message);
-    }
+  /* Chain: every step on the caller's stream. Overlapped: the plan's two streams, after and
+   * before the caller's. */
+  chunk_call_t k;
+  memset(&k, 0, sizeof k);
+  k.p = p, k.a = a, k.l = l, k.ws = (char *)a->workspace;
+  k.comm = a->overlap ? p->comm : stream;
+  k.compute = a->overlap ? p->compute : stream;
+  k.idx_bytes = epx__index_bytes(a->topk_idx_dtype);
+  /* Communication order D0 D1 C0 D2 C1 D3 ... (D c+1 after C c-1: the group's receive rows are
+   * free again). Chunk c+1's dispatch is queued before the host waits for chunk c's counts and
+   * queues chunk c's GEMMs, so its transfer runs while the host is still queueing them. */
+  enqueue_dispatch(&k, n, 0);
+  for (int c = 0; c < n; c++) {
+    if (c >= 1) enqueue_combine(&k, c - 1);
+    if (c + 1 < n) enqueue_dispatch(&k, n, c + 1);
+    run_ffn(&k, c);
   }
+  enqueue_combine(&k, n - 1);
   if (a->overlap) {
     CUDA_CHECK(cudaEventRecord(p->comm_done, p->comm));
     CUDA_CHECK(cudaEventRecord(p->compute_done, p->compute));
     CUDA_CHECK(cudaStreamWaitEvent(stream, p->comm_done, 0));
     CUDA_CHECK(cudaStreamWaitEvent(stream, p->compute_done, 0));
   }
-  if (first != EPX_OK) return epx__set_error(first, "%s", message);
+  if (k.first != EPX_OK) return epx__set_error(k.first, "%s", k.message);
   return EPX_OK;
 }

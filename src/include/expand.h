@@ -1,0 +1,42 @@
+/*
+ * expand.h - epx_dispatch_expand in two halves (src/expand.c), for the prefill layer
+ * (src/moe_prefill.c), which queues the next chunk's dispatch before it waits for this chunk's
+ * counts: epx_dispatch_expand is epx__dispatch_expand_enqueue, then
+ * epx__dispatch_expand_finish on the same group and handle, with no other dispatch on that
+ * handle between them (the counts arrive in the handle's host-mapped buffer).
+ */
+#ifndef EPX_EXPAND_H_
+#define EPX_EXPAND_H_
+
+#include "epx.h"
+#include "kernels/api.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What the first half leaves for the second. */
+typedef struct {
+  epx__dispatch_launch_args_t d; /* the payload's format, for the result's scale pointers */
+  int error_before;              /* the group's async error status before anything was queued */
+  int sync_counts;
+  int *num_recv_per_expert; /* args->num_recv_per_expert (host), filled by the second half */
+} epx__expand_pending_t;
+
+/* Checks every argument (epx_dispatch_expand's refusals, by name) and queues the layout,
+ * notify, dispatch and fan-out on stream; no host wait. */
+epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
+                                          const epx_dispatch_args_t *a, cudaStream_t stream,
+                                          epx__expand_pending_t *pending);
+/* With sync_counts: waits for this dispatch's count exchange (bounded by the notify's budget,
+ * EPX_ERR_TIMEOUT when it ran out) and fills num_recv_per_expert; then fills *out and refuses
+ * a row count past the capacity, as epx_dispatch_expand does. */
+epx_status_t epx__dispatch_expand_finish(epx_group_t g, epx_handle_t h,
+                                         const epx__expand_pending_t *pending,
+                                         epx_dispatch_expand_result_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_EXPAND_H_ */
