@@ -105,9 +105,16 @@ int epx__moe_gemm_grouped_available(void) {
   return B && B->cublasGemmGroupedBatchedEx;
 }
 
+/* Pointers from one of the grouped GEMM's device arrays to the next: 32 x 8 bytes keeps each
+ * array 256-byte aligned (with an odd L, an unpadded B array would start 8 bytes off 16, and
+ * batched cuBLAS calls have refused such arrays). */
+static size_t group_stride(int L) {
+  return ((size_t)L + 31) / 32 * 32;
+}
+
 epx_status_t epx__moe_gemm_grouped_alloc(epx_moe_prefill_t p) {
   const size_t L = (size_t)p->L;
-  CUDA_CHECK(cudaMalloc((void **)&p->group_ptrs, 3 * L * sizeof(void *)));
+  CUDA_CHECK(cudaMalloc((void **)&p->group_ptrs, 3 * group_stride(p->L) * sizeof(void *)));
   struct epx__moe_group_host *h = calloc(1, sizeof *h);
   if (h) {
     h->ta = malloc(L * sizeof *h->ta), h->tb = malloc(L * sizeof *h->tb);
@@ -152,10 +159,10 @@ epx_status_t epx__moe_gemm_bf16_grouped(epx_moe_prefill_t p, const epx__moe_grou
     G++;
   }
   if (G == 0) return EPX_OK;
-  const size_t L = (size_t)p->L;
-  const epx__moe_group_ptrs_launch_args_t pa = {g->w, g->w_stride,  g->x,         g->x_row,
-                                                g->y, g->y_row,     g->begin_dev, g->count_dev,
-                                                p->L, p->group_ptrs};
+  const size_t S = group_stride(p->L);
+  const epx__moe_group_ptrs_launch_args_t pa = {g->w, g->w_stride, g->x,         g->x_row,
+                                                g->y, g->y_row,    g->begin_dev, g->count_dev,
+                                                p->L, (int)S,      p->group_ptrs};
   EPX_CHECK(epx__moe_group_ptrs_launch(&pa, stream));
   BLAS_CHECK(B->cublasSetStream(p->blas, stream));
   BLAS_CHECK(B->cublasSetWorkspace(p->blas, blas_ws, EPX__MOE_BLAS_WS));
@@ -163,7 +170,7 @@ epx_status_t epx__moe_gemm_bf16_grouped(epx_moe_prefill_t p, const epx__moe_grou
   void **ptrs = p->group_ptrs;
   BLAS_CHECK(B->cublasGemmGroupedBatchedEx(
       p->blas, h->ta, h->tb, h->m, h->n, h->k, h->alpha, (const void *const *)ptrs, CUDA_R_16BF,
-      h->lda, (const void *const *)(ptrs + L), CUDA_R_16BF, h->ldb, h->beta, ptrs + 2 * L,
+      h->lda, (const void *const *)(ptrs + S), CUDA_R_16BF, h->ldb, h->beta, ptrs + 2 * S,
       CUDA_R_16BF, h->ldc, G, h->size, CUBLAS_COMPUTE_32F));
   return EPX_OK;
 }

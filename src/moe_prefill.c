@@ -494,7 +494,8 @@ typedef struct {
   epx_status_t first; /* the first failure, returned at the end */
   char message[512];
   int queued[2];   /* the slot's dispatch reached the GPU: its combine must follow */
-  int enqueued[2]; /* ... without an error: its counts can be waited for */
+  int enqueued[2]; /* ... without an error, and its end recorded: its counts can be waited for
+                      and its FFN can wait for its rows */
   int tok_first[2];
   int counts[2][EPX_MAX_EXPERTS];
   epx__expand_pending_t pending[2];
@@ -542,9 +543,12 @@ static void enqueue_dispatch(chunk_call_t *k, int n, int c) {
   const epx_status_t st =
       epx__dispatch_expand_enqueue(p->groups[s], p->handles[s], &d, k->comm, &k->pending[s]);
   keep_first(k, st);
-  keep_first(k, CUDA_STATUS(cudaEventRecord(p->dispatched[c], k->comm)));
+  /* Without this record the FFN's wait would pass on a stale event and read rows still
+   * arriving: such a chunk gets no FFN (its combine still runs). */
+  const epx_status_t rec = CUDA_STATUS(cudaEventRecord(p->dispatched[c], k->comm));
+  keep_first(k, rec);
   k->queued[s] = p->handles[s]->expand;
-  k->enqueued[s] = st == EPX_OK;
+  k->enqueued[s] = st == EPX_OK && rec == EPX_OK;
   k->tok_first[s] = t0;
 }
 

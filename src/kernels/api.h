@@ -296,9 +296,11 @@ epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch
 
 /* The prefill layer's grouped GEMM (EPX_MOE_FFN_CUBLAS_GROUPED, moe_gemm.c): cuBLAS takes the
  * problems' matrices as device arrays of pointers. For the experts with rows (count[j] > 0), in
- * expert order, ptrs[i] = w + j * w_stride (A: the weights), ptrs[L + i] = x + begin[j] * x_row
- * (B: the rows), ptrs[2 L + i] = y + begin[j] * y_row (C: the outputs), L = num_experts: the
- * order in which the host, from its copy of the same counts, lists the problems' sizes. */
+ * expert order, ptrs[i] = w + j * w_stride (A: the weights), ptrs[S + i] = x + begin[j] * x_row
+ * (B: the rows), ptrs[2 S + i] = y + begin[j] * y_row (C: the outputs), S = array_stride (at
+ * least num_experts; a multiple of 32 keeps each array 256-byte aligned, as batched cuBLAS
+ * calls want): the order in which the host, from its copy of the same counts, lists the
+ * problems' sizes. */
 typedef struct epx__moe_group_ptrs_launch_args {
   const char *w;
   size_t w_stride; /* bytes */
@@ -309,7 +311,8 @@ typedef struct epx__moe_group_ptrs_launch_args {
   const int *begin; /* device [num_experts + 1] */
   const int *count; /* device [num_experts] */
   int num_experts;
-  void **ptrs; /* device [3 x num_experts] */
+  int array_stride; /* pointers from one array to the next */
+  void **ptrs;      /* device [3 x array_stride] */
 } epx__moe_group_ptrs_launch_args_t;
 
 epx_status_t epx__moe_group_ptrs_launch(const epx__moe_group_ptrs_launch_args_t *args,

@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
 
 /* One warp lists the experts with rows, 32 at a time: a ballot gives each its place. */
 __global__ void __launch_bounds__(32) moe_group_ptrs_kernel(epx__moe_group_ptrs_launch_args_t a) {
-  const int lane = threadIdx.x, L = a.num_experts;
+  const int lane = threadIdx.x, L = a.num_experts, S = a.array_stride;
   int placed = 0;
   for (int j0 = 0; j0 < L; j0 += 32) {
     const int j = j0 + lane;
@@ -163,8 +163,8 @@ __global__ void __launch_bounds__(32) moe_group_ptrs_kernel(epx__moe_group_ptrs_
       const int i = placed + __popc(mask & ((1u << lane) - 1u));
       const size_t b = (size_t)__ldg(a.begin + j);
       a.ptrs[i] = (void *)(a.w + (size_t)j * a.w_stride);
-      a.ptrs[L + i] = (void *)(a.x + b * a.x_row);
-      a.ptrs[2 * L + i] = (void *)(a.y + b * a.y_row);
+      a.ptrs[S + i] = (void *)(a.x + b * a.x_row);
+      a.ptrs[2 * S + i] = (void *)(a.y + b * a.y_row);
     }
     placed += __popc(mask);
   }

@@ -265,11 +265,14 @@ static const prefill_case_t cases[] = {
     {"bf16_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 0, 0, 0, 0},
     {"fp8_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, 0, 0, 0, 0},
     /* EPX_MOE_FFN_CUBLAS_GROUPED: experts without rows left out of the call, one expert
-     * only, a rank with no token, three chunks, Qwen3's shape */
+     * only, a rank with no token, three chunks, Qwen3's shape, more than 32 local experts
+     * (the pointer kernel's passes) and an odd number (the arrays' padding) */
     {"bf16_grouped_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 0, 3, 0, 0, 0},
     {"bf16_grouped_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, 3, 0, 0, 0},
     {"bf16_grouped_empty_rank", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, 0}, 128, 0, 3, 3, 0, 0},
     {"bf16_grouped_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 3, 0, 0, 0},
+    {"bf16_grouped_40_experts", {32, 256, 40, 8, ROUTE_HOLES, -1, -1}, 128, 0, 3, 0, 0, 0},
+    {"bf16_grouped_3_experts", {32, 256, 3, 2, ROUTE_UNIFORM, -1, -1}, 128, 0, 3, 0, 0, 0},
 };
 
 EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
