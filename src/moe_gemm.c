@@ -93,13 +93,18 @@ epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *
   return EPX_OK;
 }
 
-/* The grouped GEMM's per-problem host arrays (one problem per expert with rows; cuBLAS reads
- * them during the call, so one set per plan serves every call). */
-struct epx__moe_group_host {
-  cublasOperation_t *ta, *tb;
-  int *m, *n, *k, *lda, *ldb, *ldc, *size;
-  float *alpha, *beta;
-};
+int epx__moe_group_problems(const int *count, int L, int n, int k, epx__moe_group_host_t *h) {
+  int G = 0;
+  for (int j = 0; j < L; j++) {
+    if (count[j] <= 0) continue;
+    h->ta[G] = CUBLAS_OP_T, h->tb[G] = CUBLAS_OP_N;
+    h->m[G] = n, h->n[G] = count[j], h->k[G] = k;
+    h->lda[G] = k, h->ldb[G] = k, h->ldc[G] = n;
+    h->size[G] = 1, h->alpha[G] = 1.f, h->beta[G] = 0.f;
+    G++;
+  }
+  return G;
+}
 
 int epx__moe_gemm_grouped_available(void) {
   return B && B->cublasGemmGroupedBatchedEx;
@@ -115,7 +120,7 @@ static size_t group_stride(int L) {
 epx_status_t epx__moe_gemm_grouped_alloc(epx_moe_prefill_t p) {
   const size_t L = (size_t)p->L;
   CUDA_CHECK(cudaMalloc((void **)&p->group_ptrs, 3 * group_stride(p->L) * sizeof(void *)));
-  struct epx__moe_group_host *h = calloc(1, sizeof *h);
+  epx__moe_group_host_t *h = calloc(1, sizeof *h);
   if (h) {
     h->ta = malloc(L * sizeof *h->ta), h->tb = malloc(L * sizeof *h->tb);
     int **ints[] = {&h->m, &h->n, &h->k, &h->lda, &h->ldb, &h->ldc, &h->size};
@@ -131,7 +136,7 @@ epx_status_t epx__moe_gemm_grouped_alloc(epx_moe_prefill_t p) {
 
 static void grouped_free(epx_moe_prefill_t p) {
   if (p->group_ptrs) cudaFree(p->group_ptrs);
-  struct epx__moe_group_host *h = p->group_host;
+  epx__moe_group_host_t *h = p->group_host;
   if (h) {
     void *all[] = {h->ta,  h->tb,  h->m,    h->n,     h->k,   h->lda,
                    h->ldb, h->ldc, h->size, h->alpha, h->beta};
@@ -144,20 +149,11 @@ static void grouped_free(epx_moe_prefill_t p) {
 
 epx_status_t epx__moe_gemm_bf16_grouped(epx_moe_prefill_t p, const epx__moe_grouped_gemm_t *g,
                                         int sm_target, void *blas_ws, cudaStream_t stream) {
-  struct epx__moe_group_host *h = p->group_host;
+  epx__moe_group_host_t *h = p->group_host;
   if (!h || !p->group_ptrs || !epx__moe_gemm_grouped_available())
     return epx__set_error(EPX_ERR_INTERNAL, "epx_moe_prefill: the grouped GEMM was not set up");
-  /* The problems in expert order, as the pointer kernel lists them (the same counts). In
-   * cuBLAS's column-major terms each is C (n x rows) = A^T (A: k x n) B (k x rows). */
-  int G = 0;
-  for (int j = 0; j < p->L; j++) {
-    if (g->count[j] <= 0) continue;
-    h->ta[G] = CUBLAS_OP_T, h->tb[G] = CUBLAS_OP_N;
-    h->m[G] = g->n, h->n[G] = g->count[j], h->k[G] = g->k;
-    h->lda[G] = g->k, h->ldb[G] = g->k, h->ldc[G] = g->n;
-    h->size[G] = 1, h->alpha[G] = 1.f, h->beta[G] = 0.f;
-    G++;
-  }
+  /* The problems in expert order, as the pointer kernel lists them (the same counts). */
+  const int G = epx__moe_group_problems(g->count, p->L, g->n, g->k, h);
   if (G == 0) return EPX_OK;
   const size_t S = group_stride(p->L);
   const epx__moe_group_ptrs_launch_args_t pa = {g->w, g->w_stride, g->x,         g->x_row,

@@ -128,6 +128,18 @@ epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t 
  * GEMM on another stream uses meanwhile (a lane's slice). */
 epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *x, void *y, int n,
                                 int k, int rows, int sm_target, void *blas_ws, cudaStream_t stream);
+/* The grouped GEMM's per-problem host arrays, [L] each (one problem per expert with rows; cuBLAS
+ * reads them during the call, so one set per plan serves every call). */
+typedef struct epx__moe_group_host {
+  cublasOperation_t *ta, *tb;
+  int *m, *n, *k, *lda, *ldb, *ldc, *size;
+  float *alpha, *beta;
+} epx__moe_group_host_t;
+/* Fills h with the problems y_j[count[j], n] = x_j[count[j], k] w_j[n, k]^T of the experts j in
+ * [0, L) with count[j] > 0, in expert order (the order epx__moe_group_ptrs_launch lists their
+ * matrices in), in cuBLAS's column-major terms: C (n x count[j]) = A^T (A: k x n) B (k x
+ * count[j]). Returns how many (pure host code; tests/host/test_moe_prefill_plan.c). */
+int epx__moe_group_problems(const int *count, int L, int n, int k, epx__moe_group_host_t *h);
 /* BF16, grouped (plan->grouped): every expert j with count[j] > 0 rows in one
  * cublasGemmGroupedBatchedEx, y_j[count[j], n] = x_j[count[j], k] w_j[n, k]^T with w_j at
  * w + j * w_stride, x_j at x + begin[j] * x_row, y_j at y + begin[j] * y_row (bytes). count: the

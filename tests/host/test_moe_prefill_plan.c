@@ -2,8 +2,8 @@
  * test_moe_prefill_plan.c - host tests of the prefill MoE layer's pure host parts
  * (src/moe_prefill.c): the chunk split (every token in exactly one chunk, in order, sizes
  * within one of each other, the largest ceil(T / n)), the workspace layout (regions 256-byte
- * aligned, disjoint, each as large as its formula, FP8 regions only with FP8 weights), and the
- * refusals that need no GPU.
+ * aligned, disjoint, each as large as its formula, FP8 regions only with FP8 weights), the
+ * grouped GEMM's problem list, and the refusals that need no GPU.
  */
 #include <stddef.h>
 #include <string.h>
@@ -117,5 +117,42 @@ EPX_HOST_TEST(moe_prefill_refuses_without_a_gpu, 10) {
   epx_moe_prefill_t fake = (epx_moe_prefill_t)&a;
   EXPECT_STATUS(epx_moe_prefill(fake, &a, NULL), EPX_ERR_INVALID_USAGE);
   EXPECT_STATUS(epx_moe_prefill_destroy(fake), EPX_ERR_INVALID_USAGE);
+  return TEST_PASS;
+}
+
+/* The grouped GEMM's problems (EPX_MOE_FFN_CUBLAS_GROUPED): the experts with rows, in expert
+ * order, each with the per-expert GEMM's cuBLAS shape (src/moe_gemm.c's cublasGemmEx call:
+ * op T on the k x n weights, op N on the k x rows rows, leading dimensions k, k and n). */
+EPX_HOST_TEST(moe_prefill_grouped_problems_in_expert_order, 10) {
+  enum { L = 70 };
+  cublasOperation_t ta[L], tb[L];
+  int m[L], n[L], k[L], lda[L], ldb[L], ldc[L], size[L];
+  float alpha[L], beta[L];
+  epx__moe_group_host_t h = {ta, tb, m, n, k, lda, ldb, ldc, size, alpha, beta};
+  int count[L];
+  for (int pattern = 0; pattern < 4; pattern++) {
+    int want = 0;
+    for (int j = 0; j < L; j++) { /* none, all, every third, only the last */
+      count[j] = pattern == 0   ? 0
+                 : pattern == 1 ? 1 + j
+                 : pattern == 2 ? (j % 3 == 0 ? 5 * j + 1 : (j % 3 == 1 ? 0 : -1))
+                                : (j == L - 1 ? 7 : 0);
+      want += count[j] > 0;
+    }
+    memset(m, 0xff, sizeof m);
+    const int G = epx__moe_group_problems(count, L, 512, 384, &h);
+    EXPECTF(G == want, "pattern %d: %d problems, want %d", pattern, G, want);
+    int i = 0;
+    for (int j = 0; j < L; j++) {
+      if (count[j] <= 0) continue;
+      EXPECTF(ta[i] == CUBLAS_OP_T && tb[i] == CUBLAS_OP_N && m[i] == 512 && n[i] == count[j] &&
+                  k[i] == 384 && lda[i] == 384 && ldb[i] == 384 && ldc[i] == 512 && size[i] == 1 &&
+                  alpha[i] == 1.f && beta[i] == 0.f,
+              "pattern %d: problem %d (expert %d): m %d n %d k %d lda %d ldb %d ldc %d", pattern, i,
+              j, m[i], n[i], k[i], lda[i], ldb[i], ldc[i]);
+      i++;
+    }
+    if (G < L) EXPECTF(m[G] == -1, "pattern %d: problem %d written past the count", pattern, G);
+  }
   return TEST_PASS;
 }
