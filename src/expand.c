@@ -27,6 +27,7 @@
 #include "handle.h"
 #include "kernels/api.h"
 #include "layout.h"
+#include "param.h"
 #include "registry.h"
 
 /* Where the expanded rows are (workspace) and the device counts (the handle's meta). */
@@ -126,6 +127,8 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
    * each). */
   /* (group creation checked that 2 x num_sms blocks fit for DURING) */
   xa.fan_out_blocks = g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING ? g->config.num_sms : 0;
+  const int64_t batch = epx__param_ExpandPublishBatch();
+  xa.publish_batch = batch < 1 ? 1 : batch > 32 ? 32 : (int)batch;
   EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
   if (xa.fan_out_blocks == 0) { /* AFTER: the fan-out is a kernel of its own */
     const epx__expand_fan_out_launch_args_t fa = {

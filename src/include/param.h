@@ -36,5 +36,7 @@ EPX_PARAM(LlNumSms, "LL_NUM_SMS", 0)            /* 0: every SM of the GPU */
 EPX_PARAM(LlRoute, "LL_ROUTE",
           0) /* 0: the library default; 1 DIRECT, 2 BY_RANK, 3 DISPATCH_BY_RANK */
 EPX_PARAM(ExpandFanOut, "EXPAND_FAN_OUT", 0) /* 0: the library default; 1 AFTER, 2 DURING */
+/* DURING: tokens a sending warp publishes per system-scope fence, 1..32 */
+EPX_PARAM(ExpandPublishBatch, "EXPAND_PUBLISH_BATCH", 8)
 
 #endif /* EPX_PARAM_H_ */

@@ -98,6 +98,9 @@ typedef struct epx__expand_dispatch_launch_args {
   /* config.expand_fan_out == DURING: d.num_blocks sending blocks, then fan_out_blocks blocks
    * that copy each arrived token to its other rows (expand_dispatch.cu); 0 with AFTER. */
   int fan_out_blocks;
+  /* DURING: a sending warp publishes its tokens' ready words every publish_batch tokens (one
+   * system-scope fence for the batch), 1..32 (EPX_EXPAND_PUBLISH_BATCH) */
+  int publish_batch;
 } epx__expand_dispatch_launch_args_t;
 
 /* Expert-major dispatch, receiver side (expand_dispatch.cu): each received token's payload

@@ -21,7 +21,9 @@
  *           EP4, 4096 tokens, H 7168, a2f5d44: most of the expand row's 131 us over the plain).
  *   DURING: the dispatch kernel has fan_out_blocks more blocks. After a token's stores to a
  *           remote rank, the sender's warp publishes its plain row there as ready (the call's
- *           notify epoch into expand_ready[row], a system-scope release after a warp barrier);
+ *           notify epoch into expand_ready[row], a system-scope release after a warp barrier;
+ *           one fence per publish_batch tokens, EPX_EXPAND_PUBLISH_BATCH, default 8: at one per
+ *           token (9aa124a) the kernel took 733 us against AFTER's 497 + 114 fan-out);
  *           the receiver's fan-out warps acquire each ready word and copy that token at once, in
  *           roughly the order tokens land (below), so the copies overlap the NVLink transfer.
  *           A rank's own tokens are written to every row by the sender (local stores, no
@@ -251,6 +253,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   int begin, end;
   epx::dispatch::block_share(aborted ? 0 : a.routing.num_tokens, role, senders, &begin, &end);
+  /* DURING: the tokens whose ready words wait for the batch's fence; lane j holds the j-th
+   * (its token and the bit mask of the peers it went to). */
+  int pend_t = -1, npend = 0;
+  unsigned pend_peers = 0;
   for (int t = begin + warp; t < end; t += kWarps) {
     const uint64_t t_token = epx::trace_begin(ctx);
     /* Lane k < K: slot k's expert (invalid ids are empty slots: the layout reported them). */
@@ -331,18 +337,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (first && d == dd) list[order] = writes ? row : -1;
       if (lane < K && lane >= n_d) list[lane] = -1;
     }
-    if (during) { /* publish: this token's rows, scales, infos and lists at each peer landed */
+    if (during) { /* publish, per batch: these tokens' rows, scales, infos and lists landed */
       const unsigned peers = __reduce_or_sync(kFull, first && d != me ? 1u << d : 0u);
-      __syncwarp();
-      if (lane == 0 && peers) {
-        epx::fence_acq_rel_sys(); /* with the barrier above: the whole warp's stores, then */
-        for (unsigned m = peers; m; m &= m - 1) {
-          const int dd = __ffs(m) - 1;
-          const int prow = dest_base[dd] + a.routing.token_pos_in_rank[(size_t)t * R + dd];
-          epx::st_relaxed_sys_u32(
-              (uint32_t *)(ctx.peer_base[dd] + L.normal_offset + L.expand_ready_offset) + prow,
-              meta->epoch);
+      if (lane == npend) pend_t = t, pend_peers = peers;
+      npend++;
+      if (npend == xa.publish_batch || t + kWarps >= end) {
+        const unsigned any = __reduce_or_sync(kFull, lane < npend ? pend_peers : 0u);
+        __syncwarp();
+        if (lane == 0 && any) epx::fence_acq_rel_sys(); /* with the barrier: the warp's stores */
+        for (int j = 0; any && j < npend; j++) {
+          const int tj = __shfl_sync(kFull, pend_t, j);
+          const unsigned pj = __shfl_sync(kFull, pend_peers, j);
+          for (unsigned m = lane == 0 ? pj : 0u; m; m &= m - 1) { /* after lane 0's fence */
+            const int dd = __ffs(m) - 1;
+            const int prow = dest_base[dd] + a.routing.token_pos_in_rank[(size_t)tj * R + dd];
+            epx::st_relaxed_sys_u32(
+                (uint32_t *)(ctx.peer_base[dd] + L.normal_offset + L.expand_ready_offset) + prow,
+                meta->epoch);
+          }
         }
+        npend = 0;
       }
     }
     if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_DISPATCH_TOKEN, t);
