@@ -88,7 +88,8 @@ struct epx_moe_prefill {
   /* [num_chunks x max_tokens_per_rank x K] 1.0f: the weights of calls without */
   float *ones;
   /* EPX_MOE_FFN_CUBLAS_GROUPED (backend CUBLAS, BF16 weights, one lane): one grouped GEMM per
-   * projection. group_ptrs: device [3][L], the problems' A, B, C (epx__moe_group_ptrs_launch);
+   * projection. group_ptrs: device, the problems' A, B and C arrays, each L pointers at a
+   * stride of L rounded up to 32 (epx__moe_group_ptrs_launch);
    * group_host: the host arrays cuBLAS takes per problem (moe_gemm.c). */
   int grouped;
   void **group_ptrs;
