@@ -27,6 +27,8 @@
 #        OUT/prefill-timeline", the timelines tarred to prefill-timeline.tgz; its table too);
 #        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
 #        last lines in the summary; they need one GPU, not a group);
+#        EXPAND_BATCHES="1 8 32": after the bench, the normal rows once per value of
+#        EPX_EXPAND_PUBLISH_BATCH (DURING's fence batching), their expert-major rows in the summary;
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
 #        its benchmark is built beside this one and both run COMPARE_ROUNDS times (default 2)
 #        alternately with COMPARE_ARGS (default: the README's benchmark), then
@@ -206,6 +208,17 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   bench_rc=$?
 fi
 
+# DURING's publish batch (EPX_EXPAND_PUBLISH_BATCH): the expert-major rows per value, each its own
+# run of the normal rows at the default SM budget (docs/moe.md, "Fan-out DURING")
+batch_lines=
+for b in ${EXPAND_BATCHES:-}; do
+  EPX_EXPAND_PUBLISH_BATCH=$b timeout 300 build/bin/epx_bench --rows normal --sms 24 \
+    >"$out/bench-publish-batch-$b.log" 2>&1
+  batch_lines="$batch_lines
+EPX_EXPAND_PUBLISH_BATCH=$b (exit $?):
+$(grep -E '^op|^epx (dispatch|combine) expand' "$out/bench-publish-batch-$b.log")"
+done
+
 compare_line=
 if [ -n "${BASELINE:-}" ]; then
   a_json= b_json=
@@ -243,6 +256,7 @@ if [ -n "$deepep_line" ]; then
     [ -f "$log" ] && { echo "--- $(basename "$log")"; tail -25 "$log"; }
   done
 fi
+[ -n "$batch_lines" ] && echo "expert-major rows per publish batch:$batch_lines"
 [ -n "$compare_line" ] && cat "$out/compare.txt"
 if [ -f "$out/bench.log" ]; then
   echo "bench: exit $bench_rc"
