@@ -14,6 +14,8 @@
  *                                  counts, fewer tokens than chunks, a Qwen3-like shape;
  *                                  and BF16 on cuBLAS's grouped GEMM
  *                                  (EPX_MOE_FFN_CUBLAS_GROUPED)
+ *   moe_prefill_ranks_at_different_times  ranks r x 150 ms apart, four chunks: right outputs,
+ *                                  no error, overlapped and chained
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
  *                                  queued, then a call that is right
  *
@@ -39,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gpu/experts_data.h"
 #include "gpu/gpu_util.h"
@@ -301,6 +304,35 @@ EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
     oracle_free(&o);
     if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
   }
+  EXPECTF(wrong == 0, "rank %d: %d calls with a wrong output (above)", t->rank, wrong);
+  return TEST_PASS;
+}
+
+/* Ranks that reach the layer at different times (rank r arrives r x 150 ms late, inside the
+ * 2 s budget) on four chunks: the next chunk's dispatch is queued before the host waits for
+ * this chunk's counts (src/moe_prefill.c), so each rank's host waits while its peers are
+ * elsewhere in the pipeline; every output must still be right and no error recorded,
+ * overlapped and chained. */
+EPX_GPU_TEST(moe_prefill_ranks_at_different_times, 300) {
+  uint64_t rng = t->seed;
+  const prefill_case_t c = {"skewed", {48, 256, 4, 4, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 4, 0,
+                            0};
+  prefill_fixture_t f;
+  prefill_oracle_t o;
+  if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  if (oracle_make(&f, t->rank, &o) != TEST_PASS) return TEST_FAIL;
+  int wrong = 0;
+  for (int overlap = 1; overlap >= 0; overlap--) {
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    usleep((useconds_t)t->rank * 150000u);
+    char label[96];
+    snprintf(label, sizeof label, "skewed (%d ranks, %s)", t->num_ranks,
+             overlap ? "overlap" : "chain");
+    if (one_call(t, &f, overlap, label) != TEST_PASS) return TEST_FAIL;
+    if (check_out(&f, &o, t->rank, label) != TEST_PASS) wrong++;
+  }
+  oracle_free(&o);
+  if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
   EXPECTF(wrong == 0, "rank %d: %d calls with a wrong output (above)", t->rank, wrong);
   return TEST_PASS;
 }
