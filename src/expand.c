@@ -74,12 +74,12 @@ static epx_status_t check_expand_args(epx_group_t g, const char *fn, const epx_d
 static const char kDispatchFn[] = "epx_dispatch_expand";
 
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
-                                          const epx_dispatch_args_t *a, cudaStream_t stream,
-                                          epx__expand_pending_t *pending) {
+                                          const epx_dispatch_args_t *a,
+                                          const epx_dispatch_expand_result_t *out,
+                                          cudaStream_t stream, epx__expand_pending_t *pending) {
   const char *fn = kDispatchFn;
   memset(pending, 0, sizeof *pending);
-  /* (the result pointer is checked by epx_dispatch_expand; here any non-NULL will do) */
-  EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, pending));
+  EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, out));
   EPX_CHECK(check_expand_args(g, fn, a));
   epx__dispatch_launch_args_t d;
   EPX_CHECK(epx__dispatch_check_inputs(g, fn, a, stream, &d));
@@ -92,23 +92,9 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
   h->num_worst_tokens = 0;
   h->expand = 0; /* until everything is queued */
 
-  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
-  la.topk_idx = a->topk_idx;
-  la.topk_idx_dtype = a->topk_idx_dtype;
-  la.num_tokens = a->num_tokens;
-  la.num_tokens_per_rank = h->num_tokens_per_rank;
-  la.num_tokens_per_expert = h->num_tokens_per_expert;
-  la.is_token_in_rank = h->is_token_in_rank;
-  la.token_pos_in_rank = h->token_pos_in_rank;
+  epx_layout_args_t la = epx__handle_layout_args(h, a);
   EPX_CHECK(epx__layout_expand_enqueue(g, &la, h->expand_pos, stream));
-  epx__notify_launch_args_t na = {epx__handle_routing(h),
-                                  g->config.num_experts,
-                                  a->expert_alignment,
-                                  g->config.max_tokens_per_rank,
-                                  a->sync_counts ? h->host_counts_dev : NULL,
-                                  1};
-  EPX_CHECK(epx__notify_launch(&ctx, &na, stream));
-  if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
+  EPX_CHECK(epx__handle_notify_enqueue(g, h, &ctx, a, 1, stream));
   epx__expand_dispatch_launch_args_t xa;
   memset(&xa, 0, sizeof xa);
   xa.d = d;
@@ -181,9 +167,8 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
                                             const epx_dispatch_args_t *a,
                                             epx_dispatch_expand_result_t *out,
                                             cudaStream_t stream) {
-  EPX_CHECK(epx__dispatch_check_call(g, h, kDispatchFn, a, out));
   epx__expand_pending_t pending;
-  EPX_CHECK(epx__dispatch_expand_enqueue(g, h, a, stream, &pending));
+  EPX_CHECK(epx__dispatch_expand_enqueue(g, h, a, out, stream, &pending));
   return epx__dispatch_expand_finish(g, h, &pending, out);
 }
 

@@ -102,6 +102,18 @@ epx_status_t epx__experts_check(const char *fn, const epx_experts_t *w, epx_dtyp
   return check_weight_pointers(fn, w);
 }
 
+epx_status_t epx__experts_check_share(const char *fn, const epx_experts_t *w, int local_experts,
+                                      int hidden) {
+  EPX_ARG_CHECK(w->num_experts == local_experts,
+                "%s: experts->num_experts = %d: must be the group's local experts, "
+                "num_experts / num_ranks = %d",
+                fn, w->num_experts, local_experts);
+  EPX_ARG_CHECK(w->hidden == hidden,
+                "%s: experts->hidden = %d: must be the group's config.hidden = %d", fn, w->hidden,
+                hidden);
+  return EPX_OK;
+}
+
 /* [p, p + n) and [q, q + m) share a byte. */
 static int overlaps(const void *p, size_t n, const void *q, size_t m) {
   const uintptr_t a = (uintptr_t)p, b = (uintptr_t)q;

@@ -33,13 +33,7 @@ static epx_status_t check_layer(const char *fn, epx_group_t g, const epx_experts
                 (int)dispatch_dtype);
   EPX_CHECK(epx__experts_check(fn, w, dispatch_dtype));
   const int L = g->config.num_experts / g->num_ranks;
-  EPX_ARG_CHECK(w->num_experts == L,
-                "%s: experts->num_experts = %d: must be the group's local experts, "
-                "num_experts / num_ranks = %d",
-                fn, w->num_experts, L);
-  EPX_ARG_CHECK(w->hidden == g->config.hidden,
-                "%s: experts->hidden = %d: must be the group's config.hidden = %d", fn, w->hidden,
-                g->config.hidden);
+  EPX_CHECK(epx__experts_check_share(fn, w, L, g->config.hidden));
   if (g->config.ll_route == EPX_LL_ROUTE_DIRECT)
     return epx__set_error(EPX_ERR_UNSUPPORTED,
                           "%s: the group's ll_route is EPX_LL_ROUTE_DIRECT, which has no packed "

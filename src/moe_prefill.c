@@ -149,14 +149,8 @@ static epx_status_t check_group(const char *fn, const epx_group_t *groups, int i
 
 static epx_status_t check_experts(const char *fn, epx_group_t g, const epx_experts_t *w) {
   EPX_CHECK(epx__experts_check(fn, w, EPX_DTYPE_BF16));
-  const int L = g->config.num_experts / g->num_ranks;
-  EPX_ARG_CHECK(w->num_experts == L,
-                "%s: experts->num_experts = %d: must be the group's local experts, "
-                "num_experts / num_ranks = %d",
-                fn, w->num_experts, L);
-  EPX_ARG_CHECK(w->hidden == g->config.hidden,
-                "%s: experts->hidden = %d: must be the group's config.hidden = %d", fn, w->hidden,
-                g->config.hidden);
+  EPX_CHECK(
+      epx__experts_check_share(fn, w, g->config.num_experts / g->num_ranks, g->config.hidden));
   return EPX_OK;
 }
 
@@ -499,6 +493,7 @@ typedef struct {
   int tok_first[2];
   int counts[2][EPX_MAX_EXPERTS];
   epx__expand_pending_t pending[2];
+  epx_dispatch_expand_result_t res[2]; /* filled when the slot's counts are waited for */
 } chunk_call_t;
 
 /* Remember the first failure with its message. */
@@ -540,8 +535,8 @@ static void enqueue_dispatch(chunk_call_t *k, int n, int c) {
   d.sync_counts = 1;
   d.num_recv_per_expert = k->counts[s];
   p->handles[s]->expand = 0; /* set again by the dispatch once everything is queued */
-  const epx_status_t st =
-      epx__dispatch_expand_enqueue(p->groups[s], p->handles[s], &d, k->comm, &k->pending[s]);
+  const epx_status_t st = epx__dispatch_expand_enqueue(p->groups[s], p->handles[s], &d, &k->res[s],
+                                                       k->comm, &k->pending[s]);
   keep_first(k, st);
   /* Without this record the FFN's wait would pass on a stale event and read rows still
    * arriving: such a chunk gets no FFN (its combine still runs). */
@@ -557,9 +552,9 @@ static void enqueue_dispatch(chunk_call_t *k, int n, int c) {
 static void run_ffn(chunk_call_t *k, int c) {
   epx_moe_prefill_t p = k->p;
   const int s = c % 2, L = p->L;
-  epx_dispatch_expand_result_t res;
+  const epx_dispatch_expand_result_t *res = &k->res[s];
   epx_status_t st = k->enqueued[s] ? epx__dispatch_expand_finish(p->groups[s], p->handles[s],
-                                                                 &k->pending[s], &res)
+                                                                 &k->pending[s], &k->res[s])
                                    : EPX_ERR_INTERNAL; /* (its failure is already kept) */
   if (k->enqueued[s]) keep_first(k, st);
   if (st == EPX_OK) {
@@ -568,19 +563,19 @@ static void run_ffn(chunk_call_t *k, int c) {
     for (int j = 0; j < L; j++)
       begin[j + 1] =
           begin[j] + (k->counts[s][j] + EPX__MOE_ALIGN - 1) / EPX__MOE_ALIGN * EPX__MOE_ALIGN;
-    if (begin[L] != res.num_rows) {
+    if (begin[L] != res->num_rows) {
       keep_first(k, epx__set_error(EPX_ERR_INTERNAL,
                                    "epx_moe_prefill: chunk %d: %d rows from the counts, %d from "
                                    "the dispatch",
-                                   c, begin[L], res.num_rows));
+                                   c, begin[L], res->num_rows));
     } else {
-      const epx__moe_rows_t rows = {.x = res.recv_x,
-                                    .x_scales = res.recv_x_scales, /* NULL: BF16 rows */
-                                    .num_rows = res.num_rows,
+      const epx__moe_rows_t rows = {.x = res->recv_x,
+                                    .x_scales = res->recv_x_scales, /* NULL: BF16 rows */
+                                    .num_rows = res->num_rows,
                                     .count = k->counts[s],
                                     .begin = begin,
-                                    .count_dev = res.expert_count_device,
-                                    .begin_dev = res.expert_begin_device,
+                                    .count_dev = res->expert_count_device,
+                                    .begin_dev = res->expert_begin_device,
                                     .y = k->ws + k->l.y[s]};
       /* Without the wait the FFN would read rows still arriving: skip it then. */
       const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(k->compute, p->dispatched[c], 0));

@@ -3,6 +3,8 @@
  */
 #include "moe/moe_common.h"
 
+#include <stdio.h>
+
 #include "check.h"
 #include "experts/bench_kernels.h"
 
@@ -59,4 +61,16 @@ int moe_alloc_experts(const moe_shape_t *s, int L, int fp8, uint64_t seed, epx_e
 void moe_free_experts(epx_experts_t *ex) {
   cudaFree((void *)ex->gate_up), cudaFree((void *)ex->down);
   cudaFree((void *)ex->gate_up_scales), cudaFree((void *)ex->down_scales);
+}
+
+int moe_bench_run(const char *name, int ranks, ranks_fn fn, void *arg) {
+  const int visible = ranks_count_gpus(name, 60);
+  if (visible < 1) {
+    printf("%s: no GPU visible\nskipped\n", name);
+    return 0;
+  }
+  int R = visible < EPX_MAX_RANKS ? visible : EPX_MAX_RANKS;
+  if (ranks > 0) R = ranks < R ? ranks : R;
+  const ranks_config_t cfg = {name, 1200, 30, 0, "the bench's own limit", 0};
+  return ranks_run(&cfg, R, fn, arg, NULL) ? 1 : 0;
 }

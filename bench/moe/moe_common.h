@@ -1,13 +1,14 @@
 /*
  * moe_common.h - what the MoE-layer benches share (bench/moe/moe_bench.c at decode,
  * bench/moe_prefill/moe_prefill_bench.c at prefill): the two expert shapes, the routing, random
- * expert weights, and the float comparison their medians sort with.
+ * expert weights, the float comparison their medians sort with, and running the ranks.
  */
 #ifndef EPX_BENCH_MOE_COMMON_H_
 #define EPX_BENCH_MOE_COMMON_H_
 
 #include <stdint.h>
 
+#include "common/ranks.h"
 #include "epx.h"
 
 #define MOE_TOP_K 8
@@ -31,5 +32,10 @@ void moe_route(int64_t *ids, float *w, int T, int E, uint64_t seed);
  * block scales. 0, or -1 after printing the failing call. Free with moe_free_experts. */
 int moe_alloc_experts(const moe_shape_t *s, int L, int fp8, uint64_t seed, epx_experts_t *ex);
 void moe_free_experts(epx_experts_t *ex);
+
+/* fn on one rank process per visible GPU (at most EPX_MAX_RANKS; ranks > 0: at most that many),
+ * under the bench's own 1200 s limit; without a GPU, prints "skipped" and returns 0. The
+ * bench's exit code: 0, or 1 when a rank failed. */
+int moe_bench_run(const char *name, int ranks, ranks_fn fn, void *arg);
 
 #endif /* EPX_BENCH_MOE_COMMON_H_ */

@@ -396,13 +396,5 @@ int main(int argc, char **argv) {
     }
   }
   if (o.iters < 1) return 2;
-  const int visible = ranks_count_gpus("epx_moe_prefill_bench", 60);
-  if (visible < 1) {
-    printf("epx_moe_prefill_bench: no GPU visible\nskipped\n");
-    return 0;
-  }
-  int R = visible < EPX_MAX_RANKS ? visible : EPX_MAX_RANKS;
-  if (o.ranks > 0) R = o.ranks < R ? o.ranks : R;
-  const ranks_config_t cfg = {"epx_moe_prefill_bench", 1200, 30, 0, "the bench's own limit", 0};
-  return ranks_run(&cfg, R, run_rank, &o, NULL) ? 1 : 0;
+  return moe_bench_run("epx_moe_prefill_bench", o.ranks, run_rank, &o);
 }

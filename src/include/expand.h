@@ -23,11 +23,13 @@ typedef struct {
   int *num_recv_per_expert; /* args->num_recv_per_expert (host), filled by the second half */
 } epx__expand_pending_t;
 
-/* Checks every argument (epx_dispatch_expand's refusals, by name) and queues the layout,
- * notify, dispatch and fan-out on stream; no host wait. */
+/* Checks every argument (epx_dispatch_expand's refusals, by name; out: the result the second
+ * half will fill, checked here) and queues the layout, notify, dispatch and fan-out on stream;
+ * no host wait. */
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
-                                          const epx_dispatch_args_t *a, cudaStream_t stream,
-                                          epx__expand_pending_t *pending);
+                                          const epx_dispatch_args_t *a,
+                                          const epx_dispatch_expand_result_t *out,
+                                          cudaStream_t stream, epx__expand_pending_t *pending);
 /* With sync_counts: waits for this dispatch's count exchange (bounded by the notify's budget,
  * EPX_ERR_TIMEOUT when it ran out) and fills num_recv_per_expert; then fills *out and refuses
  * a row count past the capacity, as epx_dispatch_expand does. */

@@ -12,4 +12,9 @@
  * EPX_ERR_UNSUPPORTED (FP8 x with BF16 weights). */
 epx_status_t epx__experts_check(const char *fn, const epx_experts_t *experts, epx_dtype_t x_dtype);
 
+/* That experts are one rank's share of a layer: num_experts = local_experts (the group's
+ * num_experts / num_ranks) and hidden = the group's. EPX_ERR_INVALID_ARGUMENT naming the field. */
+epx_status_t epx__experts_check_share(const char *fn, const epx_experts_t *experts,
+                                      int local_experts, int hidden);
+
 #endif /* EPX_SRC_EXPERTS_H_ */

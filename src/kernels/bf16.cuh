@@ -31,6 +31,15 @@ __device__ __forceinline__ void acc_bf16x8(const int4 &v, float w, float *acc) {
   }
 }
 
+/* acc[0..8) = acc + w * v, the product and the sum each rounded on its own (no fused
+ * multiply-add): the order and roundings the CPU reference models bit for bit. */
+__device__ __forceinline__ void acc_bf16x8_rn(const int4 &v, float w, float *acc) {
+  float f[8];
+  bf16x8_to_float(v, f);
+#pragma unroll
+  for (int q = 0; q < 8; q++) acc[q] = __fadd_rn(acc[q], __fmul_rn(w, f[q]));
+}
+
 /* f[0..8) rounded to BF16 (nearest even), packed. */
 __device__ __forceinline__ int4 float8_to_bf16x8(const float *f) {
   int4 o;

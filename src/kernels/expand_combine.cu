@@ -78,32 +78,18 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int4 a0 = y[(size_t)r0 * n16 + c], b0 = y[(size_t)r1 * n16 + c];
         const int4 a1 = two ? y[(size_t)r0 * n16 + c + 32] : zero;
         const int4 b1 = two ? y[(size_t)r1 * n16 + c + 32] : zero;
-        float f[8];
-        epx::bf16x8_to_float(a0, f);
-#pragma unroll
-        for (int q = 0; q < 8; q++) acc0[q] = __fadd_rn(acc0[q], __fmul_rn(w0, f[q]));
-        epx::bf16x8_to_float(b0, f);
-#pragma unroll
-        for (int q = 0; q < 8; q++) acc0[q] = __fadd_rn(acc0[q], __fmul_rn(w1, f[q]));
-        epx::bf16x8_to_float(a1, f);
-#pragma unroll
-        for (int q = 0; q < 8; q++) acc1[q] = __fadd_rn(acc1[q], __fmul_rn(w0, f[q]));
-        epx::bf16x8_to_float(b1, f);
-#pragma unroll
-        for (int q = 0; q < 8; q++) acc1[q] = __fadd_rn(acc1[q], __fmul_rn(w1, f[q]));
+        epx::acc_bf16x8_rn(a0, w0, acc0);
+        epx::acc_bf16x8_rn(b0, w1, acc0);
+        epx::acc_bf16x8_rn(a1, w0, acc1);
+        epx::acc_bf16x8_rn(b1, w1, acc1);
       }
       if (k < nv) {
         const int r = list_row[warp][k];
         const float w = list_w[warp][k];
         const int4 a0 = y[(size_t)r * n16 + c];
         const int4 a1 = two ? y[(size_t)r * n16 + c + 32] : zero;
-        float f[8];
-        epx::bf16x8_to_float(a0, f);
-#pragma unroll
-        for (int q = 0; q < 8; q++) acc0[q] = __fadd_rn(acc0[q], __fmul_rn(w, f[q]));
-        epx::bf16x8_to_float(a1, f);
-#pragma unroll
-        for (int q = 0; q < 8; q++) acc1[q] = __fadd_rn(acc1[q], __fmul_rn(w, f[q]));
+        epx::acc_bf16x8_rn(a0, w, acc0);
+        epx::acc_bf16x8_rn(a1, w, acc1);
       }
       partial[(size_t)i * n16 + c] = epx::float8_to_bf16x8(acc0);
       if (two) partial[(size_t)i * n16 + c + 32] = epx::float8_to_bf16x8(acc1);

@@ -75,3 +75,15 @@ void experts_data_free(experts_data_t *d) {
   cudaFree((void *)d->dev.gate_up_scales), cudaFree((void *)d->dev.down_scales);
   memset(d, 0, sizeof *d);
 }
+
+int experts_world_make(int R, int me, const world_spec_t *spec, int I, int fp8, uint64_t *rng,
+                       world_t *w, experts_data_t *ex, epx_ref_experts_t *ref) {
+  world_spec_t all = *spec;
+  all.experts = spec->experts * R;
+  world_make(w, R, &all, WORLD_LL, rng);
+  for (int r = 0; r < R; r++) {
+    if (experts_data_make(w->L, w->H, I, fp8, r == me, rng, &ex[r]) != TEST_PASS) return TEST_FAIL;
+    ref[r] = ex[r].ref;
+  }
+  return TEST_PASS;
+}

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "epx.h"
+#include "gpu/world.h"
 #include "ref/epx_ref_experts.h"
 
 typedef struct {
@@ -28,6 +29,13 @@ typedef struct {
  * current GPU. Returns TEST_PASS or TEST_FAIL (message printed). */
 int experts_data_make(int E, int H, int I, int fp8, int upload, uint64_t *rng, experts_data_t *d);
 void experts_data_free(experts_data_t *d);
+
+/* A MoE layer's test world: spec's world at R ranks with spec->experts experts per rank
+ * (WORLD_LL payload), then every rank's experts of intermediate size I (BF16 or FP8), drawn in
+ * rank order from the same *rng on every rank, uploaded for rank me only; ref[r] = ex[r].ref.
+ * Returns TEST_PASS or TEST_FAIL. */
+int experts_world_make(int R, int me, const world_spec_t *spec, int I, int fp8, uint64_t *rng,
+                       world_t *w, experts_data_t *ex, epx_ref_experts_t *ref);
 
 /* U(-amp, amp) BF16 values into p[0, n). */
 void experts_fill_bf16(uint16_t *p, size_t n, float amp, uint64_t *rng);

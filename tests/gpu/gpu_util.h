@@ -5,6 +5,7 @@
 #define EPX_TESTS_GPU_UTIL_H_
 
 #include <stdint.h>
+#include <string.h>
 
 #include "common/runner.h"
 #include "epx.h"
@@ -20,6 +21,15 @@ static inline epx_group_config_t gpu_test_config(int max_tokens, int hidden, int
   c.timeout_ms = 2000;
   return c;
 }
+
+/* The call is refused with status and its message (epx_last_error) names needle: a bad
+ * argument refused by name. */
+#define EXPECT_REFUSED(call, status, needle)                                       \
+  do {                                                                             \
+    EXPECT_STATUS((call), (status));                                               \
+    EXPECTF(strstr(epx_last_error(), (needle)) != NULL, "message '%s' lacks '%s'", \
+            epx_last_error(), (needle));                                           \
+  } while (0)
 
 /* The group has no async error on record; label names the place in the failure message. */
 #define EXPECT_NO_ASYNC_ERROR(g, label)                                       \

@@ -48,15 +48,9 @@ typedef struct {
 static int fixture_make(epx_test_rank_t *t, const moe_case_t *c, uint64_t *rng, moe_fixture_t *f) {
   const int R = t->num_ranks;
   memset(f, 0, sizeof *f);
-  world_spec_t spec = c->world;
-  spec.experts = c->world.experts * R;
-  world_make(&f->w, R, &spec, WORLD_LL, rng);
-  for (int r = 0; r < R; r++) {
-    if (experts_data_make(f->w.L, f->w.H, c->I, c->fp8_weights, r == t->rank, rng, &f->ex[r]) !=
-        TEST_PASS)
-      return TEST_FAIL;
-    f->ref[r] = f->ex[r].ref;
-  }
+  if (experts_world_make(R, t->rank, &c->world, c->I, c->fp8_weights, rng, &f->w, f->ex, f->ref) !=
+      TEST_PASS)
+    return TEST_FAIL;
   epx_group_config_t cfg = gpu_test_config(f->w.M, f->w.H, f->w.E, f->w.K);
   cfg.modes = EPX_MODE_LOW_LATENCY;
   cfg.dtypes = EPX_DTYPE_BF16 | (c->fp8_dispatch ? EPX_DTYPE_FP8_E4M3 : 0);
@@ -240,14 +234,6 @@ EPX_GPU_TEST(moe_decode_graph_replay, 300) {
   world_free(&w);
   return fixture_free(&f);
 }
-
-/* Every rank passes the same bad argument: refused by name, nothing queued. */
-#define EXPECT_REFUSED(call, status, needle)                                       \
-  do {                                                                             \
-    EXPECT_STATUS((call), (status));                                               \
-    EXPECTF(strstr(epx_last_error(), (needle)) != NULL, "message '%s' lacks '%s'", \
-            epx_last_error(), (needle));                                           \
-  } while (0)
 
 EPX_GPU_TEST(moe_decode_refusals, 300) {
   const int me = t->rank;
