@@ -34,16 +34,6 @@ struct epx_handle {
 /* The handle's routing arrays as the kernels take them. */
 epx__routing_t epx__handle_routing(epx_handle_t h);
 
-/* The layout of a's tokens (topk_idx) into the handle's routing arrays: what epx_dispatch and
- * epx_dispatch_expand give the layout kernel. */
-epx_layout_args_t epx__handle_layout_args(epx_handle_t h, const epx_dispatch_args_t *a);
-
-/* The count exchange of a dispatch into h (notify; expand: its expert-major variant) and, with
- * a->sync_counts, the event the host then waits on (epx__handle_wait_counts). */
-epx_status_t epx__handle_notify_enqueue(epx_group_t g, epx_handle_t h, const epx__kernel_ctx_t *ctx,
-                                        const epx_dispatch_args_t *a, int expand,
-                                        cudaStream_t stream);
-
 /* After queuing a dispatch with sync_counts: the host waits for its count exchange (not its
  * data). *timed_out = 1 when the exchange timed out in this call (error_before: the group's
  * async record was clean before it; the counts it never received read 0, so none are valid):
