@@ -349,7 +349,10 @@ epx_status_t epx_handle_destroy(epx_handle_t handle);
 typedef struct epx_dispatch_args {
   size_t size;                /* sizeof(epx_dispatch_args_t); set by EPX_DISPATCH_ARGS_INIT */
   const void *x;              /* [IN] [T, H] payload, 16-byte aligned: BF16, or FP8 E4M3 */
-  epx_dtype_t x_dtype;        /* EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3 */
+  epx_dtype_t x_dtype;        /* EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3. x_dtype and
+                                 x_scales_dtype are collective: every rank passes the same, a
+                                 rank with no tokens too, since each receiver reads its rows in
+                                 its own call's format (not checked across ranks) */
   const float *x_scales;      /* [IN] FP8 only: [T, H/128] float32 scales (UE8M0 scales are
                                  passed as float32 powers of two; they are copied bit-exactly) */
   const void *topk_idx;       /* [IN] [T, K] expert ids, -1 = empty slot */

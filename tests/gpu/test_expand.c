@@ -90,7 +90,13 @@ static int make_outputs(const world_t *w, int align, uint16_t **y, int *rows) {
 /* Copy n elements of `bytes` each from the device. */
 static void *fetch(const void *dev, size_t n, size_t bytes) {
   void *h = malloc(n * bytes + 1);
-  if (h && n && cudaMemcpy(h, dev, n * bytes, cudaMemcpyDeviceToHost) != cudaSuccess) {
+  if (!h) {
+    fprintf(stderr, "  fetch: malloc of %zu bytes failed\n", n * bytes + 1);
+    return NULL;
+  }
+  const cudaError_t e = n ? cudaMemcpy(h, dev, n * bytes, cudaMemcpyDeviceToHost) : cudaSuccess;
+  if (e != cudaSuccess) {
+    fprintf(stderr, "  fetch: %zu x %zu bytes from %p: %s\n", n, bytes, dev, cudaGetErrorString(e));
     free(h);
     return NULL;
   }
@@ -269,30 +275,32 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
   /* fp8 2: the same scales column-major ([H/128, T], strides 1 and T): the strided path of the
    * sender and the receiver's fan-out of the scale words it delivered. */
   float *sc_cm = NULL;
-  const int T = w->ranks[me].num_tokens, G = w->H / 128;
-  if (fp8 == 3 && T > 0) { /* packed UE8M0 rows, as DeepGEMM's scales */
+  /* A rank with no tokens passes the same scale format as the others all the same: the format
+   * of what it receives follows its own call (T1: one row allocated, none read). */
+  const int T = w->ranks[me].num_tokens, T1 = T > 0 ? T : 1, G = w->H / 128;
+  if (fp8 == 3) { /* packed UE8M0 rows, as DeepGEMM's scales */
     const int cols = (G + 3) / 4;
-    int32_t *words = malloc(sizeof(int32_t) * (size_t)T * cols);
+    int32_t *words = calloc((size_t)T1 * cols, sizeof(int32_t));
     EXPECT(words != NULL);
     epx_ref_ue8m0_pack(w->sc[me], T, G, words);
-    EXPECT_CUDA(cudaMalloc((void **)&sc_cm, sizeof(int32_t) * (size_t)T * cols));
+    EXPECT_CUDA(cudaMalloc((void **)&sc_cm, sizeof(int32_t) * (size_t)T1 * cols));
     EXPECT_CUDA(
-        cudaMemcpy(sc_cm, words, sizeof(int32_t) * (size_t)T * cols, cudaMemcpyHostToDevice));
+        cudaMemcpy(sc_cm, words, sizeof(int32_t) * (size_t)T1 * cols, cudaMemcpyHostToDevice));
     free(words);
     a.x_scales = sc_cm;
     a.x_scales_dtype = EPX_DTYPE_INT32;
   }
-  if (fp8 == 2 && T > 0) {
-    float *host = malloc(sizeof(float) * (size_t)T * G);
+  if (fp8 == 2) {
+    float *host = calloc((size_t)T1 * G, sizeof(float));
     EXPECT(host != NULL);
     for (int i = 0; i < T; i++)
       for (int k = 0; k < G; k++) host[(size_t)k * T + i] = w->sc[me][(size_t)i * G + k];
-    EXPECT_CUDA(cudaMalloc((void **)&sc_cm, sizeof(float) * (size_t)T * G));
-    EXPECT_CUDA(cudaMemcpy(sc_cm, host, sizeof(float) * (size_t)T * G, cudaMemcpyHostToDevice));
+    EXPECT_CUDA(cudaMalloc((void **)&sc_cm, sizeof(float) * (size_t)T1 * G));
+    EXPECT_CUDA(cudaMemcpy(sc_cm, host, sizeof(float) * (size_t)T1 * G, cudaMemcpyHostToDevice));
     free(host);
     a.x_scales = sc_cm;
     a.x_scales_stride_token = 1;
-    a.x_scales_stride_group = T;
+    a.x_scales_stride_group = T1;
   }
   epx_dispatch_expand_result_t res;
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL; /* as before a combine, below */

@@ -19,13 +19,18 @@
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
  *                                  queued, then a call that is right
  *
- * Tolerance per output value: test_moe.c's, 0.03 x (sum over the token's slots of |w| x |FFN
- * row|) + 0.02 x rms(FFN rows) x sum |w|. The layer's roundings differ from the oracle's in
+ * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.03 x
+ * rms(FFN rows) x sum |w|, and the root mean square of |err| / (rms x sum |w|) over all values
+ * at most 0.01. Why 0.03 (test_moe.c's decode bound is 0.02): with BF16 weights cuBLAS rounds
+ * gate and up to BF16, and when a token's slots repeat one expert (all to one expert) that row's
+ * rounding error is summed K times with the same sign; measured at 22692d7 on 4x H200 the mean
+ * square was 0.0045-0.0048 there (0.001-0.003 elsewhere) and the worst value 1.08 x a 0.02
+ * bound (4.8 sigma over 10^5 values). The layer's roundings differ from the oracle's in
  * places the oracle does not round: cuBLAS's summation order, the BF16 rounding of the gate and
  * up outputs (BF16 weights), the expert side's BF16 partial rows of the combine; each is well
  * inside the bound, and a wrong row, expert or weight is off by about rms x |w|.
- * FP8 weights on cuBLASLt: 0.2 in place of 0.02 per value, and the root mean square of
- * |err| / (rms x sum |w|) over all values at most 0.05. Why: Hopper's FP8 tensor cores sum with
+ * FP8 weights on cuBLASLt: 0.2 in place of 0.03 per value, and the root mean square of
+ * |err| / (rms x sum |w|) over all values at most 0.05 (not 0.01). Why: Hopper's FP8 tensor cores sum with
  * fewer bits than float32 (test_moe_gemm measured 1.2-1.6e-4 of the sum of |products| on
  * 4x H200 at 9aa124a), so gate and up differ from the oracle's exact sums by about 0.1%; h is
  * then quantized to FP8, where a value that close to a rounding boundary moves one FP8 step
@@ -125,8 +130,8 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
             "scale modes (epx_last_error after create: %s)",
             c->name, c->fp8_weights ? "Lt" : "", epx_last_error());
   const int fp8_tensor_cores = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS;
-  f->rms_coef = fp8_tensor_cores ? 0.2 : 0.02;
-  f->rms_err_max = fp8_tensor_cores ? 0.05 : 0;
+  f->rms_coef = fp8_tensor_cores ? 0.2 : 0.03;
+  f->rms_err_max = fp8_tensor_cores ? 0.05 : 0.01;
   if (world_dev_make(&f->w, t->rank, 1, &f->d) != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_moe_prefill_workspace_size(f->plan, &f->ws_bytes));
   EXPECT(f->ws_bytes == info.workspace_bytes);
