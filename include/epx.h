@@ -964,11 +964,12 @@ typedef enum epx_moe_ffn_backend {
   EPX_MOE_FFN_CUBLAS = 1, /* cuBLAS / cuBLASLt, one GEMM per (expert, projection) over the GEMM
                              lanes; refused at creation if it has no kernel */
   EPX_MOE_FFN_EPX = 2,    /* epx_experts_ffn (built for decode sizes) */
-  EPX_MOE_FFN_CUBLAS_GROUPED = 3 /* BF16 weights only: cuBLAS's grouped GEMM
-                                    (cublasGemmGroupedBatchedEx, cuBLAS 12.5+), one call per
-                                    projection for all of a chunk's experts: two host calls per
-                                    chunk instead of two per expert (docs/moe.md). Refused at
-                                    creation with FP8 weights, or where cuBLAS lacks it */
+  EPX_MOE_FFN_CUBLAS_GROUPED = 3 /* BF16 weights only: one cublasGemmBatchedEx per projection
+                                    for all of a chunk's experts, each on a block of the largest
+                                    expert's rows: two host calls per chunk instead of two per
+                                    expert; a chunk whose blocks would add over 50% padding
+                                    runs one GEMM per expert (docs/moe.md). Refused at
+                                    creation with FP8 weights */
 } epx_moe_ffn_backend_t;
 
 typedef struct epx_moe_prefill_config {

@@ -64,10 +64,6 @@ static void load(void) {
   }
   EPX__BLAS_FUNCTIONS(EPX__BLAS_RESOLVE)
 #undef EPX__BLAS_RESOLVE
-#define EPX__BLAS_RESOLVE_OPTIONAL(lib, name) \
-  table.name = (__typeof__(&name))dlsym(libs[lib], #name);
-  EPX__BLAS_OPTIONAL_FUNCTIONS(EPX__BLAS_RESOLVE_OPTIONAL)
-#undef EPX__BLAS_RESOLVE_OPTIONAL
   loaded = &table;
 }
 

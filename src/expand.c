@@ -189,6 +189,12 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
 EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
                                            const epx_combine_expand_args_t *a,
                                            cudaStream_t stream) {
+  return epx__combine_expand_blocked(g, h, a, 0, stream);
+}
+
+epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
+                                         const epx_combine_expand_args_t *a, int block_rows,
+                                         cudaStream_t stream) {
   static const char fn[] = "epx_combine_expand";
   EPX_CHECK(epx__handle_check(g, h));
   EPX_CHECK(epx__check_not_null(fn, "args", a));
@@ -214,7 +220,9 @@ EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
                                                a->weighted,
                                                g->config.hidden,
                                                g->config.top_k,
-                                               2 * g->num_device_sms};
+                                               2 * g->num_device_sms,
+                                               block_rows,
+                                               g->config.num_experts / g->num_ranks};
   EPX_CHECK(epx__expand_reduce_launch(&ctx, &ra, stream));
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);

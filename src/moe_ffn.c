@@ -10,9 +10,15 @@
  * joins them before the row kernel and at the end. Each lane has its own cuBLAS workspace
  * slice. Experts go to the least-loaded lane by rows (epx__moe_assign_lanes). Once forked, the
  * join is queued whatever fails, so the FFN's stream never runs ahead of a lane's GEMMs.
- * Grouped (EPX_MOE_FFN_CUBLAS_GROUPED): one cuBLAS call per projection for every expert, on the
- * FFN's stream, no lanes: two host calls per chunk where the lanes make two per expert (the
- * per-GEMM host cost bounded the layer: docs/moe.md).
+ * Batched (EPX_MOE_FFN_CUBLAS_GROUPED): one cublasGemmBatchedEx per projection for every expert,
+ * on the FFN's stream, no lanes: two host calls per chunk where the lanes make two per expert
+ * (the per-GEMM host cost bounded the layer: docs/moe.md). A batched GEMM takes one size, so
+ * every expert gets a block of the largest expert's rows (rounded up): gate/up reads each
+ * expert's block from its dispatched rows (rows past its count belong to the next experts or
+ * to nobody, and give output rows nobody reads) and writes a blocked scratch; the row kernel
+ * runs over the blocks (blocked_begin: its segments), and down writes y blocked too, which the
+ * combine maps back (epx__combine_expand_blocked). A chunk where blocks would cost too much
+ * (epx__moe_block_rows: one expert with most rows) runs one GEMM per expert instead.
  */
 #include <string.h>
 
@@ -32,6 +38,23 @@ void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane) {
     lane[j] = best;
     load[best] += count[j] > 0 ? count[j] : 0;
   }
+}
+
+int epx__moe_block_rows(const int *count, const int *begin, int L, size_t scratch_rows,
+                        size_t input_rows) {
+  long long real = 0;
+  int largest = 0;
+  for (int j = 0; j < L; j++) {
+    if (count[j] > largest) largest = count[j];
+    if (count[j] > 0) real += count[j];
+  }
+  if (largest == 0 || L <= 0) return 0;
+  const long long block =
+      ((long long)largest + EPX__MOE_BLOCK_ROUND - 1) / EPX__MOE_BLOCK_ROUND * EPX__MOE_BLOCK_ROUND;
+  if ((unsigned long long)(block * L) > scratch_rows) return 0;
+  if ((unsigned long long)(begin[L - 1] + block) > input_rows) return 0;
+  if (block * L * 100 > real * (100 + EPX__MOE_BLOCK_WASTE_PCT)) return 0;
+  return (int)block;
 }
 
 /* Lanes 1.. wait for everything queued on stream so far. */
@@ -75,12 +98,6 @@ typedef struct {
 
 static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const epx__moe_rows_t *rows,
                             const int *lane, char *blas_ws, cudaStream_t stream) {
-  if (p->grouped) { /* BF16: one call for every expert, on the FFN's stream */
-    const epx__moe_grouped_gemm_t gg = {g->w,        g->w_stride,     g->x,           g->x_row,
-                                        g->y,        g->y_row,        g->n,           g->k,
-                                        rows->count, rows->count_dev, rows->begin_dev};
-    return epx__moe_gemm_bf16_grouped(p, &gg, g->sm_target, blas_ws, stream);
-  }
   EPX_CHECK(fork_lanes(p, stream));
   epx_status_t st = EPX_OK;
   for (int j = 0; j < p->L && st == EPX_OK; j++) {
@@ -100,8 +117,57 @@ static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const ep
   return st != EPX_OK ? st : joined;
 }
 
+/* BF16 weights, batched: gate/up, SwiGLU, down over blocks of block_rows rows (above). */
+static epx_status_t ffn_batched(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int block_rows,
+                                int sm_target, char *ws, const epx__moe_ws_layout_t *l,
+                                cudaStream_t stream) {
+  const epx_experts_t *w = &p->experts;
+  const int H = p->H, I = p->I, L = p->L;
+  const epx__moe_batched_gemm_t gu = {.w = (const char *)w->gate_up,
+                                      .w_stride = (size_t)2 * I * H * 2,
+                                      .x = (const char *)rows->x,
+                                      .x_row = (size_t)H * 2,
+                                      .y = ws + l->gu,
+                                      .y_row = (size_t)2 * I * 2,
+                                      .n = 2 * I,
+                                      .k = H,
+                                      .block_rows = block_rows,
+                                      .x_blocked = 0,
+                                      .y_blocked = 1,
+                                      .blocked_begin = 1,
+                                      .begin_dev = rows->begin_dev};
+  EPX_CHECK(epx__moe_gemm_bf16_batched(p, &gu, sm_target, ws + l->blas, stream));
+  epx__moe_rows_launch_args_t ra;
+  memset(&ra, 0, sizeof ra);
+  ra.in = ws + l->gu;
+  ra.swiglu = 1;
+  ra.out = ws + l->h;
+  ra.cols = I;
+  ra.num_rows = L * block_rows;
+  ra.num_experts = L;
+  ra.begin = p->blocked_begin; /* the blocks, written by the gate/up pointer kernel */
+  ra.count = rows->count_dev;
+  ra.num_blocks = 2 * (sm_target ? sm_target : p->device_sms);
+  EPX_CHECK(epx__moe_rows_launch(&ra, stream));
+  const epx__moe_batched_gemm_t dn = {.w = (const char *)w->down,
+                                      .w_stride = (size_t)H * I * 2,
+                                      .x = ws + l->h,
+                                      .x_row = (size_t)I * 2,
+                                      .y = (char *)rows->y,
+                                      .y_row = (size_t)H * 2,
+                                      .n = H,
+                                      .k = I,
+                                      .block_rows = block_rows,
+                                      .x_blocked = 1,
+                                      .y_blocked = 1,
+                                      .blocked_begin = 0,
+                                      .begin_dev = rows->begin_dev};
+  return epx__moe_gemm_bf16_batched(p, &dn, sm_target, ws + l->blas, stream);
+}
+
 epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
-                          char *ws, size_t ws_bytes, cudaStream_t stream) {
+                          char *ws, size_t ws_bytes, int *y_block_rows, cudaStream_t stream) {
+  *y_block_rows = 0;
   if (rows->num_rows <= 0) return EPX_OK;
   const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
   if (ws_bytes < l.total)
@@ -122,6 +188,16 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
   }
   const int H = p->H, I = p->I, sms = overlapped ? p->gemm_sms : 0;
   const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
+  if (p->grouped) { /* BF16 weights (the plan checked) */
+    const int block =
+        epx__moe_block_rows(rows->count, rows->begin, p->L, p->rows, (size_t)rows->x_capacity);
+    if (block > 0) {
+      p->batched_chunks++;
+      *y_block_rows = block;
+      return ffn_batched(p, rows, block, sms, ws, &l, stream);
+    }
+    p->unbatched_chunks++;
+  }
   int lane[EPX_MAX_EXPERTS];
   epx__moe_assign_lanes(rows->count, p->L, p->lanes, lane);
   const size_t gu_elem = fp8 && p->gu_fp32 ? 4 : 2, h_elem = fp8 ? 1 : 2, w_elem = fp8 ? 1 : 2;

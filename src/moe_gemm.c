@@ -13,9 +13,13 @@
  *                 A's [k/128, n/128] column-major with its leading dimension k/128 rounded up
  *                 to 4 (the plan repacks the weights' scales so); B's [k/128, rows] with rows
  *                 contiguous (the quantize kernels write each expert's segment so).
- *   BF16 weights, grouped (EPX_MOE_FFN_CUBLAS_GROUPED): every expert's GEMM of one projection
- *                 in one cublasGemmGroupedBatchedEx (cuBLAS 12.5+, resolved as optional), its
- *                 matrix pointers listed on the device by epx__moe_group_ptrs_launch.
+ *   BF16 weights, batched (EPX_MOE_FFN_CUBLAS_GROUPED): every expert's GEMM of one projection
+ *                 in one cublasGemmBatchedEx over blocks of the same row count (the largest
+ *                 expert's, moe_ffn.c), its matrix pointers listed on the device by
+ *                 epx__moe_group_ptrs_launch. cublasGemmGroupedBatchedEx (one problem per
+ *                 expert, each its own size) was this backend at 22692d7: on 4x H200 its GEMMs
+ *                 took 11.4 ms against 5.3 ms one cublasGemmEx per expert (DeepSeek-V3, 4096
+ *                 tokens, BF16), so it went.
  * cuBLASLt algorithms come from its heuristic, cached per (projection, row-count bucket); a
  * cached algorithm that refuses a new size is looked up again for that size.
  * Every cuBLAS failure becomes EPX_ERR_CUDA with cuBLAS's status name.
@@ -64,10 +68,10 @@ epx_status_t epx__moe_gemm_create(epx_moe_prefill_t p) {
   return EPX_OK;
 }
 
-static void grouped_free(epx_moe_prefill_t p); /* below, with the grouped GEMM */
+static void batched_free(epx_moe_prefill_t p); /* below, with the batched GEMM */
 
 void epx__moe_gemm_destroy(epx_moe_prefill_t p) {
-  grouped_free(p);
+  batched_free(p);
   for (int which = 0; which < 2; which++)
     if (p->lt_desc[which]) B->cublasLtMatmulDescDestroy(p->lt_desc[which]);
   if (p->lt) B->cublasLtDestroy(p->lt);
@@ -93,81 +97,51 @@ epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *
   return EPX_OK;
 }
 
-int epx__moe_group_problems(const int *count, int L, int n, int k, epx__moe_group_host_t *h) {
-  int G = 0;
-  for (int j = 0; j < L; j++) {
-    if (count[j] <= 0) continue;
-    h->ta[G] = CUBLAS_OP_T, h->tb[G] = CUBLAS_OP_N;
-    h->m[G] = n, h->n[G] = count[j], h->k[G] = k;
-    h->lda[G] = k, h->ldb[G] = k, h->ldc[G] = n;
-    h->size[G] = 1, h->alpha[G] = 1.f, h->beta[G] = 0.f;
-    G++;
-  }
-  return G;
-}
-
-int epx__moe_gemm_grouped_available(void) {
-  return B && B->cublasGemmGroupedBatchedEx;
-}
-
-/* Pointers from one of the grouped GEMM's device arrays to the next: 32 x 8 bytes keeps each
+/* Pointers from one of the batched GEMM's device arrays to the next: 32 x 8 bytes keeps each
  * array 256-byte aligned (with an odd L, an unpadded B array would start 8 bytes off 16, and
  * batched cuBLAS calls have refused such arrays). */
 static size_t group_stride(int L) {
   return ((size_t)L + 31) / 32 * 32;
 }
 
-epx_status_t epx__moe_gemm_grouped_alloc(epx_moe_prefill_t p) {
-  const size_t L = (size_t)p->L;
+epx_status_t epx__moe_gemm_batched_alloc(epx_moe_prefill_t p) {
   CUDA_CHECK(cudaMalloc((void **)&p->group_ptrs, 3 * group_stride(p->L) * sizeof(void *)));
-  epx__moe_group_host_t *h = calloc(1, sizeof *h);
-  if (h) {
-    h->ta = malloc(L * sizeof *h->ta), h->tb = malloc(L * sizeof *h->tb);
-    int **ints[] = {&h->m, &h->n, &h->k, &h->lda, &h->ldb, &h->ldc, &h->size};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) *ints[i] = malloc(L * sizeof(int));
-    h->alpha = malloc(L * sizeof(float)), h->beta = malloc(L * sizeof(float));
-  }
-  p->group_host = h;
-  if (!h || !h->ta || !h->tb || !h->m || !h->n || !h->k || !h->lda || !h->ldb || !h->ldc ||
-      !h->size || !h->alpha || !h->beta)
-    return epx__set_error(EPX_ERR_SYSTEM, "epx_moe_prefill_create: out of host memory");
+  CUDA_CHECK(cudaMalloc((void **)&p->blocked_begin, ((size_t)p->L + 1) * sizeof(int)));
   return EPX_OK;
 }
 
-static void grouped_free(epx_moe_prefill_t p) {
+static void batched_free(epx_moe_prefill_t p) {
   if (p->group_ptrs) cudaFree(p->group_ptrs);
-  epx__moe_group_host_t *h = p->group_host;
-  if (h) {
-    void *all[] = {h->ta,  h->tb,  h->m,    h->n,     h->k,   h->lda,
-                   h->ldb, h->ldc, h->size, h->alpha, h->beta};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
-    free(h);
-  }
+  if (p->blocked_begin) cudaFree(p->blocked_begin);
   p->group_ptrs = NULL;
-  p->group_host = NULL;
+  p->blocked_begin = NULL;
 }
 
-epx_status_t epx__moe_gemm_bf16_grouped(epx_moe_prefill_t p, const epx__moe_grouped_gemm_t *g,
+epx_status_t epx__moe_gemm_bf16_batched(epx_moe_prefill_t p, const epx__moe_batched_gemm_t *g,
                                         int sm_target, void *blas_ws, cudaStream_t stream) {
-  epx__moe_group_host_t *h = p->group_host;
-  if (!h || !p->group_ptrs || !epx__moe_gemm_grouped_available())
-    return epx__set_error(EPX_ERR_INTERNAL, "epx_moe_prefill: the grouped GEMM was not set up");
-  /* The problems in expert order, as the pointer kernel lists them (the same counts). */
-  const int G = epx__moe_group_problems(g->count, p->L, g->n, g->k, h);
-  if (G == 0) return EPX_OK;
+  if (!p->group_ptrs || !p->blocked_begin)
+    return epx__set_error(EPX_ERR_INTERNAL, "epx_moe_prefill: the batched GEMM was not set up");
+  if (g->block_rows <= 0) return EPX_OK;
   const size_t S = group_stride(p->L);
-  const epx__moe_group_ptrs_launch_args_t pa = {g->w, g->w_stride, g->x,         g->x_row,
-                                                g->y, g->y_row,    g->begin_dev, g->count_dev,
-                                                p->L, (int)S,      p->group_ptrs};
+  const epx__moe_group_ptrs_launch_args_t pa = {
+      g->w,          g->w_stride,
+      g->x,          g->x_row,
+      g->y,          g->y_row,
+      g->begin_dev,  p->L,
+      g->block_rows, g->x_blocked,
+      g->y_blocked,  (int)S,
+      p->group_ptrs, g->blocked_begin ? p->blocked_begin : NULL};
   EPX_CHECK(epx__moe_group_ptrs_launch(&pa, stream));
   BLAS_CHECK(B->cublasSetStream(p->blas, stream));
   BLAS_CHECK(B->cublasSetWorkspace(p->blas, blas_ws, EPX__MOE_BLAS_WS));
   BLAS_CHECK(B->cublasSetSmCountTarget(p->blas, sm_target));
+  const float one = 1.f, zero = 0.f;
   void **ptrs = p->group_ptrs;
-  BLAS_CHECK(B->cublasGemmGroupedBatchedEx(
-      p->blas, h->ta, h->tb, h->m, h->n, h->k, h->alpha, (const void *const *)ptrs, CUDA_R_16BF,
-      h->lda, (const void *const *)(ptrs + S), CUDA_R_16BF, h->ldb, h->beta, ptrs + 2 * S,
-      CUDA_R_16BF, h->ldc, G, h->size, CUBLAS_COMPUTE_32F));
+  /* Column-major, as epx__moe_gemm_bf16's call: C (n x block) = A^T (A: k x n) B (k x block). */
+  BLAS_CHECK(B->cublasGemmBatchedEx(
+      p->blas, CUBLAS_OP_T, CUBLAS_OP_N, g->n, g->block_rows, g->k, &one, (const void *const *)ptrs,
+      CUDA_R_16BF, g->k, (const void *const *)(ptrs + S), CUDA_R_16BF, g->k, &zero, ptrs + 2 * S,
+      CUDA_R_16BF, g->n, p->L, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return EPX_OK;
 }
 

@@ -3,7 +3,7 @@
  * (docs/moe.md, "MoE layer at prefill"), and its plan. Per chunk of tokens:
  *   epx_dispatch_expand (sync_counts = 1: the host learns each local expert's rows)  ->
  *   the FFN on the compute stream (src/moe_ffn.c: cuBLAS GEMMs per expert over the plan's
- *   GEMM lanes, or one grouped GEMM per projection, the row kernel between them; or
+ *   GEMM lanes, or one batched GEMM per projection, the row kernel between them; or
  *   epx_experts_ffn)  ->  epx_combine_expand
  *   (weighted).
  *
@@ -200,14 +200,8 @@ static epx_status_t repack_scales(const float *src, int E, int n, int k, float *
 static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int asked) {
   p->backend = asked == EPX_MOE_FFN_EPX || p->no_blas ? EPX_MOE_FFN_EPX : EPX_MOE_FFN_CUBLAS;
   if (asked == EPX_MOE_FFN_CUBLAS_GROUPED) { /* BF16 weights (checked), cuBLAS loaded */
-    if (!epx__moe_gemm_grouped_available())
-      return epx__set_error(EPX_ERR_UNSUPPORTED,
-                            "%s: config->ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED, but the loaded "
-                            "cuBLAS has no cublasGemmGroupedBatchedEx (cuBLAS 12.5+); use "
-                            "EPX_MOE_FFN_CUBLAS",
-                            fn);
     p->grouped = 1;
-    return epx__moe_gemm_grouped_alloc(p);
+    return epx__moe_gemm_batched_alloc(p);
   }
   if (p->backend == EPX_MOE_FFN_EPX || p->experts.weight_dtype != EPX_DTYPE_FP8_E4M3) return EPX_OK;
   p->gu_fp32 = 1; /* closest to the oracle: h from float32 gate and up */
@@ -254,7 +248,7 @@ static epx_status_t choose_wire(const char *fn, epx_moe_prefill_t p, int asked) 
 }
 
 /* The GEMM lanes (moe_ffn.c): `asked` (0: auto) with the per-expert cuBLAS GEMMs, else 1 (EPX's
- * FFN, and the grouped GEMM: one call per projection); lanes 1.. are streams of the compute
+ * FFN, and the batched GEMM: one call per projection); lanes 1.. are streams of the compute
  * stream's priority. */
 static epx_status_t lanes_build(epx_moe_prefill_t p, int asked) {
   p->lanes =
@@ -347,7 +341,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   EPX_ARG_CHECK(
       cfg.ffn_backend != EPX_MOE_FFN_CUBLAS_GROUPED || experts->weight_dtype == EPX_DTYPE_BF16,
       "%s: config->ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED needs BF16 weights (cuBLAS's "
-      "grouped GEMM has no FP8 block scaling); use EPX_MOE_FFN_CUBLAS for FP8",
+      "batched GEMM has no FP8 block scaling); use EPX_MOE_FFN_CUBLAS for FP8",
       fn);
 
   epx_moe_prefill_t p = calloc(1, sizeof *p);
@@ -491,6 +485,7 @@ typedef struct {
   int enqueued[2]; /* ... without an error, and its end recorded: its counts can be waited for
                       and its FFN can wait for its rows */
   int tok_first[2];
+  int y_block_rows[2]; /* the slot's FFN left y blocked (epx__moe_ffn): its combine maps it */
   int counts[2][EPX_MAX_EXPERTS];
   epx__expand_pending_t pending[2];
   epx_dispatch_expand_result_t res[2]; /* filled when the slot's counts are waited for */
@@ -553,6 +548,7 @@ static void run_ffn(chunk_call_t *k, int c) {
   epx_moe_prefill_t p = k->p;
   const int s = c % 2, L = p->L;
   const epx_dispatch_expand_result_t *res = &k->res[s];
+  k->y_block_rows[s] = 0;
   epx_status_t st = k->enqueued[s] ? epx__dispatch_expand_finish(p->groups[s], p->handles[s],
                                                                  &k->pending[s], &k->res[s])
                                    : EPX_ERR_INTERNAL; /* (its failure is already kept) */
@@ -572,6 +568,7 @@ static void run_ffn(chunk_call_t *k, int c) {
       const epx__moe_rows_t rows = {.x = res->recv_x,
                                     .x_scales = res->recv_x_scales, /* NULL: BF16 rows */
                                     .num_rows = res->num_rows,
+                                    .x_capacity = res->capacity,
                                     .count = k->counts[s],
                                     .begin = begin,
                                     .count_dev = res->expert_count_device,
@@ -581,8 +578,8 @@ static void run_ffn(chunk_call_t *k, int c) {
       const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(k->compute, p->dispatched[c], 0));
       keep_first(k, ws_st);
       if (ws_st == EPX_OK)
-        keep_first(k,
-                   epx__moe_ffn(p, &rows, k->a->overlap, k->ws, k->a->workspace_bytes, k->compute));
+        keep_first(k, epx__moe_ffn(p, &rows, k->a->overlap, k->ws, k->a->workspace_bytes,
+                                   &k->y_block_rows[s], k->compute));
     }
   }
   keep_first(k, CUDA_STATUS(cudaEventRecord(p->ffn_done[c], k->compute)));
@@ -599,7 +596,8 @@ static void enqueue_combine(chunk_call_t *k, int c) {
   ca.x = k->ws + k->l.y[s];
   ca.weighted = 1;
   ca.out = (char *)k->a->out + (size_t)k->tok_first[s] * p->H * 2;
-  keep_first(k, epx_combine_expand(p->groups[s], p->handles[s], &ca, k->comm));
+  keep_first(k, epx__combine_expand_blocked(p->groups[s], p->handles[s], &ca, k->y_block_rows[s],
+                                            k->comm));
 }
 
 EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,

@@ -92,6 +92,7 @@ static epx__moe_rows_t held_rows(const bench_ctx_t *c) {
   const epx__moe_rows_t r = {.x = c->held.recv_x,
                              .x_scales = c->held.recv_x_scales, /* NULL: BF16 rows */
                              .num_rows = c->held.num_rows,
+                             .x_capacity = c->held.capacity,
                              .count = c->held_count,
                              .begin = c->held_begin,
                              .count_dev = c->held.expert_count_device,
@@ -110,8 +111,9 @@ static int run_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
   }
   if (v == V_GEMMS || v == V_CUBLAS) {
     const epx__moe_rows_t r = held_rows(c);
+    int y_block_rows = 0; /* the layout y is left in: the gemms variant has no combine */
     if (v == V_GEMMS)
-      BENCH_EPX(epx__moe_ffn(c->plan, &r, 0, c->ws, c->ws_bytes, stream));
+      BENCH_EPX(epx__moe_ffn(c->plan, &r, 0, c->ws, c->ws_bytes, &y_block_rows, stream));
     else
       BENCH_EPX(epx__moe_gemm_reference(c->plan, &r, c->ws, c->ws_bytes, stream));
     return 0;

@@ -22,6 +22,7 @@
   X(0, cublasSetMathMode)                    \
   X(0, cublasSetSmCountTarget)               \
   X(0, cublasGemmEx)                         \
+  X(0, cublasGemmBatchedEx)                  \
   X(0, cublasGetStatusName)                  \
   X(1, cublasLtCreate)                       \
   X(1, cublasLtDestroy)                      \
@@ -36,14 +37,9 @@
   X(1, cublasLtMatrixLayoutCreate)           \
   X(1, cublasLtMatrixLayoutDestroy)
 
-/* Functions a cuBLAS may lack (newer than the oldest it runs with): NULL members then, and only
- * the feature that needs one is refused. cublasGemmGroupedBatchedEx: cuBLAS 12.5+. */
-#define EPX__BLAS_OPTIONAL_FUNCTIONS(X) X(0, cublasGemmGroupedBatchedEx)
-
 typedef struct epx__blas {
 #define EPX__BLAS_MEMBER(lib, name) __typeof__(&name) name;
   EPX__BLAS_FUNCTIONS(EPX__BLAS_MEMBER)
-  EPX__BLAS_OPTIONAL_FUNCTIONS(EPX__BLAS_MEMBER)
 #undef EPX__BLAS_MEMBER
 } epx__blas_t;
 

@@ -3,7 +3,8 @@
  * (src/moe_prefill.c), which queues the next chunk's dispatch before it waits for this chunk's
  * counts: epx_dispatch_expand is epx__dispatch_expand_enqueue, then
  * epx__dispatch_expand_finish on the same group and handle, with no other dispatch on that
- * handle between them (the counts arrive in the handle's host-mapped buffer).
+ * handle between them (the counts arrive in the handle's host-mapped buffer). And
+ * epx_combine_expand of blocked expert outputs (the layer's batched GEMM).
  */
 #ifndef EPX_EXPAND_H_
 #define EPX_EXPAND_H_
@@ -36,6 +37,13 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
 epx_status_t epx__dispatch_expand_finish(epx_group_t g, epx_handle_t h,
                                          const epx__expand_pending_t *pending,
                                          epx_dispatch_expand_result_t *out);
+
+/* epx_combine_expand of expert outputs left blocked by the prefill layer's batched GEMM:
+ * block_rows > 0: local expert j's output rows at [j * block_rows, j * block_rows + count[j])
+ * of args->x (api.h's epx__expand_reduce_launch_args_t); 0: as epx_combine_expand. */
+epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
+                                         const epx_combine_expand_args_t *a, int block_rows,
+                                         cudaStream_t stream);
 
 #ifdef __cplusplus
 }

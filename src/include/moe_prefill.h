@@ -87,13 +87,15 @@ struct epx_moe_prefill {
   int scales_kb[2]; /* kb4: k/128 rounded up to a multiple of 4 */
   /* [num_chunks x max_tokens_per_rank x K] 1.0f: the weights of calls without */
   float *ones;
-  /* EPX_MOE_FFN_CUBLAS_GROUPED (backend CUBLAS, BF16 weights, one lane): one grouped GEMM per
-   * projection. group_ptrs: device, the problems' A, B and C arrays, each L pointers at a
-   * stride of L rounded up to 32 (epx__moe_group_ptrs_launch);
-   * group_host: the host arrays cuBLAS takes per problem (moe_gemm.c). */
+  /* EPX_MOE_FFN_CUBLAS_GROUPED (backend CUBLAS, BF16 weights, one lane): one batched GEMM per
+   * projection over blocks of equal rows (moe_ffn.c says when). group_ptrs: device, the
+   * blocks' A, B and C arrays, each L pointers at a stride of L rounded up to 32
+   * (epx__moe_group_ptrs_launch); blocked_begin: device [L + 1], j x the block's rows.
+   * batched_chunks, unbatched_chunks: the chunks run each way so far (the tests read them). */
   int grouped;
   void **group_ptrs;
-  struct epx__moe_group_host *group_host;
+  int *blocked_begin;
+  long long batched_chunks, unbatched_chunks;
   epx__moe_lt_algo_t algos[EPX__MOE_LT_CACHE];
 };
 
@@ -105,6 +107,7 @@ typedef struct {
   const void *x;         /* [num_rows, H] BF16 (recv_x), or FP8 codes with x_scales */
   const float *x_scales; /* FP8 rows: [num_rows, H/128] float32, row-major; NULL: BF16 rows */
   int num_rows;          /* begin[L], padding included */
+  int x_capacity;        /* rows x has room for (the dispatch's expert-major capacity) */
   const int *count;      /* host [L]: real rows of each local expert */
   const int *begin;      /* host [L + 1] */
   const int *count_dev;  /* device [L] */
@@ -114,9 +117,11 @@ typedef struct {
 
 /* The FFN of one chunk on stream (src/moe_ffn.c): every local expert on its rows, y written for
  * its real rows; the GEMMs spread over the plan's lanes and joined back into stream.
- * overlapped: the GEMMs target plan->gemm_sms SMs (communication runs beside them). */
+ * overlapped: the GEMMs target plan->gemm_sms SMs (communication runs beside them).
+ * *y_block_rows: 0 when y is in the rows' expert-major order; > 0 when the batched GEMM left it
+ * blocked (expert j's rows from j x that), for epx__combine_expand_blocked. */
 epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
-                          char *ws, size_t ws_bytes, cudaStream_t stream);
+                          char *ws, size_t ws_bytes, int *y_block_rows, cudaStream_t stream);
 
 /* The plain cuBLAS reference of the FFN's GEMMs: one gate/up GEMM and one down GEMM of
  * rows->num_rows rows on expert 0's weights (the same shapes in one call each, no SwiGLU, no
@@ -129,22 +134,12 @@ epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t 
  * GEMM on another stream uses meanwhile (a lane's slice). */
 epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *x, void *y, int n,
                                 int k, int rows, int sm_target, void *blas_ws, cudaStream_t stream);
-/* The grouped GEMM's per-problem host arrays, [L] each (one problem per expert with rows; cuBLAS
- * reads them during the call, so one set per plan serves every call). */
-typedef struct epx__moe_group_host {
-  cublasOperation_t *ta, *tb;
-  int *m, *n, *k, *lda, *ldb, *ldc, *size;
-  float *alpha, *beta;
-} epx__moe_group_host_t;
-/* Fills h with the problems y_j[count[j], n] = x_j[count[j], k] w_j[n, k]^T of the experts j in
- * [0, L) with count[j] > 0, in expert order (the order epx__moe_group_ptrs_launch lists their
- * matrices in), in cuBLAS's column-major terms: C (n x count[j]) = A^T (A: k x n) B (k x
- * count[j]). Returns how many (pure host code; tests/host/test_moe_prefill_plan.c). */
-int epx__moe_group_problems(const int *count, int L, int n, int k, epx__moe_group_host_t *h);
-/* BF16, grouped (plan->grouped): every expert j with count[j] > 0 rows in one
- * cublasGemmGroupedBatchedEx, y_j[count[j], n] = x_j[count[j], k] w_j[n, k]^T with w_j at
- * w + j * w_stride, x_j at x + begin[j] * x_row, y_j at y + begin[j] * y_row (bytes). count: the
- * host's copy of count_dev; begin_dev: device [L + 1]. */
+/* BF16, batched (plan->grouped): y_j = x_j w_j^T for every local expert j in one
+ * cublasGemmBatchedEx, each x_j and y_j block_rows rows: w_j at w + j * w_stride; x_j at x +
+ * begin[j] * x_row (x_blocked 0: the dispatched rows; rows past count[j] are read and give
+ * rows nobody reads) or at x + j * block_rows * x_row (x_blocked 1); y_j likewise (y_blocked
+ * must be 1 where blocks would overlap another expert's rows: always, in practice). With
+ * blocked_begin 1 the pointer kernel also writes plan->blocked_begin. */
 typedef struct {
   const char *w;
   size_t w_stride;
@@ -152,18 +147,24 @@ typedef struct {
   size_t x_row;
   char *y;
   size_t y_row;
-  int n, k;
-  const int *count;     /* host [L] */
-  const int *count_dev; /* device [L] */
+  int n, k, block_rows, x_blocked, y_blocked, blocked_begin;
   const int *begin_dev; /* device [L + 1] */
-} epx__moe_grouped_gemm_t;
-epx_status_t epx__moe_gemm_bf16_grouped(epx_moe_prefill_t p, const epx__moe_grouped_gemm_t *g,
+} epx__moe_batched_gemm_t;
+epx_status_t epx__moe_gemm_bf16_batched(epx_moe_prefill_t p, const epx__moe_batched_gemm_t *g,
                                         int sm_target, void *blas_ws, cudaStream_t stream);
-/* Whether the loaded cuBLAS has the grouped GEMM (12.5+); 0 before epx__moe_gemm_create. */
-int epx__moe_gemm_grouped_available(void);
-/* The grouped GEMM's device pointer arrays and host scratch for L experts (plan->grouped);
+/* The rows of every block of a chunk's batched GEMMs: the largest count rounded up to
+ * EPX__MOE_BLOCK_ROUND; 0 (run the experts one GEMM each) when no expert has rows, when L
+ * blocks pass scratch_rows (the FFN's scratch), when the last block's reads pass input_rows
+ * (the dispatch's expert-major capacity), or when the blocks hold more than
+ * EPX__MOE_BLOCK_WASTE_PCT percent more rows than the real ones (one expert with most of the
+ * rows). Pure host code (tests/host/test_moe_prefill_plan.c). */
+#define EPX__MOE_BLOCK_ROUND 16
+#define EPX__MOE_BLOCK_WASTE_PCT 50
+int epx__moe_block_rows(const int *count, const int *begin, int L, size_t scratch_rows,
+                        size_t input_rows);
+/* The batched GEMM's device pointer arrays and blocked_begin for L experts (plan->grouped);
  * released by epx__moe_gemm_destroy. */
-epx_status_t epx__moe_gemm_grouped_alloc(epx_moe_prefill_t p);
+epx_status_t epx__moe_gemm_batched_alloc(epx_moe_prefill_t p);
 /* FP8 (cuBLASLt block scaling): w [n, k] E4M3 with w_scales [n/128][kb4] (128x128 blocks), x
  * [rows, k] E4M3 with x_scales [k/128][rows] (1x128 blocks, rows contiguous; rows a multiple of
  * 4), y float32 (which 0 with gu_fp32) or BF16. which: 0 gate/up, 1 down. */

@@ -120,6 +120,10 @@ typedef struct epx__expand_reduce_launch_args {
   const void *x;                /* [rows, H] BF16 expert outputs, expanded order */
   void *partial;                /* [num_recv, H] BF16 */
   int weighted, hidden, top_k, num_blocks;
+  /* 0: x row r is expanded row r. > 0: x is blocked, local expert j's rows at
+   * [j * block_rows, j * block_rows + count[j]) (the prefill layer's batched GEMM): expanded row
+   * r of segment j (meta->expand_begin) is x row j * block_rows + r - expand_begin[j]. */
+  int block_rows, num_local_experts;
 } epx__expand_reduce_launch_args_t;
 
 epx_status_t epx__expand_dispatch_launch(const epx__kernel_ctx_t *ctx,
@@ -297,13 +301,15 @@ typedef struct epx__moe_segment_scales_launch_args {
 epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch_args_t *args,
                                             cudaStream_t stream);
 
-/* The prefill layer's grouped GEMM (EPX_MOE_FFN_CUBLAS_GROUPED, moe_gemm.c): cuBLAS takes the
- * problems' matrices as device arrays of pointers. For the experts with rows (count[j] > 0), in
- * expert order, ptrs[i] = w + j * w_stride (A: the weights), ptrs[S + i] = x + begin[j] * x_row
- * (B: the rows), ptrs[2 S + i] = y + begin[j] * y_row (C: the outputs), S = array_stride (at
- * least num_experts; a multiple of 32 keeps each array 256-byte aligned, as batched cuBLAS
- * calls want): the order in which the host, from its copy of the same counts, lists the
- * problems' sizes. */
+/* The prefill layer's batched GEMM (EPX_MOE_FFN_CUBLAS_GROUPED, moe_gemm.c): one cuBLAS call
+ * over every local expert j in [0, num_experts), each on a block of block_rows rows; cuBLAS
+ * takes the blocks' matrices as device arrays of pointers: ptrs[j] = w + j * w_stride (A: the
+ * weights), ptrs[S + j] = x + xr(j) * x_row (B: the rows), ptrs[2 S + j] = y + yr(j) * y_row
+ * (C: the outputs), S = array_stride (a multiple of 32 keeps each array 256-byte aligned, as
+ * batched cuBLAS calls want). xr(j) = begin[j] (the expert-major rows as dispatched) when
+ * x_blocked is 0, else j * block_rows (a blocked scratch); yr(j) likewise with y_blocked. With
+ * blocked_begin set, also blocked_begin[j] = j * block_rows for j in [0, num_experts] (the row
+ * kernel's segments over the blocked scratch). */
 typedef struct epx__moe_group_ptrs_launch_args {
   const char *w;
   size_t w_stride; /* bytes */
@@ -312,10 +318,12 @@ typedef struct epx__moe_group_ptrs_launch_args {
   char *y;
   size_t y_row;     /* bytes */
   const int *begin; /* device [num_experts + 1] */
-  const int *count; /* device [num_experts] */
   int num_experts;
-  int array_stride; /* pointers from one array to the next */
-  void **ptrs;      /* device [3 x array_stride] */
+  int block_rows;
+  int x_blocked, y_blocked;
+  int array_stride;   /* pointers from one array to the next */
+  void **ptrs;        /* device [3 x array_stride] */
+  int *blocked_begin; /* device [num_experts + 1], or NULL */
 } epx__moe_group_ptrs_launch_args_t;
 
 epx_status_t epx__moe_group_ptrs_launch(const epx__moe_group_ptrs_launch_args_t *args,

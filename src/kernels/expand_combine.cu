@@ -10,6 +10,9 @@
  * each to the token's home rank and sums the ranks' rows there (normal_combine.cu): the home
  * side's reduction is unchanged, and one row per (token, rank) crosses NVLink.
  *
+ * The prefill layer's batched GEMM leaves y blocked (api.h, block_rows): each row index is mapped
+ * into the block of its local expert before the loads.
+ *
  * Purely local (no peer memory, no waits): num_blocks blocks of kThreads, one warp per
  * received token, grid-strided; lane k < K reads list entry k. Rows past the dispatch's capacity
  * are -1 in the list and skipped. At a2f5d44 (EP4, 4096 tokens, H 7168) this pass took 303 us
@@ -28,6 +31,21 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(EPX_MAX_TOP_K <= 32, "lane k holds list entry k");
+
+/* Blocked expert outputs (args' block_rows > 0): the x row of expanded row r, r's segment j found
+ * by a binary search of expand_begin (at most 8 steps for 256 local experts). */
+__device__ __forceinline__ int blocked_row(const epx__expand_reduce_launch_args_t &a, int r) {
+  const int *begin = a.meta->expand_begin;
+  int lo = 0, hi = a.num_local_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (begin[mid] <= r)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo * a.block_rows + (r - begin[lo]);
+}
 
 }  // namespace
 
@@ -60,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int nv = __popc(valid);
     if (row >= 0) {
       const int at = __popc(valid & ((1u << lane) - 1u));
-      list_row[warp][at] = row;
+      list_row[warp][at] = a.block_rows > 0 ? blocked_row(a, row) : row;
       list_w[warp][at] = a.weighted ? weights[row] : 1.f;
     }
     __syncwarp();

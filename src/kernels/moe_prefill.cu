@@ -4,7 +4,7 @@
  * expert-major rows, with the scales in the per-segment layout cuBLASLt's 1x128 block scaling
  * reads; and for FP8 on the wire, the quantization of a chunk's tokens before its dispatch
  * (epx__moe_quantize_tokens_launch) and the received scales into the per-segment layout
- * (epx__moe_segment_scales_launch); for the grouped GEMM, its device arrays of matrix pointers
+ * (epx__moe_segment_scales_launch); for the batched GEMM, its device arrays of matrix pointers
  * (epx__moe_group_ptrs_launch).
  *
  * Roles: one warp per (row, 512 channels); lane i holds channels [16 i, 16 i + 16) of the
@@ -151,22 +151,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/* One warp lists the experts with rows, 32 at a time: a ballot gives each its place. */
+/* One warp writes the batched GEMM's pointer arrays (api.h), 32 experts a step. */
 __global__ void __launch_bounds__(32) moe_group_ptrs_kernel(epx__moe_group_ptrs_launch_args_t a) {
-  const int lane = threadIdx.x, L = a.num_experts, S = a.array_stride;
-  int placed = 0;
-  for (int j0 = 0; j0 < L; j0 += 32) {
-    const int j = j0 + lane;
-    const bool has = j < L && __ldg(a.count + j) > 0;
-    const unsigned mask = __ballot_sync(0xffffffffu, has);
-    if (has) {
-      const int i = placed + __popc(mask & ((1u << lane) - 1u));
-      const size_t b = (size_t)__ldg(a.begin + j);
-      a.ptrs[i] = (void *)(a.w + (size_t)j * a.w_stride);
-      a.ptrs[S + i] = (void *)(a.x + b * a.x_row);
-      a.ptrs[2 * S + i] = (void *)(a.y + b * a.y_row);
-    }
-    placed += __popc(mask);
+  const int S = a.array_stride;
+  for (int j = threadIdx.x; j <= a.num_experts; j += 32) {
+    if (a.blocked_begin) a.blocked_begin[j] = j * a.block_rows;
+    if (j == a.num_experts) break;
+    const size_t blocked = (size_t)j * a.block_rows;
+    const size_t xr = a.x_blocked ? blocked : (size_t)__ldg(a.begin + j);
+    const size_t yr = a.y_blocked ? blocked : (size_t)__ldg(a.begin + j);
+    a.ptrs[j] = (void *)(a.w + (size_t)j * a.w_stride);
+    a.ptrs[S + j] = (void *)(a.x + xr * a.x_row);
+    a.ptrs[2 * S + j] = (void *)(a.y + yr * a.y_row);
   }
 }
 

@@ -12,8 +12,9 @@
  *                                  and EPX's FFN by config); routings uniform, holes, duplicates,
  *                                  all to one expert, all empty, a rank with no token, uneven
  *                                  counts, fewer tokens than chunks, a Qwen3-like shape;
- *                                  and BF16 on cuBLAS's grouped GEMM
- *                                  (EPX_MOE_FFN_CUBLAS_GROUPED)
+ *                                  and BF16 on cuBLAS's batched GEMM
+ *                                  (EPX_MOE_FFN_CUBLAS_GROUPED; the
+ *                                  chunks it batched counted per case)
  *   moe_prefill_ranks_at_different_times  ranks r x 150 ms apart, four chunks: right outputs,
  *                                  no error, overlapped and chained
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
@@ -30,8 +31,8 @@
  * up outputs (BF16 weights), the expert side's BF16 partial rows of the combine; each is well
  * inside the bound, and a wrong row, expert or weight is off by about rms x |w|.
  * FP8 weights on cuBLASLt: 0.2 in place of 0.03 per value, and the root mean square of
- * |err| / (rms x sum |w|) over all values at most 0.05 (not 0.01). Why: Hopper's FP8 tensor cores sum with
- * fewer bits than float32 (test_moe_gemm measured 1.2-1.6e-4 of the sum of |products| on
+ * |err| / (rms x sum |w|) over all values at most 0.05 (not 0.01). Why: Hopper's FP8 tensor cores
+ * sum with fewer bits than float32 (test_moe_gemm measured 1.2-1.6e-4 of the sum of |products| on
  * 4x H200 at 9aa124a), so gate and up differ from the oracle's exact sums by about 0.1%; h is
  * then quantized to FP8, where a value that close to a rounding boundary moves one FP8 step
  * (6-12%). About 5% of h values move, each moving an output by ~0.09 x |h_j W_down| with a
@@ -60,6 +61,7 @@ typedef struct {
   int I, fp8_weights, backend, num_chunks;
   int gemm_lanes;     /* config.gemm_lanes (0: auto) */
   int dispatch_dtype; /* config.dispatch_dtype (0: auto: FP8 with FP8 weights on cuBLAS) */
+  int expect_batched; /* backend 3: 1 every chunk with rows batched, -1 none, 0 either */
 } prefill_case_t;
 
 /* Two groups (overlap alternates them), every rank's experts, inputs, output, plan. */
@@ -108,7 +110,7 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
         "workspace %zu bytes\n",
         c->name,
         info.ffn_backend == EPX_MOE_FFN_CUBLAS           ? "cuBLAS"
-        : info.ffn_backend == EPX_MOE_FFN_CUBLAS_GROUPED ? "cuBLAS grouped"
+        : info.ffn_backend == EPX_MOE_FFN_CUBLAS_GROUPED ? "cuBLAS batched"
                                                          : "EPX",
         info.num_chunks, info.gemm_lanes,
         info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "FP8" : "BF16",
@@ -117,7 +119,7 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
   const int want_fp8 = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS &&
                        c->dispatch_dtype != EPX_DTYPE_BF16;
   EXPECT_EQ_INT(info.dispatch_dtype, want_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16);
-  /* lanes for the per-expert cuBLAS GEMMs only (grouped: one call per projection) */
+  /* lanes for the per-expert cuBLAS GEMMs only (batched: one call per projection) */
   EXPECT_EQ_INT(info.gemm_lanes, info.ffn_backend == EPX_MOE_FFN_CUBLAS
                                      ? (c->gemm_lanes ? c->gemm_lanes : EPX__MOE_AUTO_LANES)
                                      : 1);
@@ -247,34 +249,51 @@ static int one_call(epx_test_rank_t *t, prefill_fixture_t *f, int overlap, const
 /*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  backend (0 auto, 2 EPX)  chunks
  *  GEMM lanes  dispatch dtype (0 auto) */
 static const prefill_case_t cases[] = {
-    {"bf16_uniform", {64, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, 0, 0, 0},
-    {"bf16_duplicates_uneven", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 3, 3, 0},
-    {"bf16_one_lane", {48, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 1, 0},
-    {"fp8_bf16_wire", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, EPX_DTYPE_BF16},
-    {"fp8_one_lane", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, 0},
-    {"fp8_eight_lanes", {48, 256, 8, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 0, 0, 8, 0},
-    {"fp8_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 0, 0},
-    {"fp8_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 0, 0, 0, 0},
-    {"fp8_one_expert_i256", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 256, 1, 0, 0, 0, 0},
-    {"fp8_uniform_i128", {32, 256, 4, 4, ROUTE_UNIFORM, 32, -1}, 128, 1, 0, 0, 0, 0},
-    {"bf16_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, 0, 0, 0, 0},
-    {"fp8_one_expert_epx", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 2, 0, 0, 0},
-    {"fp8_epx_ffn_uniform", {64, 512, 8, 8, ROUTE_UNIFORM, -1, -1}, 256, 1, 2, 0, 0, 0},
-    {"bf16_all_empty", {32, 256, 4, 4, ROUTE_EMPTY, 32, -1}, 128, 0, 0, 0, 0, 0},
-    {"fp8_empty_rank", {64, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 0, 0, 0, 0},
-    {"bf16_one_rank_experts", {32, 256, 4, 4, ROUTE_ONE_RANK, -1, -1}, 128, 0, 0, 0, 0, 0},
-    {"fp8_fewer_tokens_than_chunks", {8, 256, 4, 4, ROUTE_UNIFORM, 3, -1}, 128, 1, 0, 4, 0, 0},
-    {"bf16_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 0, 0, 0, 0},
-    {"fp8_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, 0, 0, 0, 0},
-    /* EPX_MOE_FFN_CUBLAS_GROUPED: experts without rows left out of the call, one expert
-     * only, a rank with no token, three chunks, Qwen3's shape, more than 32 local experts
-     * (the pointer kernel's passes) and an odd number (the arrays' padding) */
-    {"bf16_grouped_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 0, 3, 0, 0, 0},
-    {"bf16_grouped_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, 3, 0, 0, 0},
-    {"bf16_grouped_empty_rank", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, 0}, 128, 0, 3, 3, 0, 0},
-    {"bf16_grouped_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 3, 0, 0, 0},
-    {"bf16_grouped_40_experts", {32, 256, 40, 8, ROUTE_HOLES, -1, -1}, 128, 0, 3, 0, 0, 0},
-    {"bf16_grouped_3_experts", {32, 256, 3, 2, ROUTE_UNIFORM, -1, -1}, 128, 0, 3, 0, 0, 0},
+    {"bf16_uniform", {64, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, 0, 0, 0, 0},
+    {"bf16_duplicates_uneven", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 3, 3, 0, 0},
+    {"bf16_one_lane", {48, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 1, 0, 0},
+    {"fp8_bf16_wire", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, EPX_DTYPE_BF16, 0},
+    {"fp8_one_lane", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, 0, 0},
+    {"fp8_eight_lanes", {48, 256, 8, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 0, 0, 8, 0, 0},
+    {"fp8_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 0, 0, 0},
+    {"fp8_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 0, 0, 0, 0, 0},
+    {"fp8_one_expert_i256", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 256, 1, 0, 0, 0, 0, 0},
+    {"fp8_uniform_i128", {32, 256, 4, 4, ROUTE_UNIFORM, 32, -1}, 128, 1, 0, 0, 0, 0, 0},
+    {"bf16_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, 0, 0, 0, 0, 0},
+    {"fp8_one_expert_epx", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 2, 0, 0, 0, 0},
+    {"fp8_epx_ffn_uniform", {64, 512, 8, 8, ROUTE_UNIFORM, -1, -1}, 256, 1, 2, 0, 0, 0, 0},
+    {"bf16_all_empty", {32, 256, 4, 4, ROUTE_EMPTY, 32, -1}, 128, 0, 0, 0, 0, 0, 0},
+    {"fp8_empty_rank", {64, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 0, 0, 0, 0, 0},
+    {"bf16_one_rank_experts", {32, 256, 4, 4, ROUTE_ONE_RANK, -1, -1}, 128, 0, 0, 0, 0, 0, 0},
+    {"fp8_fewer_tokens_than_chunks", {8, 256, 4, 4, ROUTE_UNIFORM, 3, -1}, 128, 1, 0, 4, 0, 0, 0},
+    {"bf16_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 0, 0, 0, 0, 0},
+    {"fp8_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, 0, 0, 0, 0, 0},
+    /* EPX_MOE_FFN_CUBLAS_GROUPED with few rows (a chunk runs batched or one GEMM per expert
+     * as its padding comes out): holes, one expert only, a rank with no token, three chunks,
+     * Qwen3's shape, more than 32 local experts (the pointer kernel's passes) and an odd
+     * number (the arrays' padding) */
+    {"bf16_grouped_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 0, 3, 0, 0, 0, 0},
+    {"bf16_grouped_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, 3, 0, 0, 0, 0},
+    {"bf16_grouped_empty_rank", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, 0}, 128, 0, 3, 3, 0, 0, 0},
+    {"bf16_grouped_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 3, 0, 0, 0, 0},
+    {"bf16_grouped_40_experts", {32, 256, 40, 8, ROUTE_HOLES, -1, -1}, 128, 0, 3, 0, 0, 0, 0},
+    {"bf16_grouped_3_experts", {32, 256, 3, 2, ROUTE_UNIFORM, -1, -1}, 128, 0, 3, 0, 0, 0, 0},
+    /* ... and its batched GEMM (blocks of the largest expert's rows): enough rows that every
+     * chunk's largest expert stays far inside the padding bound (moe_prefill.h), so every
+     * chunk runs batched; one expert with every row never does */
+    {"bf16_batched_uniform", {1024, 256, 8, 8, ROUTE_UNIFORM, 1024, -1}, 256, 0, 3, 0, 0, 0, 1},
+    {"bf16_batched_qwen3_like", {128, 2048, 4, 8, ROUTE_UNIFORM, 128, -1}, 768, 0, 3, 0, 0, 0, 1},
+    {"bf16_batched_40_experts", {2048, 256, 40, 8, ROUTE_UNIFORM, 2048, -1}, 128, 0, 3, 0, 0, 0, 1},
+    {"bf16_batched_3_experts", {1024, 256, 3, 2, ROUTE_UNIFORM, 1024, -1}, 128, 0, 3, 3, 0, 0, 1},
+    {"bf16_batched_one_expert",
+     {256, 256, 4, 4, ROUTE_ONE_EXPERT, 256, -1},
+     128,
+     0,
+     3,
+     0,
+     0,
+     0,
+     -1},
 };
 
 EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
@@ -300,6 +319,14 @@ EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
       if (one_call(t, &f, kOverlap[call], label) != TEST_PASS) return TEST_FAIL;
       if (check_out(&f, &o, t->rank, label) != TEST_PASS) wrong++;
     }
+    /* The batched GEMM ran where the case says (a fallback would pass every check above) */
+    const long long batched = f.plan->batched_chunks, unbatched = f.plan->unbatched_chunks;
+    if (c->expect_batched > 0)
+      EXPECTF(batched > 0 && unbatched == 0, "%s: rank %d: %lld chunks batched, %lld not", c->name,
+              t->rank, batched, unbatched);
+    if (c->expect_batched < 0)
+      EXPECTF(batched == 0 && unbatched > 0, "%s: rank %d: %lld chunks batched, %lld not", c->name,
+              t->rank, batched, unbatched);
     oracle_free(&o);
     if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
   }
@@ -314,7 +341,7 @@ EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
  * overlapped and chained. */
 EPX_GPU_TEST(moe_prefill_ranks_at_different_times, 300) {
   uint64_t rng = t->seed;
-  const prefill_case_t c = {"skewed", {48, 256, 4, 4, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 4, 0,
+  const prefill_case_t c = {"skewed", {48, 256, 4, 4, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 4, 0, 0,
                             0};
   prefill_fixture_t f;
   prefill_oracle_t o;
@@ -339,7 +366,8 @@ EPX_GPU_TEST(moe_prefill_ranks_at_different_times, 300) {
 EPX_GPU_TEST(moe_prefill_refusals, 300) {
   const int me = t->rank;
   uint64_t rng = t->seed;
-  const prefill_case_t c = {"refusals", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 0, 0};
+  const prefill_case_t c = {"refusals", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 0, 0,
+                            0};
   prefill_fixture_t f;
   if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
   const epx_experts_t *ex = &f.ex[me].dev;
@@ -382,7 +410,7 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
   pc.ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED + 1;
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
                  "config->ffn_backend");
-  pc.ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED; /* with FP8 weights: no block-scaled grouped GEMM */
+  pc.ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED; /* with FP8 weights: no block-scaled batched GEMM */
   bad = *ex, bad.weight_dtype = EPX_DTYPE_FP8_E4M3;
   bad.gate_up_scales = bad.down_scales = (const float *)f.ws; /* any device memory: not read */
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, &bad, &pc, &p), EPX_ERR_INVALID_ARGUMENT,

@@ -3,7 +3,7 @@
  * (src/moe_prefill.c): the chunk split (every token in exactly one chunk, in order, sizes
  * within one of each other, the largest ceil(T / n)), the workspace layout (regions 256-byte
  * aligned, disjoint, each as large as its formula, FP8 regions only with FP8 weights), the
- * grouped GEMM's problem list, and the refusals that need no GPU.
+ * batched GEMM's block rows, and the refusals that need no GPU.
  */
 #include <stddef.h>
 #include <string.h>
@@ -120,39 +120,50 @@ EPX_HOST_TEST(moe_prefill_refuses_without_a_gpu, 10) {
   return TEST_PASS;
 }
 
-/* The grouped GEMM's problems (EPX_MOE_FFN_CUBLAS_GROUPED): the experts with rows, in expert
- * order, each with the per-expert GEMM's cuBLAS shape (src/moe_gemm.c's cublasGemmEx call:
- * op T on the k x n weights, op N on the k x rows rows, leading dimensions k, k and n). */
-EPX_HOST_TEST(moe_prefill_grouped_problems_in_expert_order, 10) {
-  enum { L = 70 };
-  cublasOperation_t ta[L], tb[L];
-  int m[L], n[L], k[L], lda[L], ldb[L], ldc[L], size[L];
-  float alpha[L], beta[L];
-  epx__moe_group_host_t h = {ta, tb, m, n, k, lda, ldb, ldc, size, alpha, beta};
+/* The batched GEMM's block (EPX_MOE_FFN_CUBLAS_GROUPED): the largest count rounded up to 16, or
+ * 0 (one GEMM per expert) when a bound would be passed. begin: the segments as the dispatch
+ * makes them (each count rounded up to 4). */
+static int block_rows_of(const int *count, int L, size_t scratch, size_t input) {
+  int begin[EPX_MAX_EXPERTS + 1];
+  begin[0] = 0;
+  for (int j = 0; j < L; j++) begin[j + 1] = begin[j] + (count[j] > 0 ? (count[j] + 3) / 4 * 4 : 0);
+  return epx__moe_block_rows(count, begin, L, scratch, input);
+}
+
+EPX_HOST_TEST(moe_prefill_batched_block_rows, 10) {
+  enum { L = 64 };
   int count[L];
-  for (int pattern = 0; pattern < 4; pattern++) {
-    int want = 0;
-    for (int j = 0; j < L; j++) { /* none, all, every third, only the last */
-      count[j] = pattern == 0   ? 0
-                 : pattern == 1 ? 1 + j
-                 : pattern == 2 ? (j % 3 == 0 ? 5 * j + 1 : (j % 3 == 1 ? 0 : -1))
-                                : (j == L - 1 ? 7 : 0);
-      want += count[j] > 0;
-    }
-    memset(m, 0xff, sizeof m);
-    const int G = epx__moe_group_problems(count, L, 512, 384, &h);
-    EXPECTF(G == want, "pattern %d: %d problems, want %d", pattern, G, want);
-    int i = 0;
-    for (int j = 0; j < L; j++) {
-      if (count[j] <= 0) continue;
-      EXPECTF(ta[i] == CUBLAS_OP_T && tb[i] == CUBLAS_OP_N && m[i] == 512 && n[i] == count[j] &&
-                  k[i] == 384 && lda[i] == 384 && ldb[i] == 384 && ldc[i] == 512 && size[i] == 1 &&
-                  alpha[i] == 1.f && beta[i] == 0.f,
-              "pattern %d: problem %d (expert %d): m %d n %d k %d lda %d ldb %d ldc %d", pattern, i,
-              j, m[i], n[i], k[i], lda[i], ldb[i], ldc[i]);
-      i++;
-    }
-    if (G < L) EXPECTF(m[G] == -1, "pattern %d: problem %d written past the count", pattern, G);
-  }
+  const size_t big = 1u << 30;
+  for (int j = 0; j < L; j++) count[j] = 250 + j % 7; /* DeepSeek-like, one chunk: 250..256 */
+  EXPECT_EQ_INT(block_rows_of(count, L, big, big), 256);
+  count[5] = 257; /* rounded up to 16 */
+  EXPECT_EQ_INT(block_rows_of(count, L, big, big), 272);
+  /* the scratch holds L blocks exactly, then one row less */
+  EXPECT_EQ_INT(block_rows_of(count, L, (size_t)L * 272, big), 272);
+  EXPECT_EQ_INT(block_rows_of(count, L, (size_t)L * 272 - 1, big), 0);
+  /* the last block's reads: begin[L - 1] + 272 rows of input, then one row less */
+  int begin_last = 0;
+  for (int j = 0; j < L - 1; j++) begin_last += (count[j] + 3) / 4 * 4;
+  EXPECT_EQ_INT(block_rows_of(count, L, big, (size_t)begin_last + 272), 272);
+  EXPECT_EQ_INT(block_rows_of(count, L, big, (size_t)begin_last + 271), 0);
+  /* padding: 50% more rows than the real ones is the limit */
+  for (int j = 0; j < L; j++) count[j] = j < L / 2 ? 32 : 16; /* 1536 real, 64 x 32 = 2048 */
+  EXPECT_EQ_INT(block_rows_of(count, L, big, big), 32);
+  count[0] = 48; /* 1552 real, 64 x 48 = 3072: 98% more */
+  EXPECT_EQ_INT(block_rows_of(count, L, big, big), 0);
+  /* one expert with every row; none with any; empty and -1 counts among others */
+  memset(count, 0, sizeof count);
+  count[9] = 1000;
+  EXPECT_EQ_INT(block_rows_of(count, L, big, big), 0);
+  count[9] = 0;
+  EXPECT_EQ_INT(block_rows_of(count, L, big, big), 0);
+  for (int j = 0; j < 3; j++) count[j] = j == 1 ? -1 : 5; /* three experts: 10 real, 3 x 16 */
+  EXPECT_EQ_INT(block_rows_of(count, 3, big, big), 0);
+  count[1] = 6; /* 16 real rows, 48 in blocks: 200% more */
+  EXPECT_EQ_INT(block_rows_of(count, 3, big, big), 0);
+  for (int j = 0; j < 3; j++) count[j] = 15 + j; /* 48 real, 3 x 32 = 96: 100% more */
+  EXPECT_EQ_INT(block_rows_of(count, 3, big, big), 0);
+  for (int j = 0; j < 3; j++) count[j] = 30 + j; /* 93 real, 3 x 32 = 96 */
+  EXPECT_EQ_INT(block_rows_of(count, 3, big, big), 32);
   return TEST_PASS;
 }
