@@ -960,7 +960,8 @@ typedef struct epx_moe_prefill *epx_moe_prefill_t;
 
 /* Which GEMMs run the experts' FFN. */
 typedef enum epx_moe_ffn_backend {
-  EPX_MOE_FFN_AUTO = 0,   /* cuBLAS where it has a kernel for the weights, else EPX */
+  EPX_MOE_FFN_AUTO = 0,   /* BF16 weights: EPX_MOE_FFN_CUBLAS_GROUPED; FP8 weights: cuBLASLt
+                             where it has a kernel; else (or no cuBLAS) EPX */
   EPX_MOE_FFN_CUBLAS = 1, /* cuBLAS / cuBLASLt, one GEMM per (expert, projection) over the GEMM
                              lanes; refused at creation if it has no kernel */
   EPX_MOE_FFN_EPX = 2,    /* epx_experts_ffn (built for decode sizes) */

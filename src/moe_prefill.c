@@ -199,7 +199,11 @@ static epx_status_t repack_scales(const float *src, int E, int n, int k, float *
 /* Which backend runs the FFN, and the gate/up output type of FP8 cuBLASLt. */
 static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int asked) {
   p->backend = asked == EPX_MOE_FFN_EPX || p->no_blas ? EPX_MOE_FFN_EPX : EPX_MOE_FFN_CUBLAS;
-  if (asked == EPX_MOE_FFN_CUBLAS_GROUPED) { /* BF16 weights (checked), cuBLAS loaded */
+  /* BF16 weights: auto takes the batched GEMM (docs/moe.md: faster at both of issue 16's
+   * shapes on 4x H200, ba211eb); asked for, the weights were checked and cuBLAS loaded */
+  if (asked == EPX_MOE_FFN_CUBLAS_GROUPED ||
+      (asked == EPX_MOE_FFN_AUTO && p->backend == EPX_MOE_FFN_CUBLAS &&
+       p->experts.weight_dtype == EPX_DTYPE_BF16)) {
     p->grouped = 1;
     return epx__moe_gemm_batched_alloc(p);
   }

@@ -19,8 +19,9 @@
  * a group barrier; rank 0 prints median and min over --iters. Columns: lay/max = layer /
  * max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target >= 1.15),
  * cub/gem = cublas / gemms (target >= 0.70); ln = the plan's GEMM lanes (--gemm-lanes, a list
- * to compare them in one run); ffn = cublas (per-expert GEMMs), group (--grouped: BF16 points
- * once more with EPX_MOE_FFN_CUBLAS_GROUPED, one grouped GEMM per projection) or epx. --timeline
+ * to compare them in one run); ffn = cublas (per-expert GEMMs, EPX_MOE_FFN_CUBLAS), group
+ * (--grouped: BF16 points once more with EPX_MOE_FFN_CUBLAS_GROUPED, one batched GEMM per
+ * projection: what auto picks for BF16 weights) or epx. --timeline
  * DIR: after the timed calls, one layer and one chain call under CUPTI: rank 0's kernels to
  * DIR/<shape>-<dtype>-T<T>-R<R>-ln<lanes>-<variant>.csv and one "# timeline" line each: how long
  * communication kernels ran beside compute kernels. Shapes: DeepSeek-V3's experts (H 7168, I 2048,
@@ -351,8 +352,8 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
       for (int k = 0; k < o->num_tokens && !rc; k++) {
         const moe_shape_t *s = &moe_shapes[o->shapes[i]];
         for (int m = 0; m < o->num_lanes && !rc; m++)
-          rc = bench_point(comm, rank, R, s, o->fp8[j], o->tokens[k], o->lanes[m], EPX_MOE_FFN_AUTO,
-                           o, stream);
+          rc = bench_point(comm, rank, R, s, o->fp8[j], o->tokens[k], o->lanes[m],
+                           EPX_MOE_FFN_CUBLAS, o, stream);
         if (!rc && o->grouped && !o->fp8[j]) /* one call per projection: no lanes */
           rc = bench_point(comm, rank, R, s, 0, o->tokens[k], 0, EPX_MOE_FFN_CUBLAS_GROUPED, o,
                            stream);

@@ -19,8 +19,9 @@ class MoePrefill:
     """A prefill-layer plan (epx_moe_prefill_create; not collective). groups: one epx.Group or
     a list of one or two with identical configs (normal mode, BF16, expand_max_rows >= R x
     max_tokens_per_rank x min(K, E/R) + 3 E/R); experts: this rank's epx.Experts; num_chunks:
-    chunks of an overlapped call (0: 2); ffn_backend: "auto", "cublas", "cublas_grouped" (BF16
-    weights: one cuBLAS batched GEMM per projection for all experts) or "epx"; gemm_sms: SMs
+    chunks of an overlapped call (0: 2); ffn_backend: "auto" ("cublas_grouped" for BF16
+    weights, "cublas" for FP8), "cublas" (one GEMM per expert), "cublas_grouped" (BF16 weights:
+    one cuBLAS batched GEMM per projection for all experts) or "epx"; gemm_sms: SMs
     the GEMMs are tuned for (0: the GPU's minus the group's num_sms); gemm_lanes: streams the
     per-expert GEMMs run on at once (0: 4; cuBLAS backend); dispatch_dtype: what crosses NVLink,
     "auto" (FP8 with FP8 weights on cuBLAS and groups with dtypes including "fp8"), "bf16" or

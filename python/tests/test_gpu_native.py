@@ -503,7 +503,7 @@ def _prefill_reference(ctx, world, weights, I):
 def _n_moe_prefill(ctx):
     """epx.MoePrefill on two groups with expert-major buffers: the chain and the overlapped
     layer against a plain-torch layer, uniform and adversarial routings, BF16 weights, on the
-    per-expert cuBLAS GEMMs (auto) and on cuBLAS's grouped GEMM."""
+    batched cuBLAS GEMM (auto for BF16 weights) and on the per-expert cuBLAS GEMMs."""
     c, epx = ctx.checks, ctx.epx
     L, I = ctx.E // ctx.R, 256
     rows = ctx.R * N_M * min(N_K, L) + 3 * L
@@ -511,7 +511,7 @@ def _n_moe_prefill(ctx):
     weights = [_prefill_experts(ctx, d, I) for d in range(ctx.R)]
     layer = None
     try:
-        for backend, chosen in (("auto", "cublas"), ("cublas_grouped", "cublas_grouped")):
+        for backend, chosen in (("auto", "cublas_grouped"), ("cublas", "cublas")):
             layer = epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]), ffn_backend=backend)
             c.check(layer.ffn_backend == chosen, f"MoePrefill({backend}) chose {layer.ffn_backend}")
             for k, routing in enumerate(("uniform", "one_expert", "holes", "empty_rank")):

