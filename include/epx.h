@@ -981,8 +981,9 @@ typedef struct epx_moe_prefill_config {
   int gemm_sms;       /* SMs the GEMMs are tuned for while communication runs beside them
                          (cuBLAS's SM count target); 0 = auto: the GPU's SMs minus the group's
                          config.num_sms; chain calls always target every SM */
-  int gemm_lanes;     /* streams the per-expert GEMMs are spread over (EPX_MOE_FFN_CUBLAS), 1..8;
-                         0 = auto (4); not used by the grouped and EPX backends (info says 1).
+  int gemm_lanes;     /* streams the per-expert GEMMs are spread over (EPX_MOE_FFN_CUBLAS, and
+                         the batched backend's chunks that fall back to them), 1..8; 0 = auto
+                         (4); not used by the EPX backend (info says 1).
                          An expert's GEMM has a few hundred rows at prefill, too few tiles to
                          fill the GPU alone: lanes run several experts' GEMMs at once */
   int dispatch_dtype; /* what crosses NVLink: 0 = auto (FP8 where the weights are FP8, the FFN

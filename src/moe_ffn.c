@@ -11,7 +11,8 @@
  * slice. Experts go to the least-loaded lane by rows (epx__moe_assign_lanes). Once forked, the
  * join is queued whatever fails, so the FFN's stream never runs ahead of a lane's GEMMs.
  * Batched (EPX_MOE_FFN_CUBLAS_GROUPED): one cublasGemmBatchedEx per projection for every expert,
- * on the FFN's stream, no lanes: two host calls per chunk where the lanes make two per expert
+ * on the FFN's stream (lanes only for the fallback below): two host calls per chunk where the
+ * lanes make two per expert
  * (the per-GEMM host cost bounded the layer: docs/moe.md). A batched GEMM takes one size, so
  * every expert gets a block of the largest expert's rows (rounded up): gate/up reads each
  * expert's block from its dispatched rows (rows past its count belong to the next experts or
@@ -192,9 +193,10 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
     const int block =
         epx__moe_block_rows(rows->count, rows->begin, p->L, p->rows, (size_t)rows->x_capacity);
     if (block > 0) {
-      p->batched_chunks++;
       *y_block_rows = block;
-      return ffn_batched(p, rows, block, sms, ws, &l, stream);
+      EPX_CHECK(ffn_batched(p, rows, block, sms, ws, &l, stream));
+      p->batched_chunks++;
+      return EPX_OK;
     }
     p->unbatched_chunks++;
   }

@@ -251,12 +251,12 @@ static epx_status_t choose_wire(const char *fn, epx_moe_prefill_t p, int asked) 
   return EPX_OK;
 }
 
-/* The GEMM lanes (moe_ffn.c): `asked` (0: auto) with the per-expert cuBLAS GEMMs, else 1 (EPX's
- * FFN, and the batched GEMM: one call per projection); lanes 1.. are streams of the compute
- * stream's priority. */
+/* The GEMM lanes (moe_ffn.c): `asked` (0: auto) with cuBLAS, else 1 (EPX's FFN). The batched
+ * GEMM is one call per projection on the FFN's stream; its plan has lanes all the same for the
+ * chunks that fall back to one GEMM per expert (a skewed routing). Lanes 1.. are streams of
+ * the compute stream's priority. */
 static epx_status_t lanes_build(epx_moe_prefill_t p, int asked) {
-  p->lanes =
-      p->backend == EPX_MOE_FFN_CUBLAS && !p->grouped ? (asked ? asked : EPX__MOE_AUTO_LANES) : 1;
+  p->lanes = p->backend == EPX_MOE_FFN_CUBLAS ? (asked ? asked : EPX__MOE_AUTO_LANES) : 1;
   if (p->lanes <= 1) return EPX_OK;
   int least = 0, greatest = 0;
   CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));

@@ -354,7 +354,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
         for (int m = 0; m < o->num_lanes && !rc; m++)
           rc = bench_point(comm, rank, R, s, o->fp8[j], o->tokens[k], o->lanes[m],
                            EPX_MOE_FFN_CUBLAS, o, stream);
-        if (!rc && o->grouped && !o->fp8[j]) /* one call per projection: no lanes */
+        if (!rc && o->grouped && !o->fp8[j]) /* one call per projection (auto lanes: fallback) */
           rc = bench_point(comm, rank, R, s, 0, o->tokens[k], 0, EPX_MOE_FFN_CUBLAS_GROUPED, o,
                            stream);
       }

@@ -497,7 +497,8 @@ def _prefill_reference(ctx, world, weights, I):
             wsum[rows] += w[rows, k].abs()
             y_sq, y_count = y_sq + y.pow(2).sum().item(), y_count + y.numel()
     rms = (y_sq / y_count) ** 0.5 if y_count else 0.0
-    return out, 0.03 * mag + 0.02 * (rms + 1e-3) * wsum[:, None]
+    # 0.1 x rms per value: BF16 gate/up rounding has heavy tails (tests/gpu/test_moe_prefill.c)
+    return out, 0.03 * mag + 0.1 * (rms + 1e-3) * wsum[:, None]
 
 
 def _n_moe_prefill(ctx):

@@ -124,8 +124,8 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
   const int want_fp8 = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS &&
                        c->dispatch_dtype != EPX_DTYPE_BF16;
   EXPECT_EQ_INT(info.dispatch_dtype, want_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16);
-  /* lanes for the per-expert cuBLAS GEMMs only (batched: one call per projection) */
-  EXPECT_EQ_INT(info.gemm_lanes, info.ffn_backend == EPX_MOE_FFN_CUBLAS
+  /* lanes with cuBLAS (the batched plan's for its per-expert fallback), none with EPX's FFN */
+  EXPECT_EQ_INT(info.gemm_lanes, info.ffn_backend != EPX_MOE_FFN_EPX
                                      ? (c->gemm_lanes ? c->gemm_lanes : EPX__MOE_AUTO_LANES)
                                      : 1);
   if (c->backend == EPX_MOE_FFN_CUBLAS_GROUPED) EXPECT_EQ_INT(info.ffn_backend, c->backend);
