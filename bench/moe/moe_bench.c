@@ -25,14 +25,7 @@
 #include "experts/bench_kernels.h"
 #include "moe/moe_common.h"
 
-#define MAX_LIST 8
-
-typedef struct {
-  int tokens[MAX_LIST], num_tokens;
-  int shapes[2], num_shapes;
-  int fp8[2], num_dtypes;
-  int iters, warmup, ranks;
-} options_t;
+typedef moe_options_t options_t;
 
 /* The graph's replay time on stream: median and min over iters, after warmup replays. */
 static int time_graph(cudaGraphExec_t exec, cudaStream_t stream, const options_t *o, float *median,
@@ -215,19 +208,9 @@ int main(int argc, char **argv) {
   bench_program = "epx_moe_bench";
   options_t o = {{128}, 1, {0, 1}, 2, {0, 1}, 2, 20, 3, 0};
   for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "--tokens") && v) {
-      if (bench_parse_list(a, v, 1, 4096, MAX_LIST, o.tokens, &o.num_tokens)) return 2;
-      i++;
-    } else if (!strcmp(a, "--shape") && v) {
-      o.num_shapes = 1, o.shapes[0] = !strcmp(v, "qwen3"), i++;
-    } else if (!strcmp(a, "--dtype") && v) {
-      o.num_dtypes = 1, o.fp8[0] = !strcmp(v, "fp8"), i++;
-    } else if (!strcmp(a, "--iters") && v) {
-      o.iters = atoi(v), i++;
-    } else if (!strcmp(a, "--ranks") && v) {
-      o.ranks = atoi(v), i++;
-    } else {
+    const int parsed = moe_parse_option(&o, argc, argv, &i, 4096);
+    if (parsed < 0) return 2;
+    if (parsed == 0) {
       fprintf(stderr,
               "usage: %s [--tokens 1,8,128] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
               "[--iters N] [--ranks N]\n",

@@ -4,6 +4,8 @@
 #include "moe/moe_common.h"
 
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "check.h"
 #include "experts/bench_kernels.h"
@@ -61,6 +63,26 @@ int moe_alloc_experts(const moe_shape_t *s, int L, int fp8, uint64_t seed, epx_e
 void moe_free_experts(epx_experts_t *ex) {
   cudaFree((void *)ex->gate_up), cudaFree((void *)ex->down);
   cudaFree((void *)ex->gate_up_scales), cudaFree((void *)ex->down_scales);
+}
+
+int moe_parse_option(moe_options_t *o, int argc, char **argv, int *i, int max_tokens) {
+  const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+  if (!v) return 0;
+  if (!strcmp(a, "--tokens")) {
+    if (bench_parse_list(a, v, 1, max_tokens, MOE_MAX_LIST, o->tokens, &o->num_tokens)) return -1;
+  } else if (!strcmp(a, "--shape")) {
+    o->num_shapes = 1, o->shapes[0] = !strcmp(v, "qwen3");
+  } else if (!strcmp(a, "--dtype")) {
+    o->num_dtypes = 1, o->fp8[0] = !strcmp(v, "fp8");
+  } else if (!strcmp(a, "--iters")) {
+    o->iters = atoi(v);
+  } else if (!strcmp(a, "--ranks")) {
+    o->ranks = atoi(v);
+  } else {
+    return 0;
+  }
+  (*i)++;
+  return 1;
 }
 
 int moe_bench_run(const char *name, int ranks, ranks_fn fn, void *arg) {

@@ -1,7 +1,8 @@
 /*
  * moe_common.h - what the MoE-layer benches share (bench/moe/moe_bench.c at decode,
  * bench/moe_prefill/moe_prefill_bench.c at prefill): the two expert shapes, the routing, random
- * expert weights, the float comparison their medians sort with, and running the ranks.
+ * expert weights, the float comparison their medians sort with, their common options, and
+ * running the ranks.
  */
 #ifndef EPX_BENCH_MOE_COMMON_H_
 #define EPX_BENCH_MOE_COMMON_H_
@@ -32,6 +33,21 @@ void moe_route(int64_t *ids, float *w, int T, int E, uint64_t seed);
  * block scales. 0, or -1 after printing the failing call. Free with moe_free_experts. */
 int moe_alloc_experts(const moe_shape_t *s, int L, int fp8, uint64_t seed, epx_experts_t *ex);
 void moe_free_experts(epx_experts_t *ex);
+
+/* The options both benches take: --tokens (a list), --shape deepseek|qwen3 (else both), --dtype
+ * bf16|fp8 (else both), --iters, --ranks (0: every visible GPU); warmup is the bench's own. */
+#define MOE_MAX_LIST 8
+typedef struct {
+  int tokens[MOE_MAX_LIST], num_tokens;
+  int shapes[2], num_shapes;
+  int fp8[2], num_dtypes;
+  int iters, warmup, ranks;
+} moe_options_t;
+
+/* If argv[*i] is one of those options with a value after it: sets it, moves *i past the value
+ * and returns 1; a --tokens list out of [1, max_tokens] (said on stderr): -1; another
+ * argument: 0. */
+int moe_parse_option(moe_options_t *o, int argc, char **argv, int *i, int max_tokens);
 
 /* fn on one rank process per visible GPU (at most EPX_MAX_RANKS; ranks > 0: at most that many),
  * under the bench's own 1200 s limit; without a GPU, prints "skipped" and returns 0. The

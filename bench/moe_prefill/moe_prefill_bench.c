@@ -42,16 +42,12 @@
 #include "moe/moe_common.h"
 #include "moe_prefill.h"
 
-#define MAX_LIST 8
-
 typedef struct {
-  int tokens[MAX_LIST], num_tokens;
-  int shapes[2], num_shapes;
-  int fp8[2], num_dtypes;
-  int iters, warmup, ranks, chunks;
-  int lanes[MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
-  const char *timeline;           /* --timeline DIR: one layer and one chain call's kernels */
-  int grouped;                    /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED */
+  moe_options_t m; /* --tokens, --shape, --dtype, --iters, --ranks */
+  int chunks;
+  int lanes[MOE_MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
+  const char *timeline;               /* --timeline DIR: one layer and one chain call's kernels */
+  int grouped; /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED */
 } options_t;
 
 /* The ffn column: which GEMMs ran. */
@@ -133,20 +129,20 @@ static int run_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
 /* Whole-call time of variant v on stream: median and min over iters, after warmup calls. */
 static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const options_t *o,
                         float *median, float *min) {
-  float *ms = malloc(sizeof(float) * o->iters);
+  float *ms = malloc(sizeof(float) * o->m.iters);
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < o->warmup + o->iters; i++) {
+  for (int i = 0; i < o->m.warmup + o->m.iters; i++) {
     BENCH_EPX(epx_group_barrier(c->g[0], stream));
     BENCH_CUDA(cudaEventRecord(a, stream));
     if (run_variant(c, v, stream)) return -1;
     BENCH_CUDA(cudaEventRecord(b, stream));
     BENCH_CUDA(cudaEventSynchronize(b));
-    if (i >= o->warmup) BENCH_CUDA(cudaEventElapsedTime(&ms[i - o->warmup], a, b));
+    if (i >= o->m.warmup) BENCH_CUDA(cudaEventElapsedTime(&ms[i - o->m.warmup], a, b));
   }
-  qsort(ms, o->iters, sizeof(float), moe_cmp_float);
-  *median = ms[o->iters / 2] * 1000.f;
+  qsort(ms, o->m.iters, sizeof(float), moe_cmp_float);
+  *median = ms[o->m.iters / 2] * 1000.f;
   *min = ms[0] * 1000.f;
   free(ms);
   cudaEventDestroy(a), cudaEventDestroy(b);
@@ -340,22 +336,22 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
     printf(
         "# median and min of %d whole calls (us, events on rank 0), after %d warm-up; "
         "rows = expert-major rows of rank 0\n",
-        o->iters, o->warmup);
+        o->m.iters, o->m.warmup);
     printf("%-9s %-4s %5s %3s %-6s %2s %-4s %6s", "shape", "dt", "T", "R", "ffn", "ln", "wire",
            "rows");
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
     printf(" %8s %8s %8s\n", "lay/max", "chn/lay", "cub/gem");
   }
   int rc = 0;
-  for (int i = 0; i < o->num_shapes && !rc; i++)
-    for (int j = 0; j < o->num_dtypes && !rc; j++)
-      for (int k = 0; k < o->num_tokens && !rc; k++) {
-        const moe_shape_t *s = &moe_shapes[o->shapes[i]];
+  for (int i = 0; i < o->m.num_shapes && !rc; i++)
+    for (int j = 0; j < o->m.num_dtypes && !rc; j++)
+      for (int k = 0; k < o->m.num_tokens && !rc; k++) {
+        const moe_shape_t *s = &moe_shapes[o->m.shapes[i]];
         for (int m = 0; m < o->num_lanes && !rc; m++)
-          rc = bench_point(comm, rank, R, s, o->fp8[j], o->tokens[k], o->lanes[m],
+          rc = bench_point(comm, rank, R, s, o->m.fp8[j], o->m.tokens[k], o->lanes[m],
                            EPX_MOE_FFN_CUBLAS, o, stream);
-        if (!rc && o->grouped && !o->fp8[j]) /* one call per projection (auto lanes: fallback) */
-          rc = bench_point(comm, rank, R, s, 0, o->tokens[k], 0, EPX_MOE_FFN_CUBLAS_GROUPED, o,
+        if (!rc && o->grouped && !o->m.fp8[j]) /* one call per projection (auto lanes: fallback) */
+          rc = bench_point(comm, rank, R, s, 0, o->m.tokens[k], 0, EPX_MOE_FFN_CUBLAS_GROUPED, o,
                            stream);
       }
   cudaStreamDestroy(stream);
@@ -366,28 +362,20 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
   bench_program = "epx_moe_prefill_bench";
-  options_t o = {{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0, 0, {0}, 1, NULL, 0};
+  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "--tokens") && v) {
-      if (bench_parse_list(a, v, 1, 65536, MAX_LIST, o.tokens, &o.num_tokens)) return 2;
-      i++;
-    } else if (!strcmp(a, "--shape") && v) {
-      o.num_shapes = 1, o.shapes[0] = !strcmp(v, "qwen3"), i++;
-    } else if (!strcmp(a, "--dtype") && v) {
-      o.num_dtypes = 1, o.fp8[0] = !strcmp(v, "fp8"), i++;
-    } else if (!strcmp(a, "--iters") && v) {
-      o.iters = atoi(v), i++;
-    } else if (!strcmp(a, "--ranks") && v) {
-      o.ranks = atoi(v), i++;
-    } else if (!strcmp(a, "--chunks") && v) {
+    const int parsed = moe_parse_option(&o.m, argc, argv, &i, 65536);
+    if (parsed < 0) return 2;
+    if (parsed > 0) continue;
+    if (!strcmp(a, "--chunks") && v) {
       o.chunks = atoi(v), i++;
     } else if (!strcmp(a, "--timeline") && v) {
       o.timeline = v, i++;
     } else if (!strcmp(a, "--grouped")) {
       o.grouped = 1;
     } else if (!strcmp(a, "--gemm-lanes") && v) {
-      if (bench_parse_list(a, v, 0, 8, MAX_LIST, o.lanes, &o.num_lanes)) return 2;
+      if (bench_parse_list(a, v, 0, 8, MOE_MAX_LIST, o.lanes, &o.num_lanes)) return 2;
       i++;
     } else {
       fprintf(stderr,
@@ -398,6 +386,6 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (o.iters < 1) return 2;
-  return moe_bench_run("epx_moe_prefill_bench", o.ranks, run_rank, &o);
+  if (o.m.iters < 1) return 2;
+  return moe_bench_run("epx_moe_prefill_bench", o.m.ranks, run_rank, &o);
 }

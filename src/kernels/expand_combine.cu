@@ -23,6 +23,7 @@
 #include "kernels/api.h"
 #include "kernels/bf16.cuh"
 #include "kernels/launch.cuh"
+#include "kernels/segment.cuh"
 #include "kernels/trace.cuh"
 
 namespace {
@@ -32,19 +33,12 @@ constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(EPX_MAX_TOP_K <= 32, "lane k holds list entry k");
 
-/* Blocked expert outputs (args' block_rows > 0): the x row of expanded row r, r's segment j found
- * by a binary search of expand_begin (at most 8 steps for 256 local experts). */
+/* Blocked expert outputs (args' block_rows > 0): the x row of expanded row r, in the block of
+ * r's segment j (the handle's expand_begin, written by the dispatch before this kernel). */
 __device__ __forceinline__ int blocked_row(const epx__expand_reduce_launch_args_t &a, int r) {
   const int *begin = a.meta->expand_begin;
-  int lo = 0, hi = a.num_local_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (begin[mid] <= r)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo * a.block_rows + (r - begin[lo]);
+  const int j = epx::segment_of(begin, a.num_local_experts, r);
+  return j * a.block_rows + (r - begin[j]);
 }
 
 }  // namespace

@@ -18,24 +18,12 @@
 #include "kernels/bf16.cuh"
 #include "kernels/fp8.cuh"
 #include "kernels/launch.cuh"
+#include "kernels/segment.cuh"
 
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kChannelsPerWarp = 512;
-
-/* The segment j holding row r: begin[j] <= r < begin[j + 1] (r < begin[L]). */
-__device__ __forceinline__ int segment_of(const int *begin, int L, int r) {
-  int lo = 0, hi = L - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (__ldg(begin + mid) <= r)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
 
 /* 16 values from p (float32 or BF16), 16-byte aligned. */
 template <bool kFp32>
@@ -70,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) moe_rows_kernel(epx__moe_rows_launch
        task += warps) {
     const int r = (int)(task / col_blocks);
     const int c0 = (int)(task % col_blocks) * kChannelsPerWarp + lane * 16;
-    const int j = segment_of(a.begin, a.num_experts, r);
+    const int j = epx::segment_of(a.begin, a.num_experts, r);
     const int seg_begin = __ldg(a.begin + j);
     const bool real = r - seg_begin < __ldg(a.count + j);
     const bool active = c0 < a.cols; /* whole 128-channel groups: cols % 128 == 0 */
@@ -144,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
   for (long long i = blockIdx.x * (long long)kThreads + threadIdx.x; i < n;
        i += (long long)gridDim.x * kThreads) {
     const int r = (int)(i / a.groups), g = (int)(i % a.groups);
-    const int j = segment_of(a.begin, a.num_experts, r);
+    const int j = epx::segment_of(a.begin, a.num_experts, r);
     const int b = __ldg(a.begin + j), S = __ldg(a.begin + j + 1) - b;
     const bool real = r - b < __ldg(a.count + j);
     a.out[(size_t)b * a.groups + (size_t)g * S + (r - b)] = real ? a.in[i] : 1.f;
