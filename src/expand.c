@@ -76,7 +76,8 @@ static const char kDispatchFn[] = "epx_dispatch_expand";
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
                                           const epx_dispatch_args_t *a,
                                           const epx_dispatch_expand_result_t *out,
-                                          cudaStream_t stream, epx__expand_pending_t *pending) {
+                                          cudaStream_t stream, int local_blocks,
+                                          epx__expand_pending_t *pending) {
   const char *fn = kDispatchFn;
   memset(pending, 0, sizeof *pending);
   EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, out));
@@ -133,7 +134,7 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
   if (xa.fan_out_blocks == 0) { /* AFTER: the fan-out is a kernel of its own */
     const epx__expand_fan_out_launch_args_t fa = {
         h->meta, g->config.top_k, g->config.hidden * (d.x_is_fp8 ? 1 : 2),
-        d.x_is_fp8 ? d.scale_cols : 0, 2 * g->num_device_sms};
+        d.x_is_fp8 ? d.scale_cols : 0, local_blocks > 0 ? local_blocks : 2 * g->num_device_sms};
     EPX_CHECK(epx__expand_fan_out_launch(&ctx, &fa, stream));
   }
   h->expand = 1;
@@ -182,19 +183,19 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
                                             epx_dispatch_expand_result_t *out,
                                             cudaStream_t stream) {
   epx__expand_pending_t pending;
-  EPX_CHECK(epx__dispatch_expand_enqueue(g, h, a, out, stream, &pending));
+  EPX_CHECK(epx__dispatch_expand_enqueue(g, h, a, out, stream, 0, &pending));
   return epx__dispatch_expand_finish(g, h, &pending, out);
 }
 
 EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
                                            const epx_combine_expand_args_t *a,
                                            cudaStream_t stream) {
-  return epx__combine_expand_blocked(g, h, a, 0, stream);
+  return epx__combine_expand_blocked(g, h, a, 0, 0, stream);
 }
 
 epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
                                          const epx_combine_expand_args_t *a, int block_rows,
-                                         cudaStream_t stream) {
+                                         int local_blocks, cudaStream_t stream) {
   static const char fn[] = "epx_combine_expand";
   EPX_CHECK(epx__handle_check(g, h));
   EPX_CHECK(epx__check_not_null(fn, "args", a));
@@ -211,18 +212,20 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
   epx__group_kernel_ctx(g, &ctx);
   /* The partial rows go where epx_dispatch's received rows would be (BF16: the group has it). */
   void *partial = g->workspace + g->layout.normal_offset + g->layout.recv_x_offset;
-  /* The reduce is local HBM traffic, alone on the stream: every SM, two blocks each. At
+  /* The reduce is local HBM traffic: alone on the GPU, every SM, two blocks each. At
    * config.num_sms blocks (24) it was latency-bound: 1.58 ms of the 2.10 ms combine at EP4,
-   * 4096 tokens, H 7168 (bench, 98d7421), against about 0.05 ms of bytes. */
-  const epx__expand_reduce_launch_args_t ra = {h->meta,
-                                               a->x,
-                                               partial,
-                                               a->weighted,
-                                               g->config.hidden,
-                                               g->config.top_k,
-                                               2 * g->num_device_sms,
-                                               block_rows,
-                                               g->config.num_experts / g->num_ranks};
+   * 4096 tokens, H 7168 (bench, 98d7421), against about 0.05 ms of bytes. Beside GEMMs the
+   * caller passes fewer (local_blocks). */
+  const epx__expand_reduce_launch_args_t ra = {
+      h->meta,
+      a->x,
+      partial,
+      a->weighted,
+      g->config.hidden,
+      g->config.top_k,
+      local_blocks > 0 ? local_blocks : 2 * g->num_device_sms,
+      block_rows,
+      g->config.num_experts / g->num_ranks};
   EPX_CHECK(epx__expand_reduce_launch(&ctx, &ra, stream));
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);

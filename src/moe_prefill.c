@@ -482,6 +482,7 @@ typedef struct {
   epx__moe_ws_layout_t l;
   char *ws;
   cudaStream_t comm, compute;
+  int n; /* chunks */
   size_t idx_bytes;
   epx_status_t first; /* the first failure, returned at the end */
   char message[512];
@@ -500,6 +501,16 @@ static void keep_first(chunk_call_t *k, epx_status_t st) {
   if (st == EPX_OK || k->first != EPX_OK) return;
   k->first = st;
   snprintf(k->message, sizeof k->message, "%s", epx_last_error());
+}
+
+/* The blocks of a dispatch's fan-out or a combine's expert-side reduce (local HBM passes; both
+ * launch two 512-thread blocks per SM, which fill an SM's registers): every SM where nothing
+ * runs beside them (a chain call; an overlapped call's first dispatch and last combine), else
+ * the communication's share, so that they do not hold every SM while the GEMMs' blocks and the
+ * FFN's small kernels wait to start (seen on the timeline at 47d064c: each chunk's FFN started
+ * 20-30 us late behind the previous chunk's reduce). */
+static int local_blocks(const chunk_call_t *k, int beside_gemms) {
+  return k->a->overlap && beside_gemms ? 2 * k->p->groups[0]->config.num_sms : 0;
 }
 
 /* Queue chunk c's dispatch on the communication stream (no host wait: the counts are waited for
@@ -534,8 +545,8 @@ static void enqueue_dispatch(chunk_call_t *k, int n, int c) {
   d.sync_counts = 1;
   d.num_recv_per_expert = k->counts[s];
   p->handles[s]->expand = 0; /* set again by the dispatch once everything is queued */
-  const epx_status_t st = epx__dispatch_expand_enqueue(p->groups[s], p->handles[s], &d, &k->res[s],
-                                                       k->comm, &k->pending[s]);
+  const epx_status_t st = epx__dispatch_expand_enqueue(
+      p->groups[s], p->handles[s], &d, &k->res[s], k->comm, local_blocks(k, c > 0), &k->pending[s]);
   keep_first(k, st);
   /* Without this record the FFN's wait would pass on a stale event and read rows still
    * arriving: such a chunk gets no FFN (its combine still runs). */
@@ -601,7 +612,7 @@ static void enqueue_combine(chunk_call_t *k, int c) {
   ca.weighted = 1;
   ca.out = (char *)k->a->out + (size_t)k->tok_first[s] * p->H * 2;
   keep_first(k, epx__combine_expand_blocked(p->groups[s], p->handles[s], &ca, k->y_block_rows[s],
-                                            k->comm));
+                                            local_blocks(k, c + 1 < k->n), k->comm));
 }
 
 EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,
@@ -623,6 +634,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
   k.p = p, k.a = a, k.l = l, k.ws = (char *)a->workspace;
   k.comm = a->overlap ? p->comm : stream;
   k.compute = a->overlap ? p->compute : stream;
+  k.n = n;
   k.idx_bytes = epx__index_bytes(a->topk_idx_dtype);
   /* Communication order D0 D1 C0 D2 C1 D3 ... (D c+1 after C c-1: the group's receive rows are
    * free again). Chunk c+1's dispatch is queued before the host waits for chunk c's counts and

@@ -21,15 +21,20 @@
  * cub/gem = cublas / gemms (target >= 0.70); ln = the plan's GEMM lanes (--gemm-lanes, a list
  * to compare them in one run); ffn = cublas (per-expert GEMMs, EPX_MOE_FFN_CUBLAS), group
  * (--grouped: BF16 points once more with EPX_MOE_FFN_CUBLAS_GROUPED, one batched GEMM per
- * projection: what auto picks for BF16 weights) or epx. --timeline
- * DIR: after the timed calls, one layer and one chain call under CUPTI: rank 0's kernels to
- * DIR/<shape>-<dtype>-T<T>-R<R>-ln<lanes>-<variant>.csv and one "# timeline" line each: how long
+ * projection: what auto picks for BF16 weights; --grouped-only: BF16 points only so) or epx.
+ * --gemm-sms N: the plan's config.gemm_sms (cuBLAS's SM target while communication runs beside
+ * the GEMMs). --timeline DIR (created if missing): after the timed calls, one layer and one
+ * chain call under CUPTI: rank 0's kernels to
+ * DIR/<shape>-<dtype>-T<T>-R<R>-<ffn>-ln<lanes>-sms<gemm_sms>-<variant>.csv and one "# timeline"
+ * line each: how long
  * communication kernels ran beside compute kernels. Shapes: DeepSeek-V3's experts (H 7168, I 2048,
  * 256 experts) and Qwen3-30B-A3B's (H 2048, I 768, 128), top-8, uniform routing, --tokens per rank
  * (default 4096); weights BF16, or FP8 with 128x128 block scales. Random values; nothing is checked
  * here (tests/gpu/test_moe_prefill.c does that).
  */
+#include <errno.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,7 +52,8 @@ typedef struct {
   int chunks;
   int lanes[MOE_MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
   const char *timeline;               /* --timeline DIR: one layer and one chain call's kernels */
-  int grouped; /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED */
+  int grouped;  /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED; 2: only those */
+  int gemm_sms; /* --gemm-sms N: config.gemm_sms (0: the plan's default) */
 } options_t;
 
 /* The ffn column: which GEMMs ran. */
@@ -234,6 +240,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   epx_moe_prefill_config_t pc = EPX_MOE_PREFILL_CONFIG_INIT;
   pc.num_chunks = o->chunks;
   pc.gemm_lanes = lanes;
+  pc.gemm_sms = o->gemm_sms;
   pc.ffn_backend = backend;
   BENCH_EPX(epx_moe_prefill_create(c.g, 2, &c.ex, &pc, &c.plan));
   epx_moe_prefill_info_t info = EPX_MOE_PREFILL_INFO_INIT;
@@ -302,8 +309,8 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   if (o->timeline)
     for (int v = V_LAYER; v <= V_CHAIN; v++) {
       char tag[128];
-      snprintf(tag, sizeof tag, "%s-%s-T%d-R%d-%s-ln%d-%s", s->name, fp8 ? "fp8" : "bf16", T, R,
-               ffn_name(info.ffn_backend), info.gemm_lanes, kVariantNames[v]);
+      snprintf(tag, sizeof tag, "%s-%s-T%d-R%d-%s-ln%d-sms%d-%s", s->name, fp8 ? "fp8" : "bf16", T,
+               R, ffn_name(info.ffn_backend), info.gemm_lanes, info.gemm_sms, kVariantNames[v]);
       if (timeline(&c, v, rank, tag, o, stream)) return -1;
     }
   BENCH_EPX(epx_moe_prefill_destroy(c.plan));
@@ -347,7 +354,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
     for (int j = 0; j < o->m.num_dtypes && !rc; j++)
       for (int k = 0; k < o->m.num_tokens && !rc; k++) {
         const moe_shape_t *s = &moe_shapes[o->m.shapes[i]];
-        for (int m = 0; m < o->num_lanes && !rc; m++)
+        for (int m = 0; m < o->num_lanes && !rc && !(o->grouped == 2 && !o->m.fp8[j]); m++)
           rc = bench_point(comm, rank, R, s, o->m.fp8[j], o->m.tokens[k], o->lanes[m],
                            EPX_MOE_FFN_CUBLAS, o, stream);
         if (!rc && o->grouped && !o->m.fp8[j]) /* one call per projection (auto lanes: fallback) */
@@ -362,7 +369,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
   bench_program = "epx_moe_prefill_bench";
-  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0};
+  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     const int parsed = moe_parse_option(&o.m, argc, argv, &i, 65536);
@@ -374,6 +381,10 @@ int main(int argc, char **argv) {
       o.timeline = v, i++;
     } else if (!strcmp(a, "--grouped")) {
       o.grouped = 1;
+    } else if (!strcmp(a, "--grouped-only")) {
+      o.grouped = 2;
+    } else if (!strcmp(a, "--gemm-sms") && v) {
+      o.gemm_sms = atoi(v), i++;
     } else if (!strcmp(a, "--gemm-lanes") && v) {
       if (bench_parse_list(a, v, 0, 8, MOE_MAX_LIST, o.lanes, &o.num_lanes)) return 2;
       i++;
@@ -381,11 +392,17 @@ int main(int argc, char **argv) {
       fprintf(stderr,
               "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
               "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
-              "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped] [--timeline DIR]\n",
+              "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped | --grouped-only "
+              "(BF16: no per-expert points)] [--gemm-sms N (0 = the plan's default)] "
+              "[--timeline DIR]\n",
               argv[0]);
       return 2;
     }
   }
   if (o.m.iters < 1) return 2;
+  if (o.timeline && mkdir(o.timeline, 0777) != 0 && errno != EEXIST) {
+    fprintf(stderr, "%s: --timeline %s: %s\n", argv[0], o.timeline, strerror(errno));
+    return 2;
+  }
   return moe_bench_run("epx_moe_prefill_bench", o.m.ranks, run_rank, &o);
 }

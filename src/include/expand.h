@@ -26,11 +26,14 @@ typedef struct {
 
 /* Checks every argument (epx_dispatch_expand's refusals, by name; out: the result the second
  * half will fill, checked here) and queues the layout, notify, dispatch and fan-out on stream;
- * no host wait. */
+ * no host wait. local_blocks: the blocks of the fan-out, a local HBM pass (0: two per SM of the
+ * GPU, for a dispatch alone on the GPU; the prefill layer passes its communication's share when
+ * GEMMs run beside it, so the fan-out does not hold every SM while they wait to start). */
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
                                           const epx_dispatch_args_t *a,
                                           const epx_dispatch_expand_result_t *out,
-                                          cudaStream_t stream, epx__expand_pending_t *pending);
+                                          cudaStream_t stream, int local_blocks,
+                                          epx__expand_pending_t *pending);
 /* With sync_counts: waits for this dispatch's count exchange (bounded by the notify's budget,
  * EPX_ERR_TIMEOUT when it ran out) and fills num_recv_per_expert; then fills *out and refuses
  * a row count past the capacity, as epx_dispatch_expand does. */
@@ -40,10 +43,11 @@ epx_status_t epx__dispatch_expand_finish(epx_group_t g, epx_handle_t h,
 
 /* epx_combine_expand of expert outputs left blocked by the prefill layer's batched GEMM:
  * block_rows > 0: local expert j's output rows at [j * block_rows, j * block_rows + count[j])
- * of args->x (api.h's epx__expand_reduce_launch_args_t); 0: as epx_combine_expand. */
+ * of args->x (api.h's epx__expand_reduce_launch_args_t); 0: as epx_combine_expand.
+ * local_blocks: the blocks of the expert-side reduce, as epx__dispatch_expand_enqueue's. */
 epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
                                          const epx_combine_expand_args_t *a, int block_rows,
-                                         cudaStream_t stream);
+                                         int local_blocks, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
