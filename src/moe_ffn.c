@@ -27,7 +27,6 @@
 #include "experts.h"
 #include "kernels/api.h"
 #include "moe_prefill.h"
-#include "param.h"
 
 void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane) {
   long long load[EPX__MOE_MAX_LANES] = {0};
@@ -121,8 +120,8 @@ static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const ep
 
 /* BF16 weights, batched: gate/up, SwiGLU, down over blocks of block_rows rows (above). */
 static epx_status_t ffn_batched(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int block_rows,
-                                int sm_target, int down_sm_target, char *ws,
-                                const epx__moe_ws_layout_t *l, cudaStream_t stream) {
+                                int sm_target, char *ws, const epx__moe_ws_layout_t *l,
+                                cudaStream_t stream) {
   const epx_experts_t *w = &p->experts;
   const int H = p->H, I = p->I, L = p->L;
   const epx__moe_batched_gemm_t gu = {.w = (const char *)w->gate_up,
@@ -164,7 +163,7 @@ static epx_status_t ffn_batched(epx_moe_prefill_t p, const epx__moe_rows_t *rows
                                       .y_blocked = 1,
                                       .blocked_begin = 0,
                                       .begin_dev = rows->begin_dev};
-  return epx__moe_gemm_bf16_batched(p, &dn, down_sm_target, ws + l->blas, stream);
+  return epx__moe_gemm_bf16_batched(p, &dn, sm_target, ws + l->blas, stream);
 }
 
 epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
@@ -189,17 +188,13 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
     return epx_experts_ffn(w, &f, stream);
   }
   const int H = p->H, I = p->I, sms = overlapped ? p->gemm_sms : 0;
-  const int64_t down_param = epx__param_MoeDownSms();
-  const int down_sms = !overlapped || down_param < 0         ? sms
-                       : down_param > (int64_t)p->device_sms ? p->device_sms
-                                                             : (int)down_param;
   const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
   if (p->grouped) { /* BF16 weights (the plan checked) */
     const int block =
         epx__moe_block_rows(rows->count, rows->begin, p->L, p->rows, (size_t)rows->x_capacity);
     if (block > 0) {
       *y_block_rows = block;
-      EPX_CHECK(ffn_batched(p, rows, block, sms, down_sms, ws, &l, stream));
+      EPX_CHECK(ffn_batched(p, rows, block, sms, ws, &l, stream));
       p->batched_chunks++;
       return EPX_OK;
     }
@@ -276,7 +271,7 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
                            .n = H,
                            .k = I,
                            .fp8 = fp8,
-                           .sm_target = down_sms};
+                           .sm_target = sms};
   return project(p, &dn, rows, lane, ws + l.blas, stream);
 }
 

@@ -36,7 +36,6 @@
 #include "handle.h"
 #include "kernels/api.h"
 #include "moe_prefill.h"
-#include "param.h"
 #include "registry.h"
 
 #define WS_ALIGN 256
@@ -84,31 +83,12 @@ epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, int l
   return l;
 }
 
-void epx__moe_chunk(int T, int n, int ramp, int c, int *first, int *count) {
+void epx__moe_chunk(int T, int n, int c, int *first, int *count) {
   if (T < 0) T = 0;
   if (n < 1) n = 1;
-  if (!ramp || n < 3) {
-    const int base = T / n, extra = T % n;
-    *first = c * base + (c < extra ? c : extra);
-    *count = c < n ? base + (c < extra ? 1 : 0) : 0;
-    return;
-  }
-  /* weights 1, 2, ..., 2, 1: chunk c ends at T x (weight through c) / (2n - 2) */
-  const long long W = 2LL * n - 2;
-  const long long before = c <= 0 ? 0 : c >= n ? W : 2LL * c - 1;
-  const long long through = c < 0 ? 0 : c >= n - 1 ? W : 2LL * c + 1;
-  *first = (int)((long long)T * before / W);
-  *count = (int)((long long)T * through / W) - *first;
-}
-
-int epx__moe_largest_chunk(int T, int n, int ramp) {
-  int largest = 0;
-  for (int c = 0; c < (n < 1 ? 1 : n); c++) {
-    int first = 0, count = 0;
-    epx__moe_chunk(T, n, ramp, c, &first, &count);
-    if (count > largest) largest = count;
-  }
-  return largest;
+  const int base = T / n, extra = T % n;
+  *first = c * base + (c < extra ? c : extra);
+  *count = c < n ? base + (c < extra ? 1 : 0) : 0;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -380,7 +360,6 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   p->K = g->config.top_k;
   p->rows = g->layout.expand_rows;
   p->num_chunks = cfg.num_chunks ? cfg.num_chunks : 2;
-  p->chunk_ramp = epx__param_MoeChunkRamp() != 0;
   p->device_sms = g->num_device_sms;
   /* The communication's SMs: num_sms, twice that with DURING's fan-out blocks. */
   const int comm_sms =
@@ -476,11 +455,6 @@ static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_mo
   const int M = p->groups[0]->config.max_tokens_per_rank;
   const int n = a->overlap ? p->num_chunks : 1;
   EPX_CHECK(epx__check_token_count(fn, "args->num_tokens", a->num_tokens, n * M));
-  const int largest = a->overlap ? epx__moe_largest_chunk(a->num_tokens, n, p->chunk_ramp) : 0;
-  EPX_ARG_CHECK(largest <= M,
-                "%s: args->num_tokens = %d: with EPX_MOE_CHUNK_RAMP=1 the largest of %d chunks "
-                "has %d tokens, more than the groups' max_tokens_per_rank = %d",
-                fn, a->num_tokens, n, largest, M);
   EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
   if (a->num_tokens > 0) {
     EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
@@ -546,7 +520,7 @@ static void enqueue_dispatch(chunk_call_t *k, int n, int c) {
   const epx_moe_prefill_args_t *a = k->a;
   const int s = c % 2, H = p->H, K = p->K;
   int t0 = 0, T = 0;
-  epx__moe_chunk(a->num_tokens, n, k->p->chunk_ramp, c, &t0, &T);
+  epx__moe_chunk(a->num_tokens, n, c, &t0, &T);
   epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
   d.x = T > 0 ? (const char *)a->x + (size_t)t0 * H * 2 : a->x;
   d.x_dtype = EPX_DTYPE_BF16;

@@ -55,12 +55,8 @@ epx__moe_ws_layout_t epx__moe_ws_layout(int backend, int fp8, int gu_fp32, int l
 void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane);
 
 /* Chunk c of n over T tokens: [*first, *first + *count), sizes differing by at most one, the
- * larger first; the largest is ceil(T / n). ramp (n >= 3): the first and the last chunk get
- * half the share of the others (weights 1, 2, ..., 2, 1), so the dispatch before the first
- * GEMM and the combine after the last, which nothing overlaps, are shorter. Pure. */
-void epx__moe_chunk(int T, int n, int ramp, int c, int *first, int *count);
-/* The largest chunk of epx__moe_chunk(T, n, ramp, ., ...). Pure. */
-int epx__moe_largest_chunk(int T, int n, int ramp);
+ * larger first; the largest is ceil(T / n). Pure. */
+void epx__moe_chunk(int T, int n, int c, int *first, int *count);
 
 typedef struct {
   int valid, kind, bucket;
@@ -74,9 +70,8 @@ struct epx_moe_prefill {
   epx_experts_t experts; /* this rank's weights (referenced) */
   int L, H, I, K, R;
   int num_chunks, backend, gemm_sms, device_sms, gu_fp32;
-  int chunk_ramp; /* EPX_MOE_CHUNK_RAMP at creation: epx__moe_chunk's ramp */
-  int no_blas;    /* cuBLAS could not be loaded (blas_lib.h): the EPX backend runs the FFN */
-  size_t rows;    /* config.expand_max_rows */
+  int no_blas; /* cuBLAS could not be loaded (blas_lib.h): the EPX backend runs the FFN */
+  size_t rows; /* config.expand_max_rows */
   size_t ffn_bytes;
   cudaStream_t comm, compute;
   cudaEvent_t start, comm_done, compute_done;

@@ -38,10 +38,5 @@ EPX_PARAM(LlRoute, "LL_ROUTE",
 EPX_PARAM(ExpandFanOut, "EXPAND_FAN_OUT", 0) /* 0: the library default; 1 AFTER, 2 DURING */
 /* DURING: tokens a sending warp publishes per system-scope fence, 1..32 */
 EPX_PARAM(ExpandPublishBatch, "EXPAND_PUBLISH_BATCH", 8)
-/* Prefill layer, overlapped: cuBLAS's SM target of the down projections; -1: gate/up's */
-EPX_PARAM(MoeDownSms, "MOE_DOWN_SMS", -1)
-/* Prefill layer: 1 = chunks weighted 1, 2, ..., 2, 1 (epx__moe_chunk's ramp), read at plan
- * creation */
-EPX_PARAM(MoeChunkRamp, "MOE_CHUNK_RAMP", 0)
 
 #endif /* EPX_PARAM_H_ */

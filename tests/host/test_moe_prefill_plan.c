@@ -18,7 +18,7 @@ EPX_HOST_TEST(moe_prefill_chunks_cover_the_tokens, 10) {
       int next = 0, largest = 0, smallest = 1 << 30;
       for (int c = 0; c < n; c++) {
         int first = -1, count = -1;
-        epx__moe_chunk(T, n, 0, c, &first, &count);
+        epx__moe_chunk(T, n, c, &first, &count);
         EXPECTF(first == next && count >= 0, "T %d n %d chunk %d: first %d count %d, next %d", T, n,
                 c, first, count, next);
         next += count;
@@ -28,38 +28,6 @@ EPX_HOST_TEST(moe_prefill_chunks_cover_the_tokens, 10) {
       EXPECTF(next == T, "T %d n %d: chunks cover %d tokens", T, n, next);
       EXPECTF(largest == (T + n - 1) / n && largest - smallest <= 1, "T %d n %d: sizes %d..%d", T,
               n, smallest, largest);
-      EXPECTF(epx__moe_largest_chunk(T, n, 0) == largest, "T %d n %d: largest %d, said %d", T, n,
-              largest, epx__moe_largest_chunk(T, n, 0));
-    }
-  return TEST_PASS;
-}
-
-/* The ramp (EPX_MOE_CHUNK_RAMP): every token once, in order; the ends about half a middle chunk
- * (within one token of T / (2n - 2) and T x 2 / (2n - 2)); below 3 chunks, the even split. */
-EPX_HOST_TEST(moe_prefill_chunks_ramp, 10) {
-  for (int T = 0; T <= 200; T++)
-    for (int n = 1; n <= EPX__MOE_MAX_CHUNKS; n++) {
-      int next = 0, largest = 0;
-      for (int c = 0; c < n; c++) {
-        int first = -1, count = -1, even_first = -1, even_count = -1;
-        epx__moe_chunk(T, n, 1, c, &first, &count);
-        EXPECTF(first == next && count >= 0, "T %d n %d chunk %d: first %d count %d, next %d", T, n,
-                c, first, count, next);
-        next += count;
-        if (count > largest) largest = count;
-        if (n < 3) {
-          epx__moe_chunk(T, n, 0, c, &even_first, &even_count);
-          EXPECTF(first == even_first && count == even_count, "T %d n %d chunk %d: not even", T, n,
-                  c);
-          continue;
-        }
-        const double share = (double)T * (c == 0 || c == n - 1 ? 1 : 2) / (2 * n - 2);
-        EXPECTF(count >= share - 1.0 && count <= share + 1.0,
-                "T %d n %d chunk %d: %d tokens, share %.2f", T, n, c, count, share);
-      }
-      EXPECTF(next == T, "T %d n %d: chunks cover %d tokens", T, n, next);
-      EXPECTF(epx__moe_largest_chunk(T, n, 1) == largest, "T %d n %d: largest %d, said %d", T, n,
-              largest, epx__moe_largest_chunk(T, n, 1));
     }
   return TEST_PASS;
 }
