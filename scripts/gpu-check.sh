@@ -166,7 +166,7 @@ if [ -n "${MOE_BENCH:-}" ]; then
   (cd "$out" && tar czf prefill-timeline.tgz prefill-timeline && rm -rf prefill-timeline)
   moe_lines="$moe_lines
 MoE layer at prefill (epx_moe_prefill_bench, exit $prefill_rc):
-$(grep -v '^# timeline' "$out/moe-prefill-bench.log" | tail -10)
+$(grep -v '^# timeline' "$out/moe-prefill-bench.log" | tail -20)
 $(grep '^# timeline' "$out/moe-prefill-bench.log")"
 fi
 

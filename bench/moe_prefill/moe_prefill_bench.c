@@ -35,6 +35,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -132,25 +133,40 @@ static int run_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
   return 0;
 }
 
-/* Whole-call time of variant v on stream: median and min over iters, after warmup calls. */
+static double host_now_us(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
+}
+
+/* Whole-call time of variant v on stream: median and min over iters, after warmup calls; and
+ * the median host time the call took to return (*host_us: for the gemms variant, what queueing
+ * one FFN costs the host, which the layer pays once per chunk after each count wait). */
 static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const options_t *o,
-                        float *median, float *min) {
-  float *ms = malloc(sizeof(float) * o->m.iters);
+                        float *median, float *min, float *host_us) {
+  float *ms = malloc(sizeof(float) * o->m.iters), *host = malloc(sizeof(float) * o->m.iters);
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
   for (int i = 0; i < o->m.warmup + o->m.iters; i++) {
     BENCH_EPX(epx_group_barrier(c->g[0], stream));
     BENCH_CUDA(cudaEventRecord(a, stream));
+    const double t0 = host_now_us();
     if (run_variant(c, v, stream)) return -1;
+    const double t1 = host_now_us();
     BENCH_CUDA(cudaEventRecord(b, stream));
     BENCH_CUDA(cudaEventSynchronize(b));
-    if (i >= o->m.warmup) BENCH_CUDA(cudaEventElapsedTime(&ms[i - o->m.warmup], a, b));
+    if (i >= o->m.warmup) {
+      BENCH_CUDA(cudaEventElapsedTime(&ms[i - o->m.warmup], a, b));
+      host[i - o->m.warmup] = (float)(t1 - t0);
+    }
   }
   qsort(ms, o->m.iters, sizeof(float), moe_cmp_float);
+  qsort(host, o->m.iters, sizeof(float), moe_cmp_float);
   *median = ms[o->m.iters / 2] * 1000.f;
   *min = ms[0] * 1000.f;
-  free(ms);
+  *host_us = host[o->m.iters / 2];
+  free(ms), free(host);
   cudaEventDestroy(a), cudaEventDestroy(b);
   return 0;
 }
@@ -281,11 +297,11 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   BENCH_EPX(epx_combine_expand(c.g[2], c.hold_handle, &ca, stream));
   BENCH_CUDA(cudaStreamSynchronize(stream));
 
-  float med[NUM_VARIANTS], mn[NUM_VARIANTS];
+  float med[NUM_VARIANTS], mn[NUM_VARIANTS], host[NUM_VARIANTS];
   for (int v = 0; v < NUM_VARIANTS; v++) {
-    med[v] = mn[v] = -1.f;
+    med[v] = mn[v] = host[v] = -1.f;
     if (v == V_CUBLAS && info.ffn_backend == EPX_MOE_FFN_EPX) continue;
-    if (time_variant(&c, v, stream, o, &med[v], &mn[v])) return -1;
+    if (time_variant(&c, v, stream, o, &med[v], &mn[v], &host[v])) return -1;
   }
   for (int i = 0; i < 3; i++) {
     epx_async_error_t err;
@@ -303,6 +319,8 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
     printf(" %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
            med[V_CUBLAS] > 0 ? med[V_CUBLAS] / med[V_GEMMS] : -1.f);
+    printf("# host us to queue (median): layer %.1f chain %.1f gemms %.1f comm %.1f\n",
+           host[V_LAYER], host[V_CHAIN], host[V_GEMMS], host[V_COMM]);
     fflush(stdout);
   }
   /* After the row is out: a failure here costs the timelines, not the figures. */
