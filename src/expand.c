@@ -93,23 +93,9 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
   h->num_worst_tokens = 0;
   h->expand = 0; /* until everything is queued */
 
-  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
-  la.topk_idx = a->topk_idx;
-  la.topk_idx_dtype = a->topk_idx_dtype;
-  la.num_tokens = a->num_tokens;
-  la.num_tokens_per_rank = h->num_tokens_per_rank;
-  la.num_tokens_per_expert = h->num_tokens_per_expert;
-  la.is_token_in_rank = h->is_token_in_rank;
-  la.token_pos_in_rank = h->token_pos_in_rank;
+  epx_layout_args_t la = epx__handle_layout_args(h, a);
   EPX_CHECK(epx__layout_expand_enqueue(g, &la, h->expand_pos, stream));
-  epx__notify_launch_args_t na = {epx__handle_routing(h),
-                                  g->config.num_experts,
-                                  a->expert_alignment,
-                                  g->config.max_tokens_per_rank,
-                                  a->sync_counts ? h->host_counts_dev : NULL,
-                                  1};
-  EPX_CHECK(epx__notify_launch(&ctx, &na, stream));
-  if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
+  EPX_CHECK(epx__handle_enqueue_notify(g, h, a, 1, &ctx, stream));
   epx__expand_dispatch_launch_args_t xa;
   memset(&xa, 0, sizeof xa);
   xa.d = d;

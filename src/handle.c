@@ -92,6 +92,32 @@ epx__routing_t epx__handle_routing(epx_handle_t h) {
   return r;
 }
 
+epx_layout_args_t epx__handle_layout_args(epx_handle_t h, const epx_dispatch_args_t *a) {
+  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
+  la.topk_idx = a->topk_idx;
+  la.topk_idx_dtype = a->topk_idx_dtype;
+  la.num_tokens = a->num_tokens;
+  la.num_tokens_per_rank = h->num_tokens_per_rank;
+  la.num_tokens_per_expert = h->num_tokens_per_expert;
+  la.is_token_in_rank = h->is_token_in_rank;
+  la.token_pos_in_rank = h->token_pos_in_rank;
+  return la;
+}
+
+epx_status_t epx__handle_enqueue_notify(epx_group_t g, epx_handle_t h, const epx_dispatch_args_t *a,
+                                        int expand, const epx__kernel_ctx_t *ctx,
+                                        cudaStream_t stream) {
+  const epx__notify_launch_args_t na = {epx__handle_routing(h),
+                                        g->config.num_experts,
+                                        a->expert_alignment,
+                                        g->config.max_tokens_per_rank,
+                                        a->sync_counts ? h->host_counts_dev : NULL,
+                                        expand};
+  EPX_CHECK(epx__notify_launch(ctx, &na, stream));
+  if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
+  return EPX_OK;
+}
+
 epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int error_before,
                                      int *timed_out, epx_async_error_t *err) {
   CUDA_CHECK(cudaEventSynchronize(h->counts_ready));

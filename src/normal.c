@@ -59,14 +59,7 @@ static void dispatch_args_of(epx_group_t g, epx_handle_t h, epx__dispatch_launch
 /* Layout into the handle, from topk_idx or from the caller's rank mask. */
 static epx_status_t enqueue_layout(epx_group_t g, epx_handle_t h, const epx_dispatch_args_t *a,
                                    cudaStream_t stream) {
-  epx_layout_args_t la = EPX_LAYOUT_ARGS_INIT;
-  la.topk_idx = a->topk_idx;
-  la.topk_idx_dtype = a->topk_idx_dtype;
-  la.num_tokens = a->num_tokens;
-  la.num_tokens_per_rank = h->num_tokens_per_rank;
-  la.num_tokens_per_expert = h->num_tokens_per_expert;
-  la.is_token_in_rank = h->is_token_in_rank;
-  la.token_pos_in_rank = h->token_pos_in_rank;
+  epx_layout_args_t la = epx__handle_layout_args(h, a);
   if (epx__dispatch_by_mask(a))
     return epx__layout_mask_enqueue(g, &la, a->is_token_in_rank, a->num_tokens_per_expert, stream);
   return epx__layout_enqueue(g, &la, stream);
@@ -88,14 +81,7 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   h->num_worst_tokens = a->num_worst_tokens;
   h->expand = 0;
   EPX_CHECK(enqueue_layout(g, h, a, stream));
-  epx__notify_launch_args_t na = {epx__handle_routing(h),
-                                  g->config.num_experts,
-                                  a->expert_alignment,
-                                  g->config.max_tokens_per_rank,
-                                  a->sync_counts ? h->host_counts_dev : NULL,
-                                  0};
-  EPX_CHECK(epx__notify_launch(&ctx, &na, stream));
-  if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
+  EPX_CHECK(epx__handle_enqueue_notify(g, h, a, 0, &ctx, stream));
   if (a->num_worst_tokens > 0) {
     epx__worst_tail_launch_args_t wa = {h->meta, a->num_worst_tokens, g->config.top_k,
                                         h->recv_topk_idx_int64};
