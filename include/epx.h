@@ -980,7 +980,8 @@ typedef struct epx_moe_prefill_config {
   int ffn_backend;    /* epx_moe_ffn_backend_t; 0 = auto */
   int gemm_sms;       /* SMs the GEMMs are tuned for while communication runs beside them
                          (cuBLAS's SM count target); 0 = auto: the GPU's SMs minus the group's
-                         config.num_sms; chain calls always target every SM */
+                         config.num_sms; chain calls always target every SM, and so does the
+                         batched backend's down projection (docs/moe.md) */
   int gemm_lanes;     /* streams the per-expert GEMMs are spread over (EPX_MOE_FFN_CUBLAS, and
                          the batched backend's chunks that fall back to them), 1..8; 0 = auto
                          (4); not used by the EPX backend (info says 1).
@@ -1008,7 +1009,7 @@ typedef struct epx_moe_prefill_info {
   int num_chunks;  /* [OUT] of an overlapped call */
   int num_groups;  /* [OUT] 1 (chain only) or 2 */
   int ffn_backend; /* [OUT] EPX_MOE_FFN_CUBLAS, EPX_MOE_FFN_CUBLAS_GROUPED or EPX_MOE_FFN_EPX */
-  int gemm_sms;    /* [OUT] SM count target of overlapped GEMMs */
+  int gemm_sms;    /* [OUT] SM count target of overlapped GEMMs (not the batched down) */
   int gate_up_out_fp32;   /* [OUT] FP8 cuBLASLt: 1 if the gate/up GEMM writes float32 (else BF16) */
   int expert_alignment;   /* [OUT] the alignment the layer's dispatches pad each expert to */
   size_t workspace_bytes; /* [OUT] epx_moe_prefill_workspace_size */

@@ -164,9 +164,9 @@ static epx_status_t ffn_batched(epx_moe_prefill_t p, const epx__moe_rows_t *rows
                                       .blocked_begin = 0,
                                       .begin_dev = rows->begin_dev};
   /* down on every SM: by the time it runs, the communication beside gate/up (the next chunk's
-   * dispatch, the previous chunk's combine) has mostly ended. Measured on 4x H200 (b10a2cf +
-   * an environment knob, 2 chunks): Qwen3 BF16 layer 1083 -> 1050 us, DeepSeek BF16 6734 ->
-   * 6724 (docs/moe.md, "Why the layer does not overlap yet"). */
+   * dispatch, the previous chunk's combine) has mostly ended. Measured on 4x H200 (an
+   * environment knob at 63b73d8, 2 chunks): Qwen3 BF16 layer 1083 -> 1050 us, DeepSeek BF16
+   * 6734 -> 6724 (docs/moe.md, "Why the layer does not overlap yet"). */
   return epx__moe_gemm_bf16_batched(p, &dn, 0, ws + l->blas, stream);
 }
 

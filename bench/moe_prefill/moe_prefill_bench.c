@@ -18,8 +18,10 @@
  * layer waits on the host for each chunk's count exchange, so nothing is graph-captured), after
  * a group barrier; rank 0 prints median and min over --iters. Columns: lay/max = layer /
  * max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target >= 1.15),
- * cub/gem = cublas / gemms (target >= 0.70); ln = the plan's GEMM lanes (--gemm-lanes, a list
- * to compare them in one run); ffn = cublas (per-expert GEMMs, EPX_MOE_FFN_CUBLAS), group
+ * cub/gem = cublas / gemms (target >= 0.70); after each row a "# host" line: the median host
+ * time of each variant's call (gemms: what queueing one FFN costs); ln = the plan's GEMM lanes
+ * (--gemm-lanes, a list to compare them in one run); ffn = cublas (per-expert GEMMs,
+ * EPX_MOE_FFN_CUBLAS), group
  * (--grouped: BF16 points once more with EPX_MOE_FFN_CUBLAS_GROUPED, one batched GEMM per
  * projection: what auto picks for BF16 weights; --grouped-only: BF16 points only so) or epx.
  * --gemm-sms N: the plan's config.gemm_sms (cuBLAS's SM target while communication runs beside
@@ -141,7 +143,8 @@ static double host_now_us(void) {
 
 /* Whole-call time of variant v on stream: median and min over iters, after warmup calls; and
  * the median host time the call took to return (*host_us: for the gemms variant, what queueing
- * one FFN costs the host, which the layer pays once per chunk after each count wait). */
+ * one FFN costs the host, which the layer pays once per chunk after each count wait; the
+ * layer, chain and comm variants wait for count exchanges inside the call). */
 static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const options_t *o,
                         float *median, float *min, float *host_us) {
   float *ms = malloc(sizeof(float) * o->m.iters), *host = malloc(sizeof(float) * o->m.iters);
@@ -319,8 +322,10 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
     printf(" %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
            med[V_CUBLAS] > 0 ? med[V_CUBLAS] / med[V_GEMMS] : -1.f);
-    printf("# host us to queue (median): layer %.1f chain %.1f gemms %.1f comm %.1f\n",
-           host[V_LAYER], host[V_CHAIN], host[V_GEMMS], host[V_COMM]);
+    printf(
+        "# host us per call (median; layer, chain, comm include their count waits): layer "
+        "%.1f chain %.1f gemms %.1f comm %.1f\n",
+        host[V_LAYER], host[V_CHAIN], host[V_GEMMS], host[V_COMM]);
     fflush(stdout);
   }
   /* After the row is out: a failure here costs the timelines, not the figures. */

@@ -22,7 +22,8 @@ class MoePrefill:
     chunks of an overlapped call (0: 2); ffn_backend: "auto" ("cublas_grouped" for BF16
     weights, "cublas" for FP8), "cublas" (one GEMM per expert), "cublas_grouped" (BF16 weights:
     one cuBLAS batched GEMM per projection for all experts) or "epx"; gemm_sms: SMs
-    the GEMMs are tuned for (0: the GPU's minus the group's num_sms); gemm_lanes: streams the
+    the overlapped GEMMs are tuned for (0: the GPU's minus the group's num_sms; the batched
+    down projection always uses every SM); gemm_lanes: streams the
     per-expert GEMMs run on at once (0: 4; cuBLAS backends); dispatch_dtype: what crosses NVLink,
     "auto" (FP8 with FP8 weights on cuBLAS and groups with dtypes including "fp8"), "bf16" or
     "fp8"."""
