@@ -24,7 +24,8 @@
  * EPX_MOE_FFN_CUBLAS), group
  * (--grouped: BF16 points once more with EPX_MOE_FFN_CUBLAS_GROUPED, one batched GEMM per
  * projection: what auto picks for BF16 weights; --grouped-only: BF16 points only so) or epx.
- * --gemm-sms N: the plan's config.gemm_sms (cuBLAS's SM target while communication runs beside
+ * --gemm-sms N[,M]: the plan's config.gemm_sms, a list to compare in one run; column sms
+ * (info.gemm_sms) (cuBLAS's SM target while communication runs beside
  * the GEMMs). --timeline DIR (created if missing): after the timed calls, one layer and one
  * chain call under CUPTI: rank 0's kernels to
  * DIR/<shape>-<dtype>-T<T>-R<R>-<ffn>-ln<lanes>-sms<gemm_sms>-<variant>.csv and one "# timeline"
@@ -55,8 +56,8 @@ typedef struct {
   int chunks;
   int lanes[MOE_MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
   const char *timeline;               /* --timeline DIR: one layer and one chain call's kernels */
-  int grouped;  /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED; 2: only those */
-  int gemm_sms; /* --gemm-sms N: config.gemm_sms (0: the plan's default) */
+  int grouped; /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED; 2: only those */
+  int gemm_sms[MOE_MAX_LIST], num_gemm_sms; /* --gemm-sms: config.gemm_sms values (0: default) */
 } options_t;
 
 /* The ffn column: which GEMMs ran. */
@@ -244,7 +245,8 @@ static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const opti
 }
 
 static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, int fp8, int T,
-                       int lanes, int backend, const options_t *o, cudaStream_t stream) {
+                       int lanes, int gemm_sms, int backend, const options_t *o,
+                       cudaStream_t stream) {
   bench_ctx_t c;
   memset(&c, 0, sizeof c);
   c.T = T;
@@ -259,7 +261,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   epx_moe_prefill_config_t pc = EPX_MOE_PREFILL_CONFIG_INIT;
   pc.num_chunks = o->chunks;
   pc.gemm_lanes = lanes;
-  pc.gemm_sms = o->gemm_sms;
+  pc.gemm_sms = gemm_sms;
   pc.ffn_backend = backend;
   BENCH_EPX(epx_moe_prefill_create(c.g, 2, &c.ex, &pc, &c.plan));
   epx_moe_prefill_info_t info = EPX_MOE_PREFILL_INFO_INIT;
@@ -316,8 +318,8 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   }
   if (rank == 0) {
     const float base = med[V_GEMMS] > med[V_COMM] ? med[V_GEMMS] : med[V_COMM];
-    printf("%-9s %-4s %5d %3d %-6s %2d %-4s %6d", s->name, fp8 ? "fp8" : "bf16", T, R,
-           ffn_name(info.ffn_backend), info.gemm_lanes,
+    printf("%-9s %-4s %5d %3d %-6s %2d %3d %-4s %6d", s->name, fp8 ? "fp8" : "bf16", T, R,
+           ffn_name(info.ffn_backend), info.gemm_lanes, info.gemm_sms,
            info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16", c.held.num_rows);
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
     printf(" %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
@@ -367,8 +369,8 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
         "# median and min of %d whole calls (us, events on rank 0), after %d warm-up; "
         "rows = expert-major rows of rank 0\n",
         o->m.iters, o->m.warmup);
-    printf("%-9s %-4s %5s %3s %-6s %2s %-4s %6s", "shape", "dt", "T", "R", "ffn", "ln", "wire",
-           "rows");
+    printf("%-9s %-4s %5s %3s %-6s %2s %3s %-4s %6s", "shape", "dt", "T", "R", "ffn", "ln", "sms",
+           "wire", "rows");
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
     printf(" %8s %8s %8s\n", "lay/max", "chn/lay", "cub/gem");
   }
@@ -377,12 +379,15 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
     for (int j = 0; j < o->m.num_dtypes && !rc; j++)
       for (int k = 0; k < o->m.num_tokens && !rc; k++) {
         const moe_shape_t *s = &moe_shapes[o->m.shapes[i]];
-        for (int m = 0; m < o->num_lanes && !rc && !(o->grouped == 2 && !o->m.fp8[j]); m++)
-          rc = bench_point(comm, rank, R, s, o->m.fp8[j], o->m.tokens[k], o->lanes[m],
-                           EPX_MOE_FFN_CUBLAS, o, stream);
-        if (!rc && o->grouped && !o->m.fp8[j]) /* one call per projection (auto lanes: fallback) */
-          rc = bench_point(comm, rank, R, s, 0, o->m.tokens[k], 0, EPX_MOE_FFN_CUBLAS_GROUPED, o,
-                           stream);
+        for (int q = 0; q < o->num_gemm_sms && !rc; q++) {
+          const int sms = o->gemm_sms[q];
+          for (int m = 0; m < o->num_lanes && !rc && !(o->grouped == 2 && !o->m.fp8[j]); m++)
+            rc = bench_point(comm, rank, R, s, o->m.fp8[j], o->m.tokens[k], o->lanes[m], sms,
+                             EPX_MOE_FFN_CUBLAS, o, stream);
+          if (!rc && o->grouped && !o->m.fp8[j]) /* one call per projection (auto lanes) */
+            rc = bench_point(comm, rank, R, s, 0, o->m.tokens[k], 0, sms,
+                             EPX_MOE_FFN_CUBLAS_GROUPED, o, stream);
+        }
       }
   cudaStreamDestroy(stream);
   ncclCommDestroy(comm);
@@ -392,7 +397,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
   bench_program = "epx_moe_prefill_bench";
-  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0, 0};
+  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0, {0}, 1};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     const int parsed = moe_parse_option(&o.m, argc, argv, &i, 65536);
@@ -407,7 +412,8 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--grouped-only")) {
       o.grouped = 2;
     } else if (!strcmp(a, "--gemm-sms") && v) {
-      o.gemm_sms = atoi(v), i++;
+      if (bench_parse_list(a, v, 0, 1024, MOE_MAX_LIST, o.gemm_sms, &o.num_gemm_sms)) return 2;
+      i++;
     } else if (!strcmp(a, "--gemm-lanes") && v) {
       if (bench_parse_list(a, v, 0, 8, MOE_MAX_LIST, o.lanes, &o.num_lanes)) return 2;
       i++;
@@ -416,7 +422,7 @@ int main(int argc, char **argv) {
               "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
               "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
               "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped | --grouped-only "
-              "(BF16: no per-expert points)] [--gemm-sms N (0 = the plan's default)] "
+              "(BF16: no per-expert points)] [--gemm-sms N[,M] (0 = the plan's default)] "
               "[--timeline DIR]\n",
               argv[0]);
       return 2;
