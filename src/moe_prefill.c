@@ -525,9 +525,9 @@ static void enqueue_dispatch(chunk_call_t *k, int n, int c) {
   d.x = T > 0 ? (const char *)a->x + (size_t)t0 * H * 2 : a->x;
   d.x_dtype = EPX_DTYPE_BF16;
   if (p->wire_fp8) { /* quantize the chunk's tokens on the communication stream, send FP8 */
-    /* every SM in a chain call (alone on the stream); the communication's share beside the
-     * GEMMs when overlapped */
-    const int blocks = 2 * (a->overlap ? p->groups[0]->config.num_sms : p->device_sms);
+    /* every SM where nothing runs beside it (a chain call, an overlapped call's first chunk);
+     * the communication's share beside the GEMMs */
+    const int blocks = 2 * (a->overlap && c > 0 ? p->groups[0]->config.num_sms : p->device_sms);
     const epx__moe_quantize_tokens_launch_args_t qa = {
         d.x, k->ws + k->l.send, (float *)(k->ws + k->l.send_s), T, H, blocks};
     /* A failure is returned at the end; the dispatch goes anyway (every rank must make it,
