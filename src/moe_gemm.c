@@ -81,16 +81,23 @@ void epx__moe_gemm_destroy(epx_moe_prefill_t p) {
   p->blas = NULL;
 }
 
-epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *x, void *y, int n,
-                                int k, int rows, int sm_target, void *blas_ws,
-                                cudaStream_t stream) {
-  if (rows <= 0) return EPX_OK;
-  const float one = 1.f, zero = 0.f;
+/* The plan's cuBLAS handle for the next call: its stream, workspace slice and SM target. */
+static epx_status_t blas_bind(epx_moe_prefill_t p, cudaStream_t stream, void *blas_ws,
+                              int sm_target) {
   BLAS_CHECK(B->cublasSetStream(p->blas, stream));
   /* After SetStream (which goes back to cuBLAS's own pool): GEMMs of other lanes may be
    * running on other streams, each with its own slice. */
   BLAS_CHECK(B->cublasSetWorkspace(p->blas, blas_ws, EPX__MOE_BLAS_WS));
   BLAS_CHECK(B->cublasSetSmCountTarget(p->blas, sm_target));
+  return EPX_OK;
+}
+
+epx_status_t epx__moe_gemm_bf16(epx_moe_prefill_t p, const void *w, const void *x, void *y, int n,
+                                int k, int rows, int sm_target, void *blas_ws,
+                                cudaStream_t stream) {
+  if (rows <= 0) return EPX_OK;
+  const float one = 1.f, zero = 0.f;
+  EPX_CHECK(blas_bind(p, stream, blas_ws, sm_target));
   BLAS_CHECK(B->cublasGemmEx(p->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k,
                              x, CUDA_R_16BF, k, &zero, y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
                              CUBLAS_GEMM_DEFAULT));
@@ -132,9 +139,7 @@ epx_status_t epx__moe_gemm_bf16_batched(epx_moe_prefill_t p, const epx__moe_batc
       g->y_blocked,  (int)S,
       p->group_ptrs, g->blocked_begin ? p->blocked_begin : NULL};
   EPX_CHECK(epx__moe_group_ptrs_launch(&pa, stream));
-  BLAS_CHECK(B->cublasSetStream(p->blas, stream));
-  BLAS_CHECK(B->cublasSetWorkspace(p->blas, blas_ws, EPX__MOE_BLAS_WS));
-  BLAS_CHECK(B->cublasSetSmCountTarget(p->blas, sm_target));
+  EPX_CHECK(blas_bind(p, stream, blas_ws, sm_target));
   const float one = 1.f, zero = 0.f;
   void **ptrs = p->group_ptrs;
   /* Column-major, as epx__moe_gemm_bf16's call: C (n x block) = A^T (A: k x n) B (k x block). */

@@ -503,31 +503,31 @@ static void keep_first(chunk_call_t *k, epx_status_t st) {
   snprintf(k->message, sizeof k->message, "%s", epx_last_error());
 }
 
-/* The blocks of a dispatch's fan-out or a combine's expert-side reduce (local HBM passes; both
- * launch two 512-thread blocks per SM, which fill an SM's registers): every SM where nothing
- * runs beside them (a chain call; an overlapped call's first dispatch and last combine), else
- * the communication's share, so that they do not hold every SM while the GEMMs' blocks and the
- * FFN's small kernels wait to start (seen on the timeline at 47d064c: each chunk's FFN started
- * 20-30 us late behind the previous chunk's reduce). */
+/* The blocks of a local HBM pass on the communication stream (a dispatch's fan-out, a combine's
+ * expert-side reduce, the FP8 wire's quantization; two blocks per SM, which for the first two
+ * fill an SM's registers): 0 = every SM where nothing runs beside them (a chain call; an
+ * overlapped call's first dispatch and last combine), else the communication's share, so that they
+ * do not hold every SM while the GEMMs' blocks and the FFN's small kernels wait to start (seen on
+ * the timeline at 47d064c: each chunk's FFN started 20-30 us late behind the previous chunk's
+ * reduce). */
 static int local_blocks(const chunk_call_t *k, int beside_gemms) {
   return k->a->overlap && beside_gemms ? 2 * k->p->groups[0]->config.num_sms : 0;
 }
 
 /* Queue chunk c's dispatch on the communication stream (no host wait: the counts are waited for
  * in run_ffn, after the next chunk's dispatch is queued). */
-static void enqueue_dispatch(chunk_call_t *k, int n, int c) {
+static void enqueue_dispatch(chunk_call_t *k, int c) {
   epx_moe_prefill_t p = k->p;
   const epx_moe_prefill_args_t *a = k->a;
   const int s = c % 2, H = p->H, K = p->K;
   int t0 = 0, T = 0;
-  epx__moe_chunk(a->num_tokens, n, c, &t0, &T);
+  epx__moe_chunk(a->num_tokens, k->n, c, &t0, &T);
   epx_dispatch_args_t d = EPX_DISPATCH_ARGS_INIT;
   d.x = T > 0 ? (const char *)a->x + (size_t)t0 * H * 2 : a->x;
   d.x_dtype = EPX_DTYPE_BF16;
   if (p->wire_fp8) { /* quantize the chunk's tokens on the communication stream, send FP8 */
-    /* every SM where nothing runs beside it (a chain call, an overlapped call's first chunk);
-     * the communication's share beside the GEMMs */
-    const int blocks = 2 * (a->overlap && c > 0 ? p->groups[0]->config.num_sms : p->device_sms);
+    const int share = local_blocks(k, c > 0);
+    const int blocks = share > 0 ? share : 2 * p->device_sms;
     const epx__moe_quantize_tokens_launch_args_t qa = {
         d.x, k->ws + k->l.send, (float *)(k->ws + k->l.send_s), T, H, blocks};
     /* A failure is returned at the end; the dispatch goes anyway (every rank must make it,
@@ -639,10 +639,10 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
   /* Communication order D0 D1 C0 D2 C1 D3 ... (D c+1 after C c-1: the group's receive rows are
    * free again). Chunk c+1's dispatch is queued before the host waits for chunk c's counts and
    * queues chunk c's GEMMs, so its transfer runs while the host is still queueing them. */
-  enqueue_dispatch(&k, n, 0);
+  enqueue_dispatch(&k, 0);
   for (int c = 0; c < n; c++) {
     if (c >= 1) enqueue_combine(&k, c - 1);
-    if (c + 1 < n) enqueue_dispatch(&k, n, c + 1);
+    if (c + 1 < n) enqueue_dispatch(&k, c + 1);
     run_ffn(&k, c);
   }
   enqueue_combine(&k, n - 1);
