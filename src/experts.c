@@ -164,6 +164,13 @@ static epx_status_t check_args(const char *fn, const epx_experts_t *w,
 
 EPX_EXPORT epx_status_t epx_experts_ffn(const epx_experts_t *experts,
                                         const epx_experts_ffn_args_t *args, cudaStream_t stream) {
+  return epx__experts_ffn_enqueue(experts, args, NULL, 0, stream);
+}
+
+epx_status_t epx__experts_ffn_enqueue(const epx_experts_t *experts,
+                                      const epx_experts_ffn_args_t *args,
+                                      const epx__experts_scatter_t *send_rows, int early,
+                                      cudaStream_t stream) {
   static const char fn[] = "epx_experts_ffn";
   scratch_layout_t s;
   EPX_CHECK(check_args(fn, experts, args, &s));
@@ -184,10 +191,12 @@ EPX_EXPORT epx_status_t epx_experts_ffn(const epx_experts_t *experts,
                                     args->num_rows,
                                     args->rows_per_expert,
                                     args->expert_count,
-                                    args->expert_begin};
+                                    args->expert_begin,
+                                    early};
     EPX_CHECK(epx__experts_stage_x_launch(&st, stream));
     x = st.codes;
     if (!from_fp8) x_scales = st.scales;
+    early = 1; /* the next kernel follows one of ours, which lets it start early */
   }
 
   epx__experts_gemm_args_t g;
@@ -209,7 +218,9 @@ EPX_EXPORT epx_status_t epx_experts_ffn(const epx_experts_t *experts,
   g.swiglu = 1;
   g.out = ws + s.h;
   g.out_scales = fp8 ? (float *)(ws + s.h_scales) : NULL;
+  g.early_launch = early;
   EPX_CHECK(epx__experts_gemm_launch(&g, stream));
+  g.early_launch = 1;
 
   /* out = h Wd^T */
   g.x = ws + s.h;
@@ -221,5 +232,9 @@ EPX_EXPORT epx_status_t epx_experts_ffn(const epx_experts_t *experts,
   g.swiglu = 0;
   g.out = args->out;
   g.out_scales = NULL;
+  if (send_rows) {
+    g.scatter_rows = 1;
+    g.scatter = *send_rows;
+  }
   return epx__experts_gemm_launch(&g, stream);
 }

@@ -20,6 +20,7 @@
 #include "checks.h"
 #include "group.h"
 #include "kernels/api.h"
+#include "ll.h"
 #include "registry.h"
 
 enum { KIND_DISPATCH = 0, KIND_COMBINE = 1 };
@@ -207,8 +208,9 @@ EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_arg
   return EPX_OK;
 }
 
-EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_t *a,
-                                       cudaStream_t stream) {
+/* epx_ll_combine, and epx_moe_decode's combine (ll.h): rows_sent, early. */
+epx_status_t epx__ll_combine_enqueue(epx_group_t g, const epx_ll_combine_args_t *a, int rows_sent,
+                                     int early, cudaStream_t stream) {
   static const char fn[] = "epx_ll_combine";
   EPX_CHECK(epx__group_check(g));
   EPX_CHECK(epx__check_not_null(fn, "args", a));
@@ -252,6 +254,13 @@ EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_
   epx__ll_combine_launch_args_t c =
       combine_launch_args(g, parity, x, a->out, weights,
                           a->split ? EPX_LL_PHASE_SEND : EPX_LL_PHASE_SEND | EPX_LL_PHASE_RECV);
+  if (rows_sent && (c.by_rank || a->split || weights))
+    return epx__set_error(EPX_ERR_INTERNAL,
+                          "%s: rows sent by the experts need the DIRECT combine, unsplit and "
+                          "without combine-time weights",
+                          fn);
+  c.rows_sent = rows_sent;
+  c.early_launch = early;
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   EPX_CHECK(epx__ll_combine_launch(&ctx, &c, stream));
@@ -263,6 +272,30 @@ EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_
     g->ll.combine_weights[parity] = weights;
   }
   return EPX_OK;
+}
+
+EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_t *a,
+                                       cudaStream_t stream) {
+  return epx__ll_combine_enqueue(g, a, 0, 0, stream);
+}
+
+int epx__ll_combine_is_direct(epx_group_t g) {
+  return g->config.ll_route != EPX_LL_ROUTE_BY_RANK;
+}
+
+void epx__ll_send_targets(epx_group_t g, const epx_ll_dispatch_result_t *d,
+                          epx__experts_scatter_t *sc) {
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  memset(sc, 0, sizeof *sc);
+  sc->src_info = d->recv_src_info;
+  for (int r = 0; r < g->num_ranks; r++)
+    sc->recv[r] = ctx.peer_base[r] + g->layout.ll_offset +
+                  (size_t)d->buffer * g->layout.ll_parity_bytes + g->layout.ll_combine_recv_offset;
+  sc->dead_mask = &epx__group_control(g)->ll_peer_mask;
+  sc->num_ranks = g->num_ranks;
+  sc->top_k = g->config.top_k;
+  sc->max_tokens = g->config.ll_max_tokens_per_rank;
 }
 
 EPX_EXPORT epx_status_t epx_ll_recv(epx_group_t g, epx_ll_hook_t *hook, cudaStream_t stream) {

@@ -1,8 +1,12 @@
 /*
  * moe.c - epx_moe_decode: one MoE layer at decode size on a low-latency group, as three
  * stream-ordered steps (docs/moe.md):
- *   epx_ll_dispatch (packed layout, the tokens' weights)  ->  epx_experts_ffn (masked layout,
- *   written into the dispatch's combine buffer)  ->  epx_ll_combine (zero copy).
+ *   epx_ll_dispatch (packed layout, the tokens' weights)  ->  epx_experts_ffn (masked layout)
+ *   ->  epx_ll_combine.
+ * With a DIRECT combine (route DISPATCH_BY_RANK, the default) the down projection sends each
+ * tile it finishes straight to its tokens' receive rows on the source ranks, so the combine's
+ * send overlaps the experts still computing and the combine kernel only signals and sums;
+ * route BY_RANK (expert-side sums) writes the dispatch's combine buffer and sends it after.
  *
  * Invariant: everything a step could refuse is checked before the dispatch is queued, from
  * arguments every rank passes alike for the group's shape; once the dispatch is queued its
@@ -15,9 +19,22 @@
 #include "checks.h"
 #include "experts.h"
 #include "group.h"
+#include "ll.h"
+#include "param.h"
 #include "registry.h"
 
 #define WS_ALIGN 256
+
+/* EPX_MOE_SEND_ROWS=0: the down projection writes combine_input and the combine sends it (the
+ * chain of the three public calls; for measuring what the fused send buys, docs/env.md). */
+static int moe_send_rows_off(void) {
+  return epx__param_MoeSendRows() == 0;
+}
+/* EPX_MOE_EARLY_LAUNCH=0: each kernel of the layer starts when the previous one has ended
+ * (by default the FFN's and the combine's blocks are placed while it ends; launch.cuh). */
+static int moe_early_launch_off(void) {
+  return epx__param_MoeEarlyLaunch() == 0;
+}
 
 /* The group's low-latency mode and the experts' fit with it; *rows = the rows a dispatch can
  * deliver (L x R x M), the FFN's row count. */
@@ -99,7 +116,15 @@ EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *exper
   f.out = res.combine_input;
   f.workspace = a->workspace;
   f.workspace_bytes = a->workspace_bytes;
-  const epx_status_t ffn = epx_experts_ffn(experts, &f, stream);
+  /* DIRECT combine: the down projection writes each finished tile straight into its tokens'
+   * receive rows on their source ranks (the combine's send, overlapped with the experts still
+   * computing), and the combine only signals and sums. */
+  const int send_rows = epx__ll_combine_is_direct(g) && !moe_send_rows_off();
+  epx__experts_scatter_t targets;
+  if (send_rows) epx__ll_send_targets(g, &res, &targets);
+  const int early = !moe_early_launch_off();
+  const epx_status_t ffn =
+      epx__experts_ffn_enqueue(experts, &f, send_rows ? &targets : NULL, early, stream);
   char ffn_message[512] = "";
   if (ffn != EPX_OK) snprintf(ffn_message, sizeof ffn_message, "%s", epx_last_error());
 
@@ -109,7 +134,10 @@ EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *exper
   c.dispatch = &res;
   c.x = NULL; /* the FFN wrote combine_input */
   c.out = a->out;
-  const epx_status_t combine = epx_ll_combine(g, &c, stream);
+  /* A failed FFN sent nothing: the combine then sends combine_input (whatever it holds) so that
+   * the call fails loudly here, never waits. */
+  const epx_status_t combine =
+      epx__ll_combine_enqueue(g, &c, send_rows && ffn == EPX_OK, early && ffn == EPX_OK, stream);
   if (ffn != EPX_OK) /* the first failure is the one to report */
     return epx__set_error(ffn,
                           "%s: the experts' FFN failed after the dispatch was queued (the "

@@ -38,5 +38,9 @@ EPX_PARAM(LlRoute, "LL_ROUTE",
 EPX_PARAM(ExpandFanOut, "EXPAND_FAN_OUT", 0) /* 0: the library default; 1 AFTER, 2 DURING */
 /* DURING: tokens a sending warp publishes per system-scope fence, 1..32 */
 EPX_PARAM(ExpandPublishBatch, "EXPAND_PUBLISH_BATCH", 8)
+/* epx_moe_decode on a DIRECT combine: 1 the down projection sends its rows, 0 the combine does */
+EPX_PARAM(MoeSendRows, "MOE_SEND_ROWS", 1)
+/* epx_moe_decode: 1 the FFN's and the combine's kernels are launched early (launch.cuh), 0 not */
+EPX_PARAM(MoeEarlyLaunch, "MOE_EARLY_LAUNCH", 1)
 
 #endif /* EPX_PARAM_H_ */

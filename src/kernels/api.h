@@ -198,6 +198,11 @@ typedef struct epx__ll_combine_launch_args {
   int packed;                /* the dispatch's rows are packed: (j, s) starts at recv_begin[j][s] */
   const float *topk_weights; /* [T, K] combine-time weights, or NULL (the dispatch's, my_w);
                                 DIRECT combine only (by_rank = 0) */
+  int early_launch;          /* launched early (launch.cuh): may start while the previous
+                                kernel of the stream (the experts' down projection) runs */
+  int rows_sent;             /* DIRECT: the rows are already in the sources' receive rows (the
+                                experts' down projection wrote them there, epx_moe_decode): the
+                                send phase only signals */
 } epx__ll_combine_launch_args_t;
 
 epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,
@@ -212,6 +217,17 @@ epx_status_t epx__peer_mask_launch(const epx__kernel_ctx_t *ctx, unsigned bits,
 /* Experts' FFN (src/kernels/experts_ffn.cu): group-free, local to one GPU. Expert e's rows of
  * x / out are [begin, begin + count), count read on the device (begin = expert_begin[e], or
  * e * rows_per_expert when expert_begin is NULL), cut to the expert's room. */
+/* Where the down projection's rows go instead of `out` when they are sent straight back to
+ * their tokens (epx_moe_decode on a DIRECT combine): row r, with src_info[r] = (source s, token
+ * t, slot k), to recv[s] + (t * top_k + k) * n BF16 values, as the low-latency combine's send
+ * would copy it. Rows of a source in *dead_mask (read once per CTA) are not written. */
+typedef struct epx__experts_scatter {
+  const int *src_info;       /* [num_rows][4] */
+  char *recv[EPX_MAX_RANKS]; /* each rank's combine receive rows, this call's buffer */
+  const unsigned *dead_mask; /* the group's low-latency peer mask */
+  int num_ranks, top_k, max_tokens;
+} epx__experts_scatter_t;
+
 typedef struct epx__experts_gemm_args {
   const void *x;         /* [num_rows, k] BF16, or F16 codes of FP8 (fp8) */
   const float *x_scales; /* FP8: [num_rows, k/128] */
@@ -227,6 +243,9 @@ typedef struct epx__experts_gemm_args {
                               [num_rows, n] BF16 */
   void *out;
   float *out_scales;
+  int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
+  int scatter_rows; /* down projection (swiglu = 0, BF16 out): rows go where `scatter` says */
+  epx__experts_scatter_t scatter;
 } epx__experts_gemm_args_t;
 
 epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t *args, cudaStream_t stream);
@@ -242,6 +261,7 @@ typedef struct epx__experts_stage_args {
   int hidden, num_experts, num_rows, rows_per_expert;
   const int *expert_count;
   const int *expert_begin;
+  int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
 } epx__experts_stage_args_t;
 
 epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *args,

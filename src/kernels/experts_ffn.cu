@@ -23,7 +23,9 @@
  * row's scale (two stages per block).
  *
  * Epilogues, through shared memory so stores are whole rows:
- *   store:  out[row][n] (BF16), the down projection;
+ *   store:  out[row][n] (BF16), the down projection; or, scatter_rows, each row straight to its
+ *           token's slot in the source rank's low-latency combine receive rows (the combine's
+ *           send, done as each tile is computed: epx_moe_decode's completion-time send);
  *   swiglu: the CTA's warps 0-3 hold gate rows [n0, n0 + 128) and warps 4-7 the matching up
  *           rows [I + n0, ...); h = silu(gate) * up, stored BF16, or FP8 with one
  *           per-128-channel scale per row (kernels/fp8.cuh), its codes stored as F16.
@@ -153,17 +155,33 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
   return gate / (1.0f + expf(-gate)) * up;
 }
 
+/* The down projection's row `row` on its token's source rank (epx__experts_scatter_t), or
+ * NULL: a source that is dead or out of range, or a token or slot outside the receive rows. */
+__device__ __forceinline__ __nv_bfloat16 *scatter_row(const epx__experts_scatter_t &sc, size_t row,
+                                                      int n, unsigned dead) {
+  const int4 info = __ldg((const int4 *)sc.src_info + row);
+  const int s = info.x, t = info.y, k = info.z;
+  if (s < 0 || s >= sc.num_ranks || ((dead >> s) & 1u) || t < 0 || t >= sc.max_tokens || k < 0 ||
+      k >= sc.top_k)
+    return nullptr;
+  return (__nv_bfloat16 *)sc.recv[s] + ((size_t)t * sc.top_k + k) * n;
+}
+
 template <bool kFp8, bool kSwiglu>
 __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
     experts_gemm_kernel(epx__experts_gemm_args_t a) {
   constexpr int kM = kTilesPerWarp[kFp8], kPieces = 2 * kM, kW = kWarpsOf[kFp8];
   constexpr int kT = 32 * kW, kWarpRows = 16 * kM;
   extern __shared__ __align__(16) unsigned char smem[];
+  /* Launched early (early_launch): the counts and rows come from the previous kernel. */
+  epx::grid_dependency_wait();
+  epx::grid_dependents_may_launch();
   const int e = blockIdx.y;
   int begin = 0;
   const int count =
       expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows, e, &begin);
   if (count == 0) return; /* an idle expert costs no weight traffic */
+  const unsigned dead = a.scatter_rows ? *(volatile const unsigned *)a.scatter.dead_mask : 0u;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int half_n = a.n / 2;
@@ -335,16 +353,20 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
     __syncthreads();
 
     if constexpr (!kSwiglu) {
-      /* out[row][col0 + 8 ch + i] for the CTA's up-to-256 columns */
+      /* out[row][col0 + 8 ch + i] for the CTA's up-to-256 columns; scatter_rows: the row's
+       * slot on its source rank instead (scatter_row) */
       for (int item = tid; item < rows * (kCtaRows / 8); item += kT) {
         const int tok = item / (kCtaRows / 8), ch = item % (kCtaRows / 8);
         const int col = col0 + 8 * ch;
         if (col >= a.n) continue;
+        const size_t row = (size_t)(begin + p0 + tok);
+        __nv_bfloat16 *dst = a.scatter_rows ? scatter_row(a.scatter, row, a.n, dead)
+                                            : (__nv_bfloat16 *)a.out + row * a.n;
+        if (!dst) continue;
         float f[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) f[i] = tile[(8 * ch + i) * kTileStride + tok];
-        *(int4 *)((__nv_bfloat16 *)a.out + (size_t)(begin + p0 + tok) * a.n + col) =
-            epx::float8_to_bf16x8(f);
+        *(int4 *)(dst + col) = epx::float8_to_bf16x8(f);
       }
     } else if constexpr (!kFp8) {
       for (int item = tid; item < rows * 16; item += kT) {
@@ -386,6 +408,8 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
  * (blocks per expert, E), blocks striding over the expert's rows. */
 template <bool kFromFp8>
 __global__ void __launch_bounds__(kThreads) experts_stage_x_kernel(epx__experts_stage_args_t a) {
+  epx::grid_dependency_wait(); /* launched early: the rows come from the previous kernel */
+  epx::grid_dependents_may_launch();
   const int e = blockIdx.y;
   int begin = 0;
   const int count =
@@ -422,14 +446,14 @@ extern "C" epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t 
   const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
   const dim3 grid(col_tiles, a->num_experts);
   if (a->fp8)
-    return a->swiglu ? epx::launch<experts_gemm_kernel<true, true>>(grid, 32 * kWarpsOf[1],
-                                                                    kSmemBytes[1], stream, *a)
-                     : epx::launch<experts_gemm_kernel<true, false>>(grid, 32 * kWarpsOf[1],
-                                                                     kSmemBytes[1], stream, *a);
-  return a->swiglu ? epx::launch<experts_gemm_kernel<false, true>>(grid, 32 * kWarpsOf[0],
-                                                                   kSmemBytes[0], stream, *a)
-                   : epx::launch<experts_gemm_kernel<false, false>>(grid, 32 * kWarpsOf[0],
-                                                                    kSmemBytes[0], stream, *a);
+    return a->swiglu ? epx::launch_ex<experts_gemm_kernel<true, true>>(
+                           a->early_launch, grid, 32 * kWarpsOf[1], kSmemBytes[1], stream, *a)
+                     : epx::launch_ex<experts_gemm_kernel<true, false>>(
+                           a->early_launch, grid, 32 * kWarpsOf[1], kSmemBytes[1], stream, *a);
+  return a->swiglu ? epx::launch_ex<experts_gemm_kernel<false, true>>(
+                         a->early_launch, grid, 32 * kWarpsOf[0], kSmemBytes[0], stream, *a)
+                   : epx::launch_ex<experts_gemm_kernel<false, false>>(
+                         a->early_launch, grid, 32 * kWarpsOf[0], kSmemBytes[0], stream, *a);
 }
 
 extern "C" epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *a,
@@ -438,6 +462,8 @@ extern "C" epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_arg
    * unknown on the host, so its blocks stride. */
   const int room = a->expert_begin ? a->num_rows : a->rows_per_expert;
   const dim3 grid(max(1, min(32, (room + kWarps - 1) / kWarps)), a->num_experts);
-  return a->x_fp8 ? epx::launch<experts_stage_x_kernel<true>>(grid, kThreads, 0, stream, *a)
-                  : epx::launch<experts_stage_x_kernel<false>>(grid, kThreads, 0, stream, *a);
+  return a->x_fp8 ? epx::launch_ex<experts_stage_x_kernel<true>>(a->early_launch, grid, kThreads, 0,
+                                                                 stream, *a)
+                  : epx::launch_ex<experts_stage_x_kernel<false>>(a->early_launch, grid, kThreads,
+                                                                  0, stream, *a);
 }

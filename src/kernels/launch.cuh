@@ -7,7 +7,7 @@
  * launch() opts the kernel into more than 48 KiB of shared memory when its static plus dynamic
  * bytes need it (one rule for every kernel), launches with cudaLaunchKernelEx and returns the
  * status of this launch: an older error left on the thread by someone else is not reported as
- * this launch's.
+ * this launch's. launch_ex(early, ...) can also launch it early (programmatic dependent launch).
  *
  * The switches turn a run-time value into a compile-time name inside the lambda they run, one
  * macro per specialisation axis. Each lists its values once; a value outside them returns
@@ -29,9 +29,12 @@ namespace epx {
 /* Shared memory a kernel may use without opting in. */
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 
+/* early = 1: programmatic dependent launch. The kernel may start before the previous kernel of
+ * the stream ends (once that one's blocks all ran grid_dependents_may_launch, ptx.cuh), so it
+ * must call grid_dependency_wait before it reads anything the previous kernel wrote. */
 template <auto kKernel, typename... Args>
-epx_status_t launch(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream,
-                    const Args &...args) {
+epx_status_t launch_ex(int early, dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream,
+                       const Args &...args) {
   if (dynamic_smem > 0) {
     /* Static shared bytes of this kernel, read once (the same on every GPU of one build). */
     static size_t static_bytes = SIZE_MAX;
@@ -49,8 +52,21 @@ epx_status_t launch(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t str
   config.blockDim = block;
   config.dynamicSmemBytes = dynamic_smem;
   config.stream = stream;
+  cudaLaunchAttribute attr[1] = {};
+  if (early) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
   CUDA_CHECK(cudaLaunchKernelEx(&config, kKernel, args...));
   return EPX_OK;
+}
+
+template <auto kKernel, typename... Args>
+epx_status_t launch(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream,
+                    const Args &...args) {
+  return launch_ex<kKernel>(0, grid, block, dynamic_smem, stream, args...);
 }
 
 }  // namespace epx

@@ -434,6 +434,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int s_count[EPX_MAX_RANKS];
   __shared__ float s_partial[kByRank ? kWarps : 1][kChunk]; /* store_acc_f32's transpose */
 
+  /* Launched early (early_launch, epx_moe_decode): the expert rows and their sends are the
+   * previous kernel's. */
+  epx::grid_dependency_wait();
   const Call c = load_call(ctx, a);
 
   if (c.tid == 0) {
@@ -449,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const unsigned mask = s_mask;
     if (kByRank)
       combine_send_by_rank<kPacked>(ctx, a, c, dispatch_epoch, mask, s_count, s_rows, s_partial);
-    else
+    else if (!a.rows_sent) /* rows_sent: the experts' down projection wrote them already */
       combine_send_direct<kPacked>(ctx, a, c, mask, s_prefix, s_warp_sums);
     signal_ranks(ctx, mask, ctx.layout.ll_cflag_offset, c.p, epoch, 0u);
     if (c.tid == 0) trace_end(ctx, t_send, EPX_TRACE_LL_COMBINE_SEND, c.b);
@@ -478,10 +481,11 @@ extern "C" epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
   return EPX_BOOL_SWITCH(args->packed, kPacked, [&] {
     /* Combine-time weights only reach the DIRECT combine (ll.c): no BY_RANK variant with them. */
     if (args->by_rank)
-      return epx::launch<combine<true, kPacked, false>>(blocks, threads, 0, stream, *ctx, *args);
+      return epx::launch_ex<combine<true, kPacked, false>>(args->early_launch, blocks, threads, 0,
+                                                           stream, *ctx, *args);
     return EPX_BOOL_SWITCH(args->topk_weights != NULL, kGivenWeights, [&] {
-      return epx::launch<combine<false, kPacked, kGivenWeights>>(blocks, threads, 0, stream, *ctx,
-                                                                 *args);
+      return epx::launch_ex<combine<false, kPacked, kGivenWeights>>(
+          args->early_launch, blocks, threads, 0, stream, *ctx, *args);
     });
   });
 }

@@ -472,6 +472,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int s_cnt[kPacked ? EPX_MAX_EXPERTS : 1], s_begin[kPacked ? EPX_MAX_EXPERTS : 1];
   __shared__ unsigned s_dead;
 
+  /* The stream's next kernel, if launched early (epx_moe_decode's FFN), may place its blocks
+   * now; it waits for this kernel's end before it reads a row. */
+  epx::grid_dependents_may_launch();
   const Call c = load_call(ctx, a);
   if (c.tid == 0) {
     s_epoch = call_epoch(ctx, kKindDispatch, c.p, a.phases);

@@ -69,6 +69,16 @@ __device__ __forceinline__ void red_release_sys_add(unsigned long long *p, unsig
 }
 
 /* Nanoseconds from the GPU's global timer (comparable across SMs of one GPU). */
+/* Programmatic dependent launch (launch_ex with early = 1): wait until the stream's previous
+ * kernel has ended and its writes are visible (a no-op in a kernel not launched early); and let
+ * the stream's next kernel, if launched early, start its blocks before this one ends. */
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void grid_dependents_may_launch() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

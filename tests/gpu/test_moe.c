@@ -7,8 +7,10 @@
  *   moe_decode_matches_reference  BF16 weights; FP8 weights with BF16 rows (quantized by the
  *                                 FFN) and with FP8 rows (quantized by the dispatch); routings
  *                                 uniform, holes, duplicates, all to one expert, all empty, a
- *                                 rank with no token, uneven token counts; three calls per
- *                                 case (both low-latency buffers, and back)
+ *                                 rank with no token, uneven token counts; routes
+ *                                 DISPATCH_BY_RANK (the down projection sends its rows to the
+ *                                 sources) and BY_RANK (the combine sends expert-side sums);
+ *                                 three calls per case (both low-latency buffers, and back)
  *   moe_decode_graph_replay       one call captured in a CUDA graph, replayed on two new worlds
  *                                 of the same shape (inputs copied into the captured buffers)
  *   moe_decode_refusals           bad arguments refused by name on every rank with nothing
@@ -32,6 +34,8 @@ typedef struct {
   const char *name;
   world_spec_t world; /* experts: local experts L x R (the spec's count is per rank here) */
   int I, fp8_weights, fp8_dispatch;
+  epx_ll_route_t route; /* 0: the library default (DISPATCH_BY_RANK: the down projection sends
+                           its rows); BY_RANK: the layer's other path (expert-side sums) */
 } moe_case_t;
 
 /* A group, every rank's experts (host) and this rank's (device), inputs, output, workspace. */
@@ -53,6 +57,7 @@ static int fixture_make(epx_test_rank_t *t, const moe_case_t *c, uint64_t *rng, 
     return TEST_FAIL;
   epx_group_config_t cfg = gpu_test_config(f->w.M, f->w.H, f->w.E, f->w.K);
   cfg.modes = EPX_MODE_LOW_LATENCY;
+  cfg.ll_route = c->route;
   cfg.dtypes = EPX_DTYPE_BF16 | (c->fp8_dispatch ? EPX_DTYPE_FP8_E4M3 : 0);
   EXPECT_OK(epx_group_create(t->comm, &cfg, &f->g));
   if (world_dev_make(&f->w, t->rank, 1, &f->d) != TEST_PASS) return TEST_FAIL;
@@ -152,16 +157,23 @@ static int one_call(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c,
   return check_out(f, &f->w, o, me, label);
 }
 
-/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  fp8 dispatch */
+/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  fp8 dispatch  [route] */
 static const moe_case_t cases[] = {
-    {"bf16_uniform", {32, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0},
-    {"bf16_duplicates_uneven", {24, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0},
-    {"fp8w_bf16_rows_holes", {32, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0},
-    {"fp8w_fp8_rows_uniform", {32, 512, 8, 8, ROUTE_UNIFORM, 32, -1}, 256, 1, 1},
-    {"fp8_one_expert", {16, 256, 4, 4, ROUTE_ONE_EXPERT, 16, -1}, 128, 1, 1},
-    {"bf16_all_empty", {16, 256, 4, 4, ROUTE_EMPTY, 16, -1}, 128, 0, 0},
-    {"fp8_empty_rank", {32, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 1},
-    {"bf16_qwen3_like", {16, 2048, 4, 8, ROUTE_UNIFORM, 16, -1}, 768, 0, 0},
+    {"bf16_uniform", {32, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, 0},
+    {"bf16_duplicates_uneven", {24, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 0},
+    {"fp8w_bf16_rows_holes", {32, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0},
+    {"fp8w_fp8_rows_uniform", {32, 512, 8, 8, ROUTE_UNIFORM, 32, -1}, 256, 1, 1, 0},
+    {"fp8_one_expert", {16, 256, 4, 4, ROUTE_ONE_EXPERT, 16, -1}, 128, 1, 1, 0},
+    {"bf16_all_empty", {16, 256, 4, 4, ROUTE_EMPTY, 16, -1}, 128, 0, 0, 0},
+    {"fp8_empty_rank", {32, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 1, 0},
+    {"bf16_qwen3_like", {16, 2048, 4, 8, ROUTE_UNIFORM, 16, -1}, 768, 0, 0, 0},
+    {"bf16_by_rank_duplicates",
+     {24, 256, 4, 6, ROUTE_DUPLICATES, -1, -1},
+     128,
+     0,
+     0,
+     EPX_LL_ROUTE_BY_RANK},
+    {"fp8_by_rank_holes", {32, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 1, EPX_LL_ROUTE_BY_RANK},
 };
 
 EPX_GPU_TEST(moe_decode_matches_reference, 900) {
@@ -189,7 +201,7 @@ EPX_GPU_TEST(moe_decode_matches_reference, 900) {
 EPX_GPU_TEST(moe_decode_graph_replay, 300) {
   const int me = t->rank;
   uint64_t rng = t->seed;
-  const moe_case_t c = {"graph", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 1, 1};
+  const moe_case_t c = {"graph", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 1, 1, 0};
   moe_fixture_t f;
   if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
   /* Capture with the maximum token count; each replay's world has exactly that many. */
@@ -238,7 +250,7 @@ EPX_GPU_TEST(moe_decode_graph_replay, 300) {
 EPX_GPU_TEST(moe_decode_refusals, 300) {
   const int me = t->rank;
   uint64_t rng = t->seed;
-  const moe_case_t c = {"refusals", {16, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0};
+  const moe_case_t c = {"refusals", {16, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0};
   moe_fixture_t f;
   if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
   const epx_experts_t *ex = &f.ex[me].dev;
