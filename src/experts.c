@@ -12,6 +12,7 @@
 #include "checks.h"
 #include "experts.h"
 #include "kernels/api.h"
+#include "param.h"
 
 #define WS_ALIGN 256
 
@@ -175,6 +176,9 @@ epx_status_t epx__experts_ffn_enqueue(const epx_experts_t *experts,
   scratch_layout_t s;
   EPX_CHECK(check_args(fn, experts, args, &s));
   if (args->num_rows == 0) return EPX_OK;
+  /* early: the caller's previous kernel may still run when ours are placed, so the gate/up
+   * CTAs fetch their weights' heads meanwhile. Each later kernel follows one of ours. */
+  const int prefetch = early, chained = epx__param_EarlyLaunch() != 0;
 
   const int fp8 = experts->weight_dtype == EPX_DTYPE_FP8_E4M3;
   char *ws = (char *)args->workspace;
@@ -196,7 +200,7 @@ epx_status_t epx__experts_ffn_enqueue(const epx_experts_t *experts,
     EPX_CHECK(epx__experts_stage_x_launch(&st, stream));
     x = st.codes;
     if (!from_fp8) x_scales = st.scales;
-    early = 1; /* the next kernel follows one of ours, which lets it start early */
+    early = chained;
   }
 
   epx__experts_gemm_args_t g;
@@ -219,8 +223,10 @@ epx_status_t epx__experts_ffn_enqueue(const epx_experts_t *experts,
   g.out = ws + s.h;
   g.out_scales = fp8 ? (float *)(ws + s.h_scales) : NULL;
   g.early_launch = early;
+  g.prefetch_row_bytes = prefetch ? (int)(epx__param_FfnPrefetchBytes() & ~15) : 0;
   EPX_CHECK(epx__experts_gemm_launch(&g, stream));
-  g.early_launch = 1;
+  g.early_launch = chained;
+  g.prefetch_row_bytes = 0;
 
   /* out = h Wd^T */
   g.x = ws + s.h;

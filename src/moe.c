@@ -30,10 +30,10 @@
 static int moe_send_rows_off(void) {
   return epx__param_MoeSendRows() == 0;
 }
-/* EPX_MOE_EARLY_LAUNCH=0: each kernel of the layer starts when the previous one has ended
- * (by default the FFN's and the combine's blocks are placed while it ends; launch.cuh). */
+/* EPX_EARLY_LAUNCH=0: each kernel of the layer starts when the previous one has ended (by
+ * default the FFN's and the combine's blocks are placed while it ends; launch.cuh). */
 static int moe_early_launch_off(void) {
-  return epx__param_MoeEarlyLaunch() == 0;
+  return epx__param_EarlyLaunch() == 0;
 }
 
 /* The group's low-latency mode and the experts' fit with it; *rows = the rows a dispatch can

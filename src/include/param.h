@@ -40,7 +40,11 @@ EPX_PARAM(ExpandFanOut, "EXPAND_FAN_OUT", 0) /* 0: the library default; 1 AFTER,
 EPX_PARAM(ExpandPublishBatch, "EXPAND_PUBLISH_BATCH", 8)
 /* epx_moe_decode on a DIRECT combine: 1 the down projection sends its rows, 0 the combine does */
 EPX_PARAM(MoeSendRows, "MOE_SEND_ROWS", 1)
-/* epx_moe_decode: 1 the FFN's and the combine's kernels are launched early (launch.cuh), 0 not */
-EPX_PARAM(MoeEarlyLaunch, "MOE_EARLY_LAUNCH", 1)
+/* 1: the experts' FFN kernels after its first, and in epx_moe_decode the FFN's first and the
+ * combine, are launched early (programmatic dependent launch, kernels/launch.cuh); 0: none */
+EPX_PARAM(EarlyLaunch, "EARLY_LAUNCH", 1)
+/* epx_moe_decode: leading bytes of each gate/up weight row fetched into L2 while the dispatch
+ * ends (rounded down to 16; 0: none) */
+EPX_PARAM(FfnPrefetchBytes, "FFN_PREFETCH_BYTES", 1024)
 
 #endif /* EPX_PARAM_H_ */
