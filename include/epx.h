@@ -929,7 +929,10 @@ epx_status_t epx_moe_workspace_size(epx_group_t group, const epx_experts_t *expe
  * as the group's other low-latency calls); ordered on stream; no host synchronization;
  * capturable. experts holds this rank's L = E/R experts (expert r*L + j is this rank's j) with
  * the group's hidden size. Uses one of the group's two low-latency buffers, as a dispatch and
- * its combine do; the rows it received are not returned.
+ * its combine do; the rows it received are not returned. With route DISPATCH_BY_RANK (the
+ * default) the down projection writes each row it finishes straight into its token's receive
+ * row on the source rank, so the combine's send overlaps the experts still computing (route
+ * BY_RANK sums on the expert side first and sends after the FFN; docs/moe.md).
  * Every argument is checked before anything is queued, identically on every rank for the
  * group's shape, so a refused call leaves no peer waiting.
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument; EPX_ERR_UNSUPPORTED

@@ -176,9 +176,9 @@ epx_status_t epx__experts_ffn_enqueue(const epx_experts_t *experts,
   scratch_layout_t s;
   EPX_CHECK(check_args(fn, experts, args, &s));
   if (args->num_rows == 0) return EPX_OK;
-  /* early: the caller's previous kernel may still run when ours are placed, so the gate/up
-   * CTAs fetch their weights' heads meanwhile. Each later kernel follows one of ours. */
-  const int prefetch = early, chained = epx__param_EarlyLaunch() != 0;
+  /* early: the first kernel is launched early (the caller's choice); each later one follows
+   * one of ours and is launched early unless EPX_EARLY_LAUNCH=0. */
+  const int chained = epx__param_EarlyLaunch() != 0;
 
   const int fp8 = experts->weight_dtype == EPX_DTYPE_FP8_E4M3;
   char *ws = (char *)args->workspace;
@@ -223,10 +223,8 @@ epx_status_t epx__experts_ffn_enqueue(const epx_experts_t *experts,
   g.out = ws + s.h;
   g.out_scales = fp8 ? (float *)(ws + s.h_scales) : NULL;
   g.early_launch = early;
-  g.prefetch_row_bytes = prefetch ? (int)(epx__param_FfnPrefetchBytes() & ~15) : 0;
   EPX_CHECK(epx__experts_gemm_launch(&g, stream));
   g.early_launch = chained;
-  g.prefetch_row_bytes = 0;
 
   /* out = h Wd^T */
   g.x = ws + s.h;

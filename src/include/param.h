@@ -43,8 +43,5 @@ EPX_PARAM(MoeSendRows, "MOE_SEND_ROWS", 1)
 /* 1: the experts' FFN kernels after its first, and in epx_moe_decode the FFN's first and the
  * combine, are launched early (programmatic dependent launch, kernels/launch.cuh); 0: none */
 EPX_PARAM(EarlyLaunch, "EARLY_LAUNCH", 1)
-/* epx_moe_decode: leading bytes of each gate/up weight row fetched into L2 while the dispatch
- * ends (rounded down to 16; 0: none) */
-EPX_PARAM(FfnPrefetchBytes, "FFN_PREFETCH_BYTES", 1024)
 
 #endif /* EPX_PARAM_H_ */

@@ -244,9 +244,7 @@ typedef struct epx__experts_gemm_args {
   void *out;
   float *out_scales;
   int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
-  int prefetch_row_bytes; /* > 0 (a multiple of 16): before waiting for the previous kernel,
-                             fetch that many leading bytes of each weight row into L2 */
-  int scatter_rows;       /* down projection (swiglu = 0, BF16 out): rows go where `scatter` says */
+  int scatter_rows; /* down projection (swiglu = 0, BF16 out): rows go where `scatter` says */
   epx__experts_scatter_t scatter;
 } epx__experts_gemm_args_t;
 

@@ -173,19 +173,7 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
   constexpr int kM = kTilesPerWarp[kFp8], kPieces = 2 * kM, kW = kWarpsOf[kFp8];
   constexpr int kT = 32 * kW, kWarpRows = 16 * kM;
   extern __shared__ __align__(16) unsigned char smem[];
-  /* Launched early (early_launch): the counts and rows come from the previous kernel. The
-   * weights do not: while it ends (a dispatch still waiting for its rows), the head of each of
-   * the CTA's weight rows is fetched into L2, whether or not the expert receives rows. */
-  if (a.prefetch_row_bytes > 0 && threadIdx.x < kCtaRows) {
-    const int r = threadIdx.x;
-    const int row = kSwiglu
-                        ? (r < 128 ? blockIdx.x * 128 + r : a.n / 2 + blockIdx.x * 128 + r - 128)
-                        : blockIdx.x * kCtaRows + r;
-    const size_t k_bytes = (size_t)a.k * (kFp8 ? 1 : 2);
-    if (row < a.n)
-      epx::prefetch_l2((const char *)a.w + ((size_t)blockIdx.y * a.n + row) * k_bytes,
-                       (uint32_t)min((size_t)a.prefetch_row_bytes, k_bytes));
-  }
+  /* Launched early (early_launch): the counts and rows come from the previous kernel. */
   epx::grid_dependency_wait();
   epx::grid_dependents_may_launch();
   const int e = blockIdx.y;
