@@ -20,7 +20,8 @@
  * MMAs; x arrives as F16 holding the E4M3 codes exactly ("codes", written by the staging kernel
  * below and by the SwiGLU epilogue), so products are the FP8 products, summed in float32. Each
  * 128-deep K block is accumulated on its own and added with the weight block's scale times the
- * row's scale (two stages per block).
+ * row's scale (two stages per block); those scales travel with the block's second stage
+ * (cp.async into the stage's slot), so the loop never waits on a scale load.
  *
  * Epilogues, through shared memory so stores are whole rows:
  *   store:  out[row][n] (BF16), the down projection; or, scatter_rows, each row straight to its
@@ -64,8 +65,14 @@ constexpr int kWStageBytes = kCtaRows * kStageBytes; /* 2 x tiles pieces of 16 b
  * quarter-warp reads fall in different banks. */
 constexpr int kXPitch[2] = {64, 144};
 constexpr int kXStageBytes[2] = {kTokens * kXPitch[0], kTokens *kXPitch[1]};
+/* FP8, per stage: the scales of the 128-deep block that the stage ends (odd stages), copied
+ * with the stage so that no scale load waits in the loop: the x rows' (kTokens), then the
+ * CTA's two 128-row weight blocks'. */
+constexpr int kScaleFloats = kTokens + 2;
+constexpr int kScaleStageBytes = 144; /* kScaleFloats floats, 16-byte multiple */
+static_assert(kScaleFloats * 4 <= kScaleStageBytes, "a stage's scales fit");
 constexpr int kSmemBytes[2] = {kStagesOf[0] * (kWStageBytes + kXStageBytes[0]),
-                               kStagesOf[1] * (kWStageBytes + kXStageBytes[1])};
+                               kStagesOf[1] * (kWStageBytes + kXStageBytes[1] + kScaleStageBytes)};
 static_assert(kCtasPerSm[0] * kSmemBytes[0] <= 227 * 1024 &&
                   kCtasPerSm[1] * kSmemBytes[1] <= 227 * 1024,
               "the CTAs per SM fit in shared memory");
@@ -97,6 +104,12 @@ __device__ __forceinline__ void cp_async_cg16(void *smem, const void *gmem) {
 /* 16 bytes, or zeros when src_bytes is 0 (nothing is read then). */
 __device__ __forceinline__ void cp_async_ca16_zfill(void *smem, const void *gmem, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(epx::smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+/* 4 bytes, or zeros when src_bytes is 0. */
+__device__ __forceinline__ void cp_async_ca4_zfill(void *smem, const void *gmem, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(epx::smem_addr(smem)),
                "l"(gmem), "r"(src_bytes)
                : "memory");
 }
@@ -211,6 +224,7 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
     w_row[j] = w_expert + (size_t)(wrow + (j >> 1) * 16 + (j & 1) * 8 + g) * k_bytes + 16 * t;
   uint4 *w_s = (uint4 *)smem;                         /* [stage][kPieces][kT] */
   unsigned char *x_s = smem + kStages * kWStageBytes; /* [stage][kTokens][kXP] */
+  float *sc_s = (float *)(x_s + kStages * kXS);       /* FP8: [stage][kScaleStageBytes / 4] */
   const char *x = (const char *)a.x;
 
   for (int p0 = 0; p0 < count; p0 += kTokens) {
@@ -233,6 +247,24 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
         if (x_loader)
           cp_async_ca16_zfill(x_s + slot * kXS + x_tok * kXP + 16 * x_piece,
                               x_valid ? x_src + (size_t)s * kXRow : x, x_valid ? 16 : 0);
+        if constexpr (kFp8) {
+          if ((s & 1) && tid < kScaleFloats) { /* the block that stage s ends: kb = s / 2 */
+            const int kb = s >> 1;
+            const float *src;
+            bool ok;
+            if (tid < kTokens) {
+              ok = tid < rows;
+              src = a.x_scales + (size_t)(begin + p0 + tid) * k_blocks + kb;
+            } else {
+              const int b = tid - kTokens; /* the CTA's 128-row weight block b */
+              const int rb = kSwiglu ? (b == 0 ? col0 : half_n + col0) / 128 : col0 / 128 + b;
+              ok = rb < a.n / 128;
+              src = a.w_scales + ((size_t)e * (a.n / 128) + rb) * k_blocks + kb;
+            }
+            cp_async_ca4_zfill(sc_s + slot * (kScaleStageBytes / 4) + tid, ok ? src : a.w_scales,
+                               ok ? 4 : 0);
+          }
+        }
       }
       cp_async_commit(); /* always, so wait_group counts stages */
     };
@@ -246,25 +278,8 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[mt][nj][i] = part[mt][nj][i] = 0.f;
 
-    /* FP8: the scales of 128-deep block kb, loaded a block ahead of their use so their
-     * latency hides behind the block's MMAs. */
-    float sw[kM] = {}, sx[4][2] = {};
-    auto load_scales = [&](int kb) {
-      if constexpr (kFp8) {
-        if (!warp_active) return;
-#pragma unroll
-        for (int mt = 0; mt < kM; mt++)
-          sw[mt] = a.w_scales[((size_t)e * (a.n / 128) + (wrow + 16 * mt) / 128) * k_blocks + kb];
-#pragma unroll
-        for (int nj = 0; nj < 4; nj++)
-#pragma unroll
-          for (int i = 0; i < 2; i++) {
-            const int tok = 8 * nj + 2 * t + i;
-            sx[nj][i] = tok < rows ? a.x_scales[(size_t)(begin + p0 + tok) * k_blocks + kb] : 0.f;
-          }
-      }
-    };
-    load_scales(0);
+          /* FP8: the scales of 128-deep block kb, loaded a block ahead of their use so their
+           * latency hides behind the block's MMAs. */
 
 #pragma unroll
     for (int s = 0; s < kStages - 1; s++) issue(s);
@@ -316,20 +331,25 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
         }
       }
       if constexpr (kFp8) {
-        if (s & 1) { /* the end of a 128-deep block: scale it into acc */
+        if (s & 1) { /* the end of a 128-deep block: scale it into acc (scales in the slot) */
+          const float *sc = sc_s + slot * (kScaleStageBytes / 4);
 #pragma unroll
-          for (int mt = 0; mt < kM; mt++)
+          for (int mt = 0; mt < kM; mt++) {
+            /* warps' rows: the first 128 of the CTA in block 0, the rest in block 1 (gate/up:
+             * gate rows, then up rows; down: consecutive rows) */
+            const float sw = sc[kTokens + (kWarpRows * warp + 16 * mt) / 128];
 #pragma unroll
             for (int nj = 0; nj < 4; nj++) {
               if (nj >= tiles) continue;
-              acc[mt][nj][0] += part[mt][nj][0] * (sw[mt] * sx[nj][0]);
-              acc[mt][nj][1] += part[mt][nj][1] * (sw[mt] * sx[nj][1]);
-              acc[mt][nj][2] += part[mt][nj][2] * (sw[mt] * sx[nj][0]);
-              acc[mt][nj][3] += part[mt][nj][3] * (sw[mt] * sx[nj][1]);
+              const float s0 = sw * sc[8 * nj + 2 * t], s1 = sw * sc[8 * nj + 2 * t + 1];
+              acc[mt][nj][0] += part[mt][nj][0] * s0;
+              acc[mt][nj][1] += part[mt][nj][1] * s1;
+              acc[mt][nj][2] += part[mt][nj][2] * s0;
+              acc[mt][nj][3] += part[mt][nj][3] * s1;
 #pragma unroll
               for (int i = 0; i < 4; i++) part[mt][nj][i] = 0.f;
             }
-          if (s + 1 < num_stages) load_scales(s / 2 + 1);
+          }
         }
       }
     }
