@@ -278,9 +278,6 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[mt][nj][i] = part[mt][nj][i] = 0.f;
 
-          /* FP8: the scales of 128-deep block kb, loaded a block ahead of their use so their
-           * latency hides behind the block's MMAs. */
-
 #pragma unroll
     for (int s = 0; s < kStages - 1; s++) issue(s);
     for (int s = 0; s < num_stages; s++) {

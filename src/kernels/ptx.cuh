@@ -68,7 +68,6 @@ __device__ __forceinline__ void red_release_sys_add(unsigned long long *p, unsig
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-/* Nanoseconds from the GPU's global timer (comparable across SMs of one GPU). */
 /* Programmatic dependent launch (launch_ex with early = 1): wait until the stream's previous
  * kernel has ended and its writes are visible (a no-op in a kernel not launched early); and let
  * the stream's next kernel, if launched early, start its blocks before this one ends. */
@@ -79,6 +78,7 @@ __device__ __forceinline__ void grid_dependents_may_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
+/* Nanoseconds from the GPU's global timer (comparable across SMs of one GPU). */
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -13,6 +13,9 @@
  *                                 three calls per case (both low-latency buffers, and back)
  *   moe_decode_graph_replay       one call captured in a CUDA graph, replayed on two new worlds
  *                                 of the same shape (inputs copied into the captured buffers)
+ *   moe_decode_masked_peer        every rank masks the last (which makes no call): the layer
+ *                                 matches the world without it, at once, on both routes; after
+ *                                 the collective clear, the whole world again
  *   moe_decode_refusals           bad arguments refused by name on every rank with nothing
  *                                 queued (no peer waits), then a call that is right
  *
@@ -27,6 +30,7 @@
 
 #include "gpu/experts_data.h"
 #include "gpu/gpu_util.h"
+#include "gpu/ll_checks.h"
 #include "gpu/world.h"
 #include "ref/epx_ref_moe.h"
 
@@ -146,7 +150,9 @@ static int check_out(const moe_fixture_t *f, const world_t *w, const moe_oracle_
   return rc;
 }
 
-static int one_call(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c,
+/* One layer call on the fixture's inputs, its output checked against world w's oracle o (w is
+ * the fixture's world, or that world without a masked rank). */
+static int one_call(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c, const world_t *w,
                     const moe_oracle_t *o, const char *label) {
   const int me = t->rank;
   EXPECT_CUDA(cudaMemsetAsync(f->d.out, 0xff, (size_t)f->w.M * f->w.H * 2, t->stream));
@@ -154,7 +160,7 @@ static int one_call(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c,
   EXPECT_OK(epx_moe_decode(f->g, &f->ex[me].dev, &a, t->stream));
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
   EXPECT_NO_ASYNC_ERROR(f->g, label);
-  return check_out(f, &f->w, o, me, label);
+  return check_out(f, w, o, me, label);
 }
 
 /*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  fp8 dispatch  [route] */
@@ -190,7 +196,7 @@ EPX_GPU_TEST(moe_decode_matches_reference, 900) {
     for (int call = 0; call < 3; call++) { /* the same world: one oracle */
       char label[160];
       snprintf(label, sizeof label, "%s (%d ranks, call %d)", c->name, t->num_ranks, call);
-      if (one_call(t, &f, c, &o, label) != TEST_PASS) return TEST_FAIL;
+      if (one_call(t, &f, c, &f.w, &o, label) != TEST_PASS) return TEST_FAIL;
     }
     oracle_free(&o);
     if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
@@ -247,6 +253,68 @@ EPX_GPU_TEST(moe_decode_graph_replay, 300) {
   return fixture_free(&f);
 }
 
+/* The live ranks' part of moe_decode_masked_peer: mask the dead rank, then two calls (both
+ * buffers) on the full world's inputs, each matching the oracle of the world without the dead
+ * rank, fast, with no async error. */
+static int masked_calls(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c, int dead,
+                        const world_t *live, const moe_oracle_t *o) {
+  EXPECT_OK(epx_group_mask_peer(f->g, dead, t->stream));
+  for (int call = 0; call < 2; call++) {
+    char label[128];
+    snprintf(label, sizeof label, "%s: rank %d masked (%d ranks, call %d)", c->name, dead,
+             t->num_ranks, call);
+    const double t0 = epx_test_now_s();
+    if (one_call(t, f, c, live, o, label) != TEST_PASS) return TEST_FAIL;
+    const double secs = epx_test_now_s() - t0;
+    /* A masked peer is never waited for: far below a wait's budget. */
+    EXPECTF(secs < 1.0, "%s: %.3f s although the peer is masked", label, secs);
+  }
+  return TEST_PASS;
+}
+
+/* Every rank masks the last one, which makes no call: the others' layers match the world
+ * without it (its tokens gone, the slots naming its experts empty: the dispatch drops them, the
+ * sending down projection writes nothing to it, the combine sums without it), on both of the
+ * layer's paths (DISPATCH_BY_RANK: rows sent by the down projection; BY_RANK); after the
+ * collective clear every rank's layer matches the whole world again. */
+EPX_PEER_TEST(moe_decode_masked_peer, 300) {
+  const int me = t->rank, dead = t->num_ranks - 1;
+  uint64_t rng = t->seed;
+  const epx_ll_route_t routes[2] = {EPX_LL_ROUTE_DISPATCH_BY_RANK, EPX_LL_ROUTE_BY_RANK};
+  for (int r = 0; r < 2; r++) {
+    const moe_case_t c = {r ? "masked_by_rank" : "masked_dispatch_by_rank",
+                          {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1},
+                          128,
+                          0,
+                          0,
+                          routes[r]};
+    moe_fixture_t f;
+    if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+    world_t live;
+    ll_world_without(&f.w, dead, &live);
+    moe_oracle_t o_live, o_full;
+    if (oracle_make(&f, &live, &c, me, &o_live) != TEST_PASS ||
+        oracle_make(&f, &f.w, &c, me, &o_full) != TEST_PASS)
+      return TEST_FAIL;
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    if (me != dead && masked_calls(t, &f, &c, dead, &live, &o_live) != TEST_PASS) return TEST_FAIL;
+    if (me != dead) EXPECT_NO_ASYNC_ERROR(f.g, "manual mask"); /* a mask asked for: no failure */
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    EXPECT_OK(epx_group_clear_peer_mask(f.g)); /* collective, the dead rank included */
+    for (int call = 0; call < 2; call++) {
+      char label[128];
+      snprintf(label, sizeof label, "%s: after the clear (%d ranks, call %d)", c.name, t->num_ranks,
+               call);
+      if (one_call(t, &f, &c, &f.w, &o_full, label) != TEST_PASS) return TEST_FAIL;
+    }
+    oracle_free(&o_live);
+    oracle_free(&o_full);
+    ll_world_without_free(&live);
+    if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
+  }
+  return TEST_PASS;
+}
+
 EPX_GPU_TEST(moe_decode_refusals, 300) {
   const int me = t->rank;
   uint64_t rng = t->seed;
@@ -292,7 +360,7 @@ EPX_GPU_TEST(moe_decode_refusals, 300) {
   /* The oracle takes seconds and longer on a rank with more tokens: meet before the
    * calls, or an early rank's waits run out of their budget on a late one. */
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
-  if (one_call(t, &f, &c, &o, "after the refusals") != TEST_PASS) return TEST_FAIL;
+  if (one_call(t, &f, &c, &f.w, &o, "after the refusals") != TEST_PASS) return TEST_FAIL;
   oracle_free(&o);
   if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
 
