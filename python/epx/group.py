@@ -487,8 +487,9 @@ class Group:
     def moe_decode(self, experts, x, topk_idx, topk_weights=None, *, fp8=False, out=None,
                    stream=None):
         """One MoE layer at decode (epx_moe_decode, COLLECTIVE, no host sync, capturable):
-        low-latency dispatch (packed), experts' SwiGLU FFN of this rank's epx.Experts into the
-        combine buffer, zero-copy combine. x: [T, H] bf16; topk_idx [T, K] int64/int32;
+        low-latency dispatch (packed), experts' SwiGLU FFN of this rank's epx.Experts, combine;
+        with the default route the down projection sends each row to its token's rank as it
+        finishes it (docs/moe.md). x: [T, H] bf16; topk_idx [T, K] int64/int32;
         topk_weights [T, K] float32 or None (1); fp8=True sends FP8 rows (FP8 experts only).
         Returns out [T, H] bf16 (a new tensor unless given). The scratch is one tensor per
         Group, reused by every call: two calls of one group on two streams at once race."""
