@@ -132,7 +132,7 @@ EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *exper
    * then returns the FFN's error. */
   epx_ll_combine_args_t c = EPX_LL_COMBINE_ARGS_INIT;
   c.dispatch = &res;
-  c.x = NULL; /* the FFN wrote combine_input */
+  c.x = NULL; /* combine_input: the FFN's rows where it did not send them itself */
   c.out = a->out;
   /* A failed FFN sent nothing: the combine then sends combine_input (whatever it holds) so that
    * the call fails loudly here, never waits. */
