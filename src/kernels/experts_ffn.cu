@@ -385,6 +385,10 @@ __global__ void __launch_bounds__(32 * kWarpsOf[kFp8], kCtasPerSm[kFp8])
         for (int i = 0; i < 8; i++) f[i] = tile[(8 * ch + i) * kTileStride + tok];
         *(int4 *)(dst + col) = epx::float8_to_bf16x8(f);
       }
+      /* No fence for the rows sent to peers: the combine that signals them is a later kernel
+       * (griddepcontrol.wait or stream order), whose release store at system scope follows
+       * this grid's end in causality order, as a later kernel's flag after any earlier
+       * kernel's writes. */
     } else if constexpr (!kFp8) {
       for (int item = tid; item < rows * 16; item += kT) {
         const int tok = item / 16, ch = item % 16;

@@ -9,6 +9,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* 0xff (NaN in BF16 and float32) over both buffers' receive arrays and returned-rows areas,
+ * then a device barrier, so that no peer writes before every rank has poisoned. */
+int ll_poison(epx_test_rank_t *t, epx_group_t g) {
+  const epx__ws_layout_t *l = &g->layout;
+  const size_t begin[2] = {l->ll_x_offset, l->ll_combine_recv_offset};
+  const size_t end[2] = {l->ll_stage_offset, l->ll_my_ids_offset};
+  for (int i = 0; i < 4; i++) {
+    char *buf = g->workspace + l->ll_offset + (size_t)(i >> 1) * l->ll_parity_bytes;
+    EXPECT_CUDA(cudaMemset(buf + begin[i & 1], 0xff, end[i & 1] - begin[i & 1]));
+  }
+  EXPECT_CUDA(cudaDeviceSynchronize());
+  EXPECT_OK(epx_group_barrier(g, t->stream));
+  return gpu_host_barrier(t);
+}
+
 void ll_world_without(const world_t *w, int dead, world_t *out) {
   *out = *w;
   for (int s = 0; s < w->R; s++) {

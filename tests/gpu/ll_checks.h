@@ -27,6 +27,12 @@ typedef struct {
 int ll_ref_recv(const world_t *w, int d, int fp8, int ue8m0, ll_ref_recv_t *r);
 void ll_ref_recv_free(ll_ref_recv_t *r);
 
+/* 0xff (NaN in BF16 and float32) over both low-latency buffers' receive arrays and
+ * returned-rows areas of g, then a device barrier and a host barrier, so that no peer writes
+ * before every rank has poisoned: a row a call fails to write then reads as NaN. Collective
+ * (every rank of g calls it). */
+int ll_poison(epx_test_rank_t *t, epx_group_t g);
+
 /* The world as the live ranks see it once `dead` is masked: the dead rank sends nothing, and
  * slots naming its experts are empty. Shares the payload and weights of w; free with
  * ll_world_without_free. */

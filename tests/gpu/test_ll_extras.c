@@ -37,21 +37,6 @@ static const char *route_label(int route) {
   return names[route];
 }
 
-/* 0xff (NaN in BF16 and float32) over both buffers' receive arrays and returned-rows areas,
- * then a device barrier, so that no peer writes before every rank has poisoned. */
-static int poison_ll(epx_test_rank_t *t, epx_group_t g) {
-  const epx__ws_layout_t *l = &g->layout;
-  const size_t begin[2] = {l->ll_x_offset, l->ll_combine_recv_offset};
-  const size_t end[2] = {l->ll_stage_offset, l->ll_my_ids_offset};
-  for (int i = 0; i < 4; i++) {
-    char *buf = g->workspace + l->ll_offset + (size_t)(i >> 1) * l->ll_parity_bytes;
-    EXPECT_CUDA(cudaMemset(buf + begin[i & 1], 0xff, end[i & 1] - begin[i & 1]));
-  }
-  EXPECT_CUDA(cudaDeviceSynchronize());
-  EXPECT_OK(epx_group_barrier(g, t->stream));
-  return gpu_host_barrier(t);
-}
-
 /* The combine of res with combine-time weights cw (NULL: none; then the dispatch's count) into a
  * poisoned out, checked against the reference of world w given those weights. Split: cw_dev
  * holds NaN until the weights are copied in on the stream between the send and epx_ll_recv
@@ -114,10 +99,10 @@ static int weights_cycle(epx_test_rank_t *t, epx_group_t g, const world_t *w, fl
   return r;
 }
 
-/* world_upload, poison_ll, weights_cycle: a checked call of every rank. */
+/* world_upload, ll_poison, weights_cycle: a checked call of every rank. */
 static int full_cycle(epx_test_rank_t *t, epx_group_t g, const world_t *w, float *const *cw,
                       const cw_case_t *c, const world_dev_t *d, float *cw_dev, const char *label) {
-  if (world_upload(w, t->rank, d) != TEST_PASS || poison_ll(t, g) != TEST_PASS) return TEST_FAIL;
+  if (world_upload(w, t->rank, d) != TEST_PASS || ll_poison(t, g) != TEST_PASS) return TEST_FAIL;
   return weights_cycle(t, g, w, cw, c, d, cw_dev, label);
 }
 
@@ -329,7 +314,7 @@ EPX_PEER_TEST(ll_manual_peer_mask, 300) {
     if (full_cycle(t, f.g, &f.w, f.cw, &c, &f.d, f.cw_dev, "before masking") != TEST_PASS)
       return TEST_FAIL;
     /* Everyone uploads and poisons (a barrier); then the dead rank makes no call at all. */
-    if (world_upload(&f.w, me, &f.d) != TEST_PASS || poison_ll(t, f.g) != TEST_PASS)
+    if (world_upload(&f.w, me, &f.d) != TEST_PASS || ll_poison(t, f.g) != TEST_PASS)
       return TEST_FAIL;
     if (me != dead && masked_calls(t, &f, &c, dead, route_label(route)) != TEST_PASS)
       return TEST_FAIL;

@@ -38,8 +38,9 @@ typedef struct {
   const char *name;
   world_spec_t world; /* experts: local experts L x R (the spec's count is per rank here) */
   int I, fp8_weights, fp8_dispatch;
-  epx_ll_route_t route; /* 0: the library default (DISPATCH_BY_RANK: the down projection sends
-                           its rows); BY_RANK: the layer's other path (expert-side sums) */
+  epx_ll_route_t route; /* DISPATCH_BY_RANK (the default route, named so that EPX_LL_ROUTE
+                           cannot change it): the down projection sends its rows; BY_RANK: the
+                           layer's other path (expert-side sums) */
 } moe_case_t;
 
 /* A group, every rank's experts (host) and this rank's (device), inputs, output, workspace. */
@@ -163,23 +164,23 @@ static int one_call(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *c, c
   return check_out(f, w, o, me, label);
 }
 
-/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  fp8 dispatch  [route] */
+/* The routes of the cases, named (not 0) so that EPX_LL_ROUTE cannot change them: DBR is
+ * DISPATCH_BY_RANK (the down projection sends its rows), BR is BY_RANK (expert-side sums). */
+#define DBR EPX_LL_ROUTE_DISPATCH_BY_RANK
+#define BR EPX_LL_ROUTE_BY_RANK
+
+/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  fp8 dispatch  route */
 static const moe_case_t cases[] = {
-    {"bf16_uniform", {32, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, 0},
-    {"bf16_duplicates_uneven", {24, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 0},
-    {"fp8w_bf16_rows_holes", {32, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0},
-    {"fp8w_fp8_rows_uniform", {32, 512, 8, 8, ROUTE_UNIFORM, 32, -1}, 256, 1, 1, 0},
-    {"fp8_one_expert", {16, 256, 4, 4, ROUTE_ONE_EXPERT, 16, -1}, 128, 1, 1, 0},
-    {"bf16_all_empty", {16, 256, 4, 4, ROUTE_EMPTY, 16, -1}, 128, 0, 0, 0},
-    {"fp8_empty_rank", {32, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 1, 0},
-    {"bf16_qwen3_like", {16, 2048, 4, 8, ROUTE_UNIFORM, 16, -1}, 768, 0, 0, 0},
-    {"bf16_by_rank_duplicates",
-     {24, 256, 4, 6, ROUTE_DUPLICATES, -1, -1},
-     128,
-     0,
-     0,
-     EPX_LL_ROUTE_BY_RANK},
-    {"fp8_by_rank_holes", {32, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 1, EPX_LL_ROUTE_BY_RANK},
+    {"bf16_uniform", {32, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, DBR},
+    {"bf16_duplicates_uneven", {24, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, DBR},
+    {"fp8w_bf16_rows_holes", {32, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, DBR},
+    {"fp8w_fp8_rows_uniform", {32, 512, 8, 8, ROUTE_UNIFORM, 32, -1}, 256, 1, 1, DBR},
+    {"fp8_one_expert", {16, 256, 4, 4, ROUTE_ONE_EXPERT, 16, -1}, 128, 1, 1, DBR},
+    {"bf16_all_empty", {16, 256, 4, 4, ROUTE_EMPTY, 16, -1}, 128, 0, 0, DBR},
+    {"fp8_empty_rank", {32, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 1, DBR},
+    {"bf16_qwen3_like", {16, 2048, 4, 8, ROUTE_UNIFORM, 16, -1}, 768, 0, 0, DBR},
+    {"bf16_by_rank_duplicates", {24, 256, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, BR},
+    {"fp8_by_rank_holes", {32, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 1, BR},
 };
 
 EPX_GPU_TEST(moe_decode_matches_reference, 900) {
@@ -194,6 +195,9 @@ EPX_GPU_TEST(moe_decode_matches_reference, 900) {
      * calls, or an early rank's waits run out of their budget on a late one. */
     if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
     for (int call = 0; call < 3; call++) { /* the same world: one oracle */
+      /* NaN in every receive row of both buffers first: a row the call does not write (the
+       * down projection's sends included) cannot pass on what an earlier call left there. */
+      if (ll_poison(t, f.g) != TEST_PASS) return TEST_FAIL;
       char label[160];
       snprintf(label, sizeof label, "%s (%d ranks, call %d)", c->name, t->num_ranks, call);
       if (one_call(t, &f, c, &f.w, &o, label) != TEST_PASS) return TEST_FAIL;
@@ -207,7 +211,7 @@ EPX_GPU_TEST(moe_decode_matches_reference, 900) {
 EPX_GPU_TEST(moe_decode_graph_replay, 300) {
   const int me = t->rank;
   uint64_t rng = t->seed;
-  const moe_case_t c = {"graph", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 1, 1, 0};
+  const moe_case_t c = {"graph", {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 1, 1, DBR};
   moe_fixture_t f;
   if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
   /* Capture with the maximum token count; each replay's world has exactly that many. */
@@ -232,7 +236,7 @@ EPX_GPU_TEST(moe_decode_graph_replay, 300) {
       EXPECT(world_upload(&w, me, &f.d) == TEST_PASS);
     }
     EXPECT_CUDA(cudaMemset(f.d.out, 0xff, (size_t)w.M * w.H * 2));
-    EXPECT_CUDA(cudaDeviceSynchronize());
+    if (ll_poison(t, f.g) != TEST_PASS) return TEST_FAIL; /* the replays share one buffer */
     EXPECT_CUDA(cudaGraphLaunch(exec, t->stream));
     EXPECT_CUDA(cudaStreamSynchronize(t->stream));
     char label[96];
@@ -274,13 +278,14 @@ static int masked_calls(epx_test_rank_t *t, moe_fixture_t *f, const moe_case_t *
 
 /* Every rank masks the last one, which makes no call: the others' layers match the world
  * without it (its tokens gone, the slots naming its experts empty: the dispatch drops them, the
- * sending down projection writes nothing to it, the combine sums without it), on both of the
- * layer's paths (DISPATCH_BY_RANK: rows sent by the down projection; BY_RANK); after the
- * collective clear every rank's layer matches the whole world again. */
+ * combine sums without it), on both of the layer's paths (DISPATCH_BY_RANK: rows sent by the
+ * down projection; BY_RANK); after the collective clear every rank's layer matches the whole
+ * world again. Not covered: a rank masked after its rows arrived (the down projection's skip
+ * of dead sources), which needs a peer that dies between dispatch and combine. */
 EPX_PEER_TEST(moe_decode_masked_peer, 300) {
   const int me = t->rank, dead = t->num_ranks - 1;
   uint64_t rng = t->seed;
-  const epx_ll_route_t routes[2] = {EPX_LL_ROUTE_DISPATCH_BY_RANK, EPX_LL_ROUTE_BY_RANK};
+  const epx_ll_route_t routes[2] = {DBR, BR};
   for (int r = 0; r < 2; r++) {
     const moe_case_t c = {r ? "masked_by_rank" : "masked_dispatch_by_rank",
                           {32, 256, 4, 4, ROUTE_UNIFORM, -1, -1},
@@ -296,12 +301,13 @@ EPX_PEER_TEST(moe_decode_masked_peer, 300) {
     if (oracle_make(&f, &live, &c, me, &o_live) != TEST_PASS ||
         oracle_make(&f, &f.w, &c, me, &o_full) != TEST_PASS)
       return TEST_FAIL;
-    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    if (ll_poison(t, f.g) != TEST_PASS) return TEST_FAIL; /* also the barrier after the oracles */
     if (me != dead && masked_calls(t, &f, &c, dead, &live, &o_live) != TEST_PASS) return TEST_FAIL;
     if (me != dead) EXPECT_NO_ASYNC_ERROR(f.g, "manual mask"); /* a mask asked for: no failure */
     if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
     EXPECT_OK(epx_group_clear_peer_mask(f.g)); /* collective, the dead rank included */
     for (int call = 0; call < 2; call++) {
+      if (ll_poison(t, f.g) != TEST_PASS) return TEST_FAIL;
       char label[128];
       snprintf(label, sizeof label, "%s: after the clear (%d ranks, call %d)", c.name, t->num_ranks,
                call);
@@ -318,7 +324,7 @@ EPX_PEER_TEST(moe_decode_masked_peer, 300) {
 EPX_GPU_TEST(moe_decode_refusals, 300) {
   const int me = t->rank;
   uint64_t rng = t->seed;
-  const moe_case_t c = {"refusals", {16, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, 0};
+  const moe_case_t c = {"refusals", {16, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 0, DBR};
   moe_fixture_t f;
   if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
   const epx_experts_t *ex = &f.ex[me].dev;
