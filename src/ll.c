@@ -105,7 +105,7 @@ static epx__ll_combine_launch_args_t combine_launch_args(epx_group_t g, int pari
   c.top_k = g->config.top_k;
   c.num_experts = g->config.num_experts;
   c.max_tokens = g->config.ll_max_tokens_per_rank;
-  c.by_rank = g->config.ll_route == EPX_LL_ROUTE_BY_RANK && weights == NULL;
+  c.by_rank = !epx__ll_combine_is_direct(g) && weights == NULL;
   c.parity = parity;
   c.phases = phases;
   c.num_blocks = g->config.ll_num_sms;

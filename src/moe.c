@@ -25,17 +25,6 @@
 
 #define WS_ALIGN 256
 
-/* EPX_MOE_SEND_ROWS=0: the down projection writes combine_input and the combine sends it (the
- * chain of the three public calls; for measuring what the fused send buys, docs/env.md). */
-static int moe_send_rows_off(void) {
-  return epx__param_MoeSendRows() == 0;
-}
-/* EPX_EARLY_LAUNCH=0: each kernel of the layer starts when the previous one has ended (by
- * default the FFN's and the combine's blocks are placed while it ends; launch.cuh). */
-static int moe_early_launch_off(void) {
-  return epx__param_EarlyLaunch() == 0;
-}
-
 /* The group's low-latency mode and the experts' fit with it; *rows = the rows a dispatch can
  * deliver (L x R x M), the FFN's row count. */
 static epx_status_t check_layer(const char *fn, epx_group_t g, const epx_experts_t *w,
@@ -118,11 +107,12 @@ EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *exper
   f.workspace_bytes = a->workspace_bytes;
   /* DIRECT combine: the down projection writes each finished tile straight into its tokens'
    * receive rows on their source ranks (the combine's send, overlapped with the experts still
-   * computing), and the combine only signals and sums. */
-  const int send_rows = epx__ll_combine_is_direct(g) && !moe_send_rows_off();
+   * computing), and the combine only signals and sums. EPX_MOE_SEND_ROWS=0 and
+   * EPX_EARLY_LAUNCH=0 give the chain of the public calls back, for measuring (docs/env.md). */
+  const int send_rows = epx__ll_combine_is_direct(g) && epx__param_MoeSendRows() != 0;
   epx__experts_scatter_t targets;
   if (send_rows) epx__ll_send_targets(g, &res, &targets);
-  const int early = !moe_early_launch_off();
+  const int early = epx__param_EarlyLaunch() != 0;
   const epx_status_t ffn =
       epx__experts_ffn_enqueue(experts, &f, send_rows ? &targets : NULL, early, stream);
   char ffn_message[512] = "";
