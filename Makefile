@@ -13,7 +13,8 @@
 #                   (docs/bench.md)
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
-# Knobs: CUDA_HOME, NCCL_HOME, PYTHON (the one whose nvidia-nccl-cu13 wheel to use), NVCC_GENCODE,
+# Knobs: CUDA_HOME, NCCL_HOME, PYTHON (the one whose nvidia-nccl-cu13 wheel to use), NVCC_GENCODE
+# (and NVCC_GENCODE_WGMMA for the wgmma kernels),
 # DEBUG=1, ASAN=1 (host code only), TRACE=0 (compile in-kernel tracing out; build it in its own
 # BUILD=dir, docs/profiling.md).
 # Every object depends on the headers it includes (-MMD -MP, build/obj/**/*.d), on
@@ -25,6 +26,8 @@ include mk/toolchain.mk
 PREFIX ?= /usr/local
 BUILD ?= build
 NVCC_GENCODE ?= -gencode arch=compute_90,code=sm_90
+# Kernels that use Hopper's wgmma (the FP8 experts' GEMMs) need the arch-specific target.
+NVCC_GENCODE_WGMMA ?= -gencode arch=compute_90a,code=sm_90a
 
 OPT := -O2
 NVCC_OPT := -O2
@@ -55,7 +58,7 @@ CC ?= gcc
 CXX ?= g++
 CFLAGS := -std=c11 -D_GNU_SOURCE $(OPT) -g -Wall -Wextra -Werror=implicit-function-declaration \
           -fPIC -fvisibility=hidden $(SAN) $(TRACE_FLAGS) $(INCLUDES)
-NVCCFLAGS := -std=c++17 $(NVCC_OPT) -lineinfo $(NVCC_GENCODE) --expt-relaxed-constexpr \
+NVCCFLAGS := -std=c++17 $(NVCC_OPT) -lineinfo --expt-relaxed-constexpr \
              -Xcompiler -fPIC,-fvisibility=hidden,-Wall $(TRACE_FLAGS) $(INCLUDES)
 LDLIBS := -L$(CUDA_LIBDIR) -lcudart -L$(NCCL_LIBDIR) $(NCCL_LINK) \
           -Wl,-rpath,$(NCCL_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lpthread -lm -ldl
@@ -141,13 +144,15 @@ $(BUILD)/obj/bench/cupti_lib.o: CFLAGS += -DEPX_BENCH_CUDA_HOME='"$(CUDA_HOME)"'
 # cuBLAS is loaded at run time, first from the toolkit the library is built with (blas_lib.h).
 $(BUILD)/obj/src/blas_lib.o: CFLAGS += -DEPX_CUDA_LIBDIR='"$(CUDA_LIBDIR)"'
 
+$(BUILD)/obj/src/kernels/experts_fp8.o: NVCC_GENCODE = $(NVCC_GENCODE_WGMMA)
+
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(EXTRA_INCLUDES) -MMD -MP -c $< -o $@
 
 $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
+	$(NVCC) $(NVCC_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 -include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d) \
                 $(EXPERTS_BENCH_OBJ:.o=.d) $(LAYOUT_BENCH_OBJ:.o=.d) $(MOE_BENCH_OBJ:.o=.d) \

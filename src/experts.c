@@ -1,8 +1,8 @@
 /*
  * experts.c - epx_experts_ffn and its workspace size: argument checks, the scratch layout, then
- * up to three launches on the caller's stream (src/kernels/experts_ffn.cu):
- *   [FP8 weights] stage x as F16 codes (quantizing BF16 x) -> gate/up GEMM with SwiGLU ->
- *   down GEMM.
+ * up to three launches on the caller's stream (src/kernels/experts_ffn.cu for BF16 weights,
+ *   experts_fp8.cu for FP8):
+ *   [FP8 weights, BF16 x] quantize x -> gate/up GEMM with SwiGLU -> down GEMM.
  * Needs no group and no host synchronization; every launch is checked.
  */
 #include <stdint.h>
@@ -24,19 +24,19 @@ static size_t align_up(size_t v) {
   return (v + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
 }
 
-/* The workspace: h [rows, I] (BF16, or the F16 codes of its FP8 form and [rows, I/128]
- * scales), then with FP8 weights x's F16 codes [rows, H] and, for BF16 x, their scales. */
+/* The workspace: h [rows, I] (BF16, or FP8 and its [rows, I/128] scales), then with FP8
+ * weights and BF16 x, x quantized: [rows, H] FP8 and [rows, H/128] scales. */
 static scratch_layout_t scratch_layout(const epx_experts_t *w, int num_rows, epx_dtype_t x_dtype) {
   const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
   const size_t rows = (size_t)num_rows;
   scratch_layout_t s = {0, 0, 0, 0, 0};
-  size_t off = align_up(rows * (size_t)w->intermediate * 2);
+  size_t off = align_up(rows * (size_t)w->intermediate * (fp8 ? 1 : 2));
   if (fp8) {
     s.h_scales = off;
     off += align_up(rows * (size_t)(w->intermediate / 128) * sizeof(float));
-    s.xq = off;
-    off += align_up(rows * (size_t)w->hidden * 2);
     if (x_dtype == EPX_DTYPE_BF16) {
+      s.xq = off;
+      off += align_up(rows * (size_t)w->hidden);
       s.xq_scales = off;
       off += align_up(rows * (size_t)(w->hidden / 128) * sizeof(float));
     }
@@ -184,22 +184,20 @@ epx_status_t epx__experts_ffn_enqueue(const epx_experts_t *experts,
   char *ws = (char *)args->workspace;
   const void *x = args->x;
   const float *x_scales = args->x_scales;
-  if (fp8) { /* the GEMMs read x as F16 codes (src/kernels/experts_ffn.cu says why) */
-    const int from_fp8 = args->x_dtype == EPX_DTYPE_FP8_E4M3;
-    epx__experts_stage_args_t st = {args->x,
-                                    from_fp8,
-                                    ws + s.xq,
-                                    from_fp8 ? NULL : (float *)(ws + s.xq_scales),
-                                    experts->hidden,
-                                    experts->num_experts,
-                                    args->num_rows,
-                                    args->rows_per_expert,
-                                    args->expert_count,
-                                    args->expert_begin,
-                                    early};
-    EPX_CHECK(epx__experts_stage_x_launch(&st, stream));
-    x = st.codes;
-    if (!from_fp8) x_scales = st.scales;
+  if (fp8 && args->x_dtype == EPX_DTYPE_BF16) { /* the FP8 GEMMs multiply FP8 by FP8 */
+    epx__experts_quantize_args_t q = {args->x,
+                                      ws + s.xq,
+                                      (float *)(ws + s.xq_scales),
+                                      experts->hidden,
+                                      experts->num_experts,
+                                      args->num_rows,
+                                      args->rows_per_expert,
+                                      args->expert_count,
+                                      args->expert_begin,
+                                      early};
+    EPX_CHECK(epx__experts_quantize_x_launch(&q, stream));
+    x = q.codes;
+    x_scales = q.scales;
     early = chained;
   }
 

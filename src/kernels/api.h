@@ -214,7 +214,7 @@ epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
 epx_status_t epx__peer_mask_launch(const epx__kernel_ctx_t *ctx, unsigned bits,
                                    cudaStream_t stream);
 
-/* Experts' FFN (src/kernels/experts_ffn.cu): group-free, local to one GPU. Expert e's rows of
+/* Experts' FFN (src/kernels/experts_ffn.cu: BF16, experts_fp8.cu: FP8): group-free, local to one GPU. Expert e's rows of
  * x / out are [begin, begin + count), count read on the device (begin = expert_begin[e], or
  * e * rows_per_expert when expert_begin is NULL), cut to the expert's room. */
 /* Where the down projection's rows go instead of `out` when they are sent straight back to
@@ -229,7 +229,7 @@ typedef struct epx__experts_scatter {
 } epx__experts_scatter_t;
 
 typedef struct epx__experts_gemm_args {
-  const void *x;         /* [num_rows, k] BF16, or F16 codes of FP8 (fp8) */
+  const void *x;         /* [num_rows, k] BF16, or FP8 E4M3 (fp8) */
   const float *x_scales; /* FP8: [num_rows, k/128] */
   const void *w;         /* [E, n, k] BF16 or FP8 E4M3 */
   const float *w_scales; /* FP8: [E, n/128, k/128] */
@@ -237,10 +237,9 @@ typedef struct epx__experts_gemm_args {
   int num_experts, num_rows, rows_per_expert;
   const int *expert_count; /* [E] device */
   const int *expert_begin; /* [E] device or NULL */
-  int fp8;                 /* FP8 weights and F16-code x, both with scales; else BF16 */
-  int swiglu;              /* out = silu(gate) * up: [num_rows, n/2] (BF16, or FP8 as F16
-                              codes with out_scales [num_rows, n/256]); else out = y:
-                              [num_rows, n] BF16 */
+  int fp8;                 /* FP8 weights and FP8 x, both with scales; else BF16 */
+  int swiglu;              /* out = silu(gate) * up: [num_rows, n/2] (BF16, or FP8 with
+                              out_scales [num_rows, n/256]); else out = y: [num_rows, n] BF16 */
   void *out;
   float *out_scales;
   int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
@@ -248,24 +247,26 @@ typedef struct epx__experts_gemm_args {
   epx__experts_scatter_t scatter;
 } epx__experts_gemm_args_t;
 
+/* Either weight format (fp8 picks the FP8 kernels). */
 epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t *args, cudaStream_t stream);
+/* The FP8 GEMMs (experts_fp8.cu, wgmma): what epx__experts_gemm_launch runs with fp8 set. */
+epx_status_t epx__experts_fp8_gemm_launch(const epx__experts_gemm_args_t *args,
+                                          cudaStream_t stream);
 
-/* The FP8 path's x operand: the experts' rows as F16 codes (each E4M3 code's exact value),
- * from BF16 rows quantized per 128 channels (tests/ref/epx_ref.h's rule; scales written) or
- * from FP8 rows (converted; scales not touched). */
-typedef struct epx__experts_stage_args {
-  const void *x; /* [num_rows, hidden] BF16 or FP8 E4M3 */
-  int x_fp8;
-  void *codes;   /* [num_rows, hidden] F16 */
-  float *scales; /* BF16 x: [num_rows, hidden/128] */
+/* The FP8 GEMMs' x from BF16 rows: E4M3 codes and one scale per 128 channels
+ * (tests/ref/epx_ref.h's rule). FP8 rows are used as they come. */
+typedef struct epx__experts_quantize_args {
+  const void *x; /* [num_rows, hidden] BF16 */
+  void *codes;   /* [num_rows, hidden] FP8 E4M3 */
+  float *scales; /* [num_rows, hidden/128] */
   int hidden, num_experts, num_rows, rows_per_expert;
   const int *expert_count;
   const int *expert_begin;
   int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
-} epx__experts_stage_args_t;
+} epx__experts_quantize_args_t;
 
-epx_status_t epx__experts_stage_x_launch(const epx__experts_stage_args_t *args,
-                                         cudaStream_t stream);
+epx_status_t epx__experts_quantize_x_launch(const epx__experts_quantize_args_t *args,
+                                            cudaStream_t stream);
 
 /* The prefill MoE layer's row kernel (src/kernels/moe_prefill.cu), between its cuBLAS GEMMs, over
  * rows [0, num_rows) of the expert-major layout (local expert j's segment [begin[j],
