@@ -77,18 +77,26 @@ def make_weights(fp8, gen):
                             / (448 * I ** 0.5)).to(dev)}
 
 
-def check(out, ref, first, rows, sentinel):
+def check(out, ref, first, rows, sentinel, fp8=False):
+    """Every expert's rows against the reference. FP8 weights get a looser bound per value
+    (the FP8 GEMMs sum on the tensor cores, which keep fewer bits than float32 inside each
+    32-deep step: docs/moe.md, "FP8 on wgmma") and a tight one on the rms of the errors."""
     flat = out.reshape(-1, H).float().cpu()
     covered = torch.zeros(flat.shape[0], dtype=torch.bool)
     vals = torch.cat([r.float().cpu().reshape(-1) for r in ref.values()])
     rms = vals.pow(2).mean().sqrt().item()
+    err_sq, n = 0.0, 0
     for e, r in ref.items():
         got = flat[first[e]:first[e] + rows[e]]
         want = r.float().cpu()
-        bound = 0.02 * rms + 0.02 * want.abs()
+        bound = (0.06 if fp8 else 0.02) * rms + (0.03 if fp8 else 0.02) * want.abs()
         assert ((got - want).abs() <= bound).all(), "expert %d: max err %g (rms %g)" % (
             e, (got - want).abs().max().item(), rms)
+        err_sq += (got - want).pow(2).sum().item()
+        n += want.numel()
         covered[first[e]:first[e] + rows[e]] = True
+    assert n == 0 or (err_sq / n) ** 0.5 <= 0.01 * rms, "rms of the errors %g > 0.01 x %g" % (
+        (err_sq / n) ** 0.5, rms)
     assert (flat[~covered] == sentinel).all(), "a row outside the experts' rows was written"
 
 
@@ -107,7 +115,7 @@ def test_masked_layout_matches_reference(fp8, x_fp8):
     rows = [min(int(c), ROOM) for c in count]
     ref = reference(x.reshape(-1, H), first, rows, w, fp8,
                     xs.reshape(-1, H // 128) if xs is not None else None)
-    check(out, ref, first, rows, 7.0)
+    check(out, ref, first, rows, 7.0, fp8)
 
 
 def test_contiguous_layout_and_graph_replay():
@@ -132,7 +140,7 @@ def test_contiguous_layout_and_graph_replay():
         torch.cuda.synchronize()
         first = begin.tolist()
         rows = [max(0, min(c, n - b)) for c, b in zip(counts, first)]
-        check(out, reference(x, first, rows, w, True), first, rows, 7.0)
+        check(out, reference(x, first, rows, w, True), first, rows, 7.0, True)
 
 
 def test_bad_arguments_are_named():

@@ -214,9 +214,9 @@ epx_status_t epx__ll_combine_launch(const epx__kernel_ctx_t *ctx,
 epx_status_t epx__peer_mask_launch(const epx__kernel_ctx_t *ctx, unsigned bits,
                                    cudaStream_t stream);
 
-/* Experts' FFN (src/kernels/experts_ffn.cu: BF16, experts_fp8.cu: FP8): group-free, local to one GPU. Expert e's rows of
- * x / out are [begin, begin + count), count read on the device (begin = expert_begin[e], or
- * e * rows_per_expert when expert_begin is NULL), cut to the expert's room. */
+/* Experts' FFN (src/kernels/experts_ffn.cu: BF16, experts_fp8.cu: FP8): group-free, local to one
+ * GPU. Expert e's rows of x / out are [begin, begin + count), count read on the device (begin =
+ * expert_begin[e], or e * rows_per_expert when expert_begin is NULL), cut to the expert's room. */
 /* Where the down projection's rows go instead of `out` when they are sent straight back to
  * their tokens (epx_moe_decode on a DIRECT combine): row r, with src_info[r] = (source s, token
  * t, slot k), to recv[s] + (t * top_k + k) * n BF16 values, as the low-latency combine's send

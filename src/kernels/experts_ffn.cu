@@ -38,7 +38,7 @@ namespace {
 
 using namespace epx::experts;
 
-constexpr int kCtaRows = 256;   /* weight rows of a CTA */
+constexpr int kCtaRows = 256;    /* weight rows of a CTA */
 constexpr int kTilesPerWarp = 2; /* m16 tiles of weight rows per warp */
 constexpr int kWarps = kCtaRows / (16 * kTilesPerWarp);
 constexpr int kThreads = 32 * kWarps;
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     col0 = blockIdx.x * kCtaRows;
     wrow = col0 + kWarpRows * warp;
   }
-  const bool warp_active = wrow < a.n; /* n is a multiple of 128: a warp is all in or all out */
+  const bool warp_active = wrow < a.n;    /* n is a multiple of 128: a warp is all in or all out */
   const size_t k_bytes = (size_t)a.k * 2; /* a weight row, and a row of x */
   constexpr int kXPieces = kXPitch / 16;
   const int num_stages = (int)(k_bytes / kStageBytes);
@@ -156,12 +156,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       uint4 wv[kPieces];
 #pragma unroll
       for (int j = 0; j < kPieces; j++) wv[j] = w_s[(slot * kPieces + j) * kT + tid];
-      /* One n8 tile of x at a time (its 16 bytes are the B fragments of both k-steps); the
-       * weight fragments stay in registers across tiles. */
+        /* One n8 tile of x at a time (its 16 bytes are the B fragments of both k-steps); the
+         * weight fragments stay in registers across tiles. */
 #pragma unroll
       for (int nj = 0; nj < 4; nj++) {
         if (nj >= tiles) continue;
-        const uint4 xv = *(const uint4 *)(x_s + slot * kXStageBytes + (8 * nj + g) * kXPitch + 16 * t);
+        const uint4 xv =
+            *(const uint4 *)(x_s + slot * kXStageBytes + (8 * nj + g) * kXPitch + 16 * t);
 #pragma unroll
         for (int step = 0; step < 2; step++)
 #pragma unroll

@@ -19,10 +19,11 @@
  * Pipeline: stages of 128 K-bytes per row (one scale block), every thread copying (cp.async)
  * 16-byte pieces into the 128-byte-swizzled K-major layout wgmma reads (piece c of row r at
  * r * 128 + ((c ^ (r % 8)) * 16), stage bases 1024-aligned), with the block's scales (the 32
- * rows' and the two weight blocks') in the stage's slot. Per stage a warpgroup runs 4 k32 steps
- * per tile into a partial sum, waits for them, and adds partial x weight scale x row scale to
- * its total: the scales apply per 128-deep block, as DeepSeek-V3's recipe (and the oracle,
- * tests/ref/epx_ref_experts.c) has it.
+ * rows' and the two weight blocks') in the stage's slot. Per stage a warpgroup runs the 4 k32
+ * steps of each tile, each into a partial sum that is added, times weight scale x row scale,
+ * into its float32 total as soon as it is done: the scales apply per 128-deep block, as
+ * DeepSeek-V3's recipe (and the oracle, tests/ref/epx_ref_experts.c) has it, and the tensor
+ * cores' FP8 sums, which keep fewer bits than float32, never run longer than 32 products.
  *
  * Epilogues, through a float tile in shared memory: the down projection stores BF16 rows, or
  * sends each to its token's slot on the source rank (store_down_rows); gate/up writes
@@ -42,18 +43,19 @@ namespace {
 
 using namespace epx::experts;
 
-constexpr int kCtaRows = 256;   /* weight rows of a CTA: 2 warpgroups x 2 m64 tiles */
-constexpr int kThreads = 256;   /* two warpgroups */
-constexpr int kTokens = 32;     /* rows of x per pass: wgmma's N, at most */
-constexpr int kRowBytes = 128;  /* K bytes of a row per stage: one scale block, one swizzle row */
-constexpr int kStages = 6;      /* ~160 KB of weights in flight */
+constexpr int kCtaRows = 256;  /* weight rows of a CTA: 2 warpgroups x 2 m64 tiles */
+constexpr int kThreads = 256;  /* two warpgroups */
+constexpr int kTokens = 32;    /* rows of x per pass: wgmma's N, at most */
+constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
+constexpr int kStages = 6;     /* ~160 KB of weights in flight */
 constexpr int kWStage = kCtaRows * kRowBytes; /* 32 KB */
 constexpr int kXStage = kTokens * kRowBytes;  /* 4 KB */
 /* Per stage: the x rows' scales (kTokens), then the two warpgroups' weight-block scales. */
 constexpr int kScaleFloats = kTokens + 2;
 constexpr int kScaleStage = 144; /* bytes: kScaleFloats floats, a 16-byte multiple */
 static_assert(kScaleFloats * 4 <= kScaleStage, "a stage's scales fit");
-constexpr int kSmemBytes = 1024 /* to align the base */ + kStages * (kWStage + kXStage + kScaleStage);
+constexpr int kSmemBytes =
+    1024 /* to align the base */ + kStages * (kWStage + kXStage + kScaleStage);
 static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
 constexpr int kTileStride = kTokens + 1; /* epilogue tile [kCtaRows][kTileStride] floats */
 static_assert(kCtaRows * kTileStride * 4 <= kStages * kWStage, "the tile reuses the stages");
@@ -72,8 +74,9 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 /* cp.async writes are the generic proxy's; wgmma reads through the async proxy. */
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -132,23 +135,23 @@ struct Wgmma<32> {
         "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
         "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
         : "l"(a), "l"(b), "r"(accumulate));
   }
 };
 
 /* One pass's copies: this thread's share of a stage (see issue()). */
 struct Loads {
-  const char *w[2];    /* weight rows tid / 8 of the CTA's first and second 128 (+32 i rows) */
-  bool w_active[2];    /* those 128 rows exist (n is a multiple of 128, not always of 256) */
-  size_t w_step;       /* bytes between rows 32 apart */
-  const char *x;       /* x row tid / 8 of the pass, or NULL past its rows */
-  const float *scale;  /* tid < kScaleFloats: the scale word of block 0, or NULL */
-  size_t scale_step;   /* between blocks (1 for both x and weights: [., k / 128]) */
-  const void *any;     /* a valid address for the zero-filled copies */
-  uint32_t w_off;      /* piece offset in a stage's weight slot (swizzled) */
-  uint32_t x_off;      /* piece offset in a stage's x slot (swizzled) */
+  const char *w[2];   /* weight rows tid / 8 of the CTA's first and second 128 (+32 i rows) */
+  bool w_active[2];   /* those 128 rows exist (n is a multiple of 128, not always of 256) */
+  size_t w_step;      /* bytes between rows 32 apart */
+  const char *x;      /* x row tid / 8 of the pass, or NULL past its rows */
+  const float *scale; /* tid < kScaleFloats: the scale word of block 0, or NULL */
+  size_t scale_step;  /* between blocks (1 for both x and weights: [., k / 128]) */
+  const void *any;    /* a valid address for the zero-filled copies */
+  uint32_t w_off;     /* piece offset in a stage's weight slot (swizzled) */
+  uint32_t x_off;     /* piece offset in a stage's x slot (swizzled) */
 };
 
 /* The whole K loop of one pass at N = kN, the totals left in tile[row][token] (floats). */
@@ -157,9 +160,9 @@ __device__ __forceinline__ void mainloop(const Loads &ld, int num_stages, unsign
                                          float *tile) {
   const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  unsigned char *w_s = smem;                           /* [stage][kWStage] */
-  unsigned char *x_s = smem + kStages * kWStage;       /* [stage][kXStage] */
-  float *sc_s = (float *)(x_s + kStages * kXStage);    /* [stage][kScaleStage / 4] */
+  unsigned char *w_s = smem;                        /* [stage][kWStage] */
+  unsigned char *x_s = smem + kStages * kWStage;    /* [stage][kXStage] */
+  float *sc_s = (float *)(x_s + kStages * kXStage); /* [stage][kScaleStage / 4] */
 
   auto issue = [&](int s) {
     if (s < num_stages) {
@@ -182,11 +185,11 @@ __device__ __forceinline__ void mainloop(const Loads &ld, int num_stages, unsign
     cp_async_commit(); /* always, so wait_group counts stages */
   };
 
-  float acc[2][kN / 2], part[2][kN / 2];
+  float acc[2][kN / 2], part[2][kN / 2], part2[2][kN / 2];
 #pragma unroll
   for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-    for (int i = 0; i < kN / 2; i++) acc[mt][i] = part[mt][i] = 0.f;
+    for (int i = 0; i < kN / 2; i++) acc[mt][i] = part[mt][i] = part2[mt][i] = 0.f;
   const bool active = wg == 0 ? ld.w_active[0] : ld.w_active[1];
 
 #pragma unroll
@@ -200,32 +203,50 @@ __device__ __forceinline__ void mainloop(const Loads &ld, int num_stages, unsign
     const int slot = s % kStages;
     const uint32_t a0 = epx::smem_addr(w_s + slot * kWStage + wg * 128 * kRowBytes);
     const uint32_t b0 = epx::smem_addr(x_s + slot * kXStage);
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++) fence_regs<kN / 2>(part[mt]);
-    wgmma_fence();
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-      for (int ks = 0; ks < kRowBytes / 32; ks++)
-        Wgmma<kN>::run(part[mt], smem_desc(a0 + mt * 64 * kRowBytes + ks * 32),
-                       smem_desc(b0 + ks * 32), ks > 0);
-    wgmma_commit();
-    wgmma_wait_all();
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++) fence_regs<kN / 2>(part[mt]);
     const float *sc = sc_s + slot * (kScaleStage / 4);
     const float sw = sc[kTokens + wg];
+    /* acc += p x (weight block's scale x row's scale), per token column */
+    auto promote = [&](float(&p)[2][kN / 2]) {
 #pragma unroll
-    for (int j = 0; j < kN / 8; j++) {
-      const float s0 = sw * sc[8 * j + 2 * t], s1 = sw * sc[8 * j + 2 * t + 1];
+      for (int mt = 0; mt < 2; mt++) fence_regs<kN / 2>(p[mt]);
 #pragma unroll
-      for (int mt = 0; mt < 2; mt++) {
-        acc[mt][4 * j + 0] += part[mt][4 * j + 0] * s0;
-        acc[mt][4 * j + 1] += part[mt][4 * j + 1] * s1;
-        acc[mt][4 * j + 2] += part[mt][4 * j + 2] * s0;
-        acc[mt][4 * j + 3] += part[mt][4 * j + 3] * s1;
+      for (int j = 0; j < kN / 8; j++) {
+        const float s0 = sw * sc[8 * j + 2 * t], s1 = sw * sc[8 * j + 2 * t + 1];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+          acc[mt][4 * j + 0] += p[mt][4 * j + 0] * s0;
+          acc[mt][4 * j + 1] += p[mt][4 * j + 1] * s1;
+          acc[mt][4 * j + 2] += p[mt][4 * j + 2] * s0;
+          acc[mt][4 * j + 3] += p[mt][4 * j + 3] * s1;
+        }
       }
-    }
+    };
+    /* One k32 step at a time into alternating partial sums, each added into the float32
+     * totals as soon as it is done (step ks + 1 runs on the tensor cores meanwhile): the tensor
+     * cores keep fewer bits than float32 when they sum FP8 products, and chaining the four
+     * steps of a block in one accumulator lost twice as many bits (1xH200, 1445f11). */
+    auto step = [&](int ks, float(&p)[2][kN / 2]) {
+#pragma unroll
+      for (int mt = 0; mt < 2; mt++) fence_regs<kN / 2>(p[mt]);
+      wgmma_fence();
+#pragma unroll
+      for (int mt = 0; mt < 2; mt++)
+        Wgmma<kN>::run(p[mt], smem_desc(a0 + mt * 64 * kRowBytes + ks * 32),
+                       smem_desc(b0 + ks * 32), 0);
+      wgmma_commit();
+    };
+    step(0, part);
+    step(1, part2);
+    wgmma_wait<1>();
+    promote(part);
+    step(2, part);
+    wgmma_wait<1>();
+    promote(part2);
+    step(3, part2);
+    wgmma_wait<1>();
+    promote(part);
+    wgmma_wait<0>();
+    promote(part2);
   }
   cp_async_wait<0>();
   __syncthreads(); /* every stage consumed: the tile may overwrite them */
@@ -299,10 +320,18 @@ __global__ void __launch_bounds__(kThreads, 1) experts_fp8_gemm_kernel(epx__expe
     }
     const int num_stages = a.k / kRowBytes;
     switch ((rows + 7) / 8) {
-      case 1: mainloop<8>(ld, num_stages, smem, tile); break;
-      case 2: mainloop<16>(ld, num_stages, smem, tile); break;
-      case 3: mainloop<24>(ld, num_stages, smem, tile); break;
-      default: mainloop<32>(ld, num_stages, smem, tile); break;
+      case 1:
+        mainloop<8>(ld, num_stages, smem, tile);
+        break;
+      case 2:
+        mainloop<16>(ld, num_stages, smem, tile);
+        break;
+      case 3:
+        mainloop<24>(ld, num_stages, smem, tile);
+        break;
+      default:
+        mainloop<32>(ld, num_stages, smem, tile);
+        break;
     }
 
     if constexpr (!kSwiglu) {
@@ -369,10 +398,10 @@ extern "C" epx_status_t epx__experts_fp8_gemm_launch(const epx__experts_gemm_arg
                                                      cudaStream_t stream) {
   const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
   const dim3 grid(col_tiles, a->num_experts);
-  return a->swiglu ? epx::launch_ex<experts_fp8_gemm_kernel<true>>(a->early_launch, grid,
-                                                                   kThreads, kSmemBytes, stream, *a)
-                   : epx::launch_ex<experts_fp8_gemm_kernel<false>>(
-                         a->early_launch, grid, kThreads, kSmemBytes, stream, *a);
+  return a->swiglu ? epx::launch_ex<experts_fp8_gemm_kernel<true>>(a->early_launch, grid, kThreads,
+                                                                   kSmemBytes, stream, *a)
+                   : epx::launch_ex<experts_fp8_gemm_kernel<false>>(a->early_launch, grid, kThreads,
+                                                                    kSmemBytes, stream, *a);
 }
 
 extern "C" epx_status_t epx__experts_quantize_x_launch(const epx__experts_quantize_args_t *a,

@@ -135,8 +135,13 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
       }
     }
   const double rms = covered_vals ? sqrt(sq / (double)covered_vals) : 0;
-  double worst = 0;
+  double worst = 0, err_sq = 0;
   int rc = TEST_PASS;
+  /* FP8 weights: the GEMMs sum on the tensor cores, which keep fewer bits than float32 inside
+   * each 32-deep step (docs/moe.md, "FP8 on wgmma"), and an h value near an FP8 rounding
+   * boundary rounds the other way: a looser bound per value, and a tight one on the rms of the
+   * errors, which a wrong row, column or scale (errors of the order of rms) breaks. */
+  const double per_rms = c->fp8 ? 0.06 : 0.02, per_val = c->fp8 ? 0.03 : 0.02;
   for (int r = 0; r < c->num_rows && rc == TEST_PASS; r++)
     for (int k = 0; k < c->H; k++) {
       const size_t i = (size_t)r * c->H + k;
@@ -150,8 +155,9 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
         continue;
       }
       const double g = epx_ref_bf16_to_float(got[i]), w = epx_ref_bf16_to_float(want[i]);
-      const double err = fabs(g - w), bound = 0.02 * rms + 0.02 * fabs(w);
+      const double err = fabs(g - w), bound = per_rms * rms + per_val * fabs(w);
       if (err > worst) worst = err;
+      err_sq += err * err;
       if (!(err <= bound)) {
         fprintf(stderr, "  %s %s: row %d col %d = %g, want %g (bound %g, rms %g)\n", c->name, what,
                 r, k, g, w, bound, rms);
@@ -159,8 +165,15 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
         break;
       }
     }
+  const double err_rms = covered_vals ? sqrt(err_sq / (double)covered_vals) : 0;
+  if (rc == TEST_PASS && !(err_rms <= 0.01 * rms)) {
+    fprintf(stderr, "  %s %s: rms of the errors %.3g > 0.01 x rms of out %.3g\n", c->name, what,
+            err_rms, rms);
+    rc = TEST_FAIL;
+  }
   if (rc == TEST_PASS)
-    printf("  %s %s: ok, max |err| %.3g (rms of out %.3g)\n", c->name, what, worst, rms);
+    printf("  %s %s: ok, max |err| %.3g, rms of errors %.3g (rms of out %.3g)\n", c->name, what,
+           worst, err_rms, rms);
   free(got), free(want), free(first), free(rows), free(covered);
   return rc;
 }

@@ -22,6 +22,9 @@
  * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.02 x
  * rms(FFN rows) x sum |w| (the FFN test's bound carried through the weighted sum, plus the
  * combine's float32 rounding); a wrong row, expert or weight is off by about rms x |w|.
+ * With FP8 weights 0.06 and 0.05: the FP8 GEMMs sum on the tensor cores, which keep fewer bits
+ * than float32 inside each 32-deep step (docs/moe.md, "FP8 on wgmma"), and an h value near an
+ * FP8 rounding boundary can round the other way.
  */
 #include <math.h>
 #include <stdio.h>
@@ -98,11 +101,13 @@ static epx_moe_args_t args_of(const moe_fixture_t *f, const moe_case_t *c, int m
 typedef struct {
   double *want, *mag; /* [T, H]: the oracle's output and the magnitude it is a sum of */
   double rms;         /* of every FFN output row */
+  int fp8_weights;    /* the looser FP8 bound applies (see the file comment) */
 } moe_oracle_t;
 
 static int oracle_make(const moe_fixture_t *f, const world_t *w, const moe_case_t *c, int me,
                        moe_oracle_t *o) {
   const size_t n = (size_t)w->ranks[me].num_tokens * w->H;
+  o->fp8_weights = c->fp8_weights;
   o->want = malloc(sizeof(double) * (n + 1));
   o->mag = malloc(sizeof(double) * (n + 1));
   EXPECT(o->want && o->mag);
@@ -135,7 +140,8 @@ static int check_out(const moe_fixture_t *f, const world_t *w, const moe_oracle_
     for (int col = 0; col < H; col++) {
       const size_t i = (size_t)t * H + col;
       const double g = epx_ref_bf16_to_float(got[i]), err = fabs(g - want[i]);
-      const double bound = 0.03 * mag[i] + 0.02 * rms * wsum + 1e-6;
+      const double bound = o->fp8_weights ? 0.06 * mag[i] + 0.05 * rms * wsum + 1e-6
+                                          : 0.03 * mag[i] + 0.02 * rms * wsum + 1e-6;
       if (err / (bound > 0 ? bound : 1) > worst) worst = err / bound;
       if (!(err <= bound)) {
         fprintf(stderr, "  %s: out[%d][%d] = %.6g, oracle %.6g (bound %.3g, rms %.3g)\n", label, t,
