@@ -879,10 +879,12 @@ epx_status_t epx_experts_ffn_workspace_size(const epx_experts_t *experts, int nu
 
 /* epx_experts_ffn - out[r] = down_e(silu(gate_e(x[r])) * up_e(x[r])) for every row r of every
  * expert e. Local (no group, no other rank); ordered on stream; no host synchronization;
- * capturable in a CUDA graph. Accumulates in float32. BF16 weights: the intermediate is
+ * capturable in a CUDA graph. BF16 weights: accumulates in float32; the intermediate is
  * rounded to BF16. FP8 weights: x (quantized first if BF16) and the intermediate are FP8 with
  * per-128-channel scales (tests/ref/epx_ref.h's rule), each 128-deep block of products scaled
- * by the weight block's and the row's scales (DeepSeek-V3's inference recipe).
+ * by the weight block's and the row's scales (DeepSeek-V3's inference recipe); the products
+ * are summed 32 at a time on the tensor cores (which keep fewer bits than float32 in such a
+ * sum), those sums in float32. Needs a Hopper GPU (sm_90) with FP8 weights.
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the field (nothing queued);
  * EPX_ERR_UNSUPPORTED (BF16 weights with FP8 x); EPX_ERR_CUDA. */
 epx_status_t epx_experts_ffn(const epx_experts_t *experts, const epx_experts_ffn_args_t *args,
