@@ -144,7 +144,11 @@ $(BUILD)/obj/bench/cupti_lib.o: CFLAGS += -DEPX_BENCH_CUDA_HOME='"$(CUDA_HOME)"'
 # cuBLAS is loaded at run time, first from the toolkit the library is built with (blas_lib.h).
 $(BUILD)/obj/src/blas_lib.o: CFLAGS += -DEPX_CUDA_LIBDIR='"$(CUDA_LIBDIR)"'
 
-$(BUILD)/obj/src/kernels/experts_fp8.o: NVCC_GENCODE = $(NVCC_GENCODE_WGMMA)
+# Each object's target architectures: NVCC_GENCODE, but the wgmma kernels' NVCC_GENCODE_WGMMA (a
+# variable of the recipe's own, so that `make NVCC_GENCODE=...` on the command line, which beats
+# any target-specific assignment of NVCC_GENCODE, does not reach them).
+OBJ_GENCODE = $(NVCC_GENCODE)
+$(BUILD)/obj/src/kernels/experts_fp8.o: OBJ_GENCODE = $(NVCC_GENCODE_WGMMA)
 
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
@@ -152,7 +156,7 @@ $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 
 $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCC_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
+	$(NVCC) $(OBJ_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 -include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d) \
                 $(EXPERTS_BENCH_OBJ:.o=.d) $(LAYOUT_BENCH_OBJ:.o=.d) $(MOE_BENCH_OBJ:.o=.d) \

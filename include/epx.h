@@ -1085,7 +1085,8 @@ typedef struct epx_moe_prefill_args {
  * SwiGLU FFN, combine. COLLECTIVE over the plan's groups: every rank calls it (T may be 0) with
  * the same `overlap` and a plan of the same num_chunks, in the same order as the groups' other
  * collectives. Ordered on stream (the plan's streams wait for it and it waits for them); the
- * host waits for each chunk's count exchange (not capturable). Numerics: float32 accumulation;
+ * host waits for each chunk's count exchange (not capturable). Numerics: float32 accumulation
+ * (FP8 products: summed on the tensor cores, which keep fewer bits inside a sum);
  * BF16 weights: the gate/up outputs and h are BF16 (cuBLAS's rounding of the GEMM output, then
  * SiLU times up in float32); FP8 weights: x and h quantized per 128 channels (tests/ref/epx_ref.h)
  * and DeepSeek-V3's block scaling; combine as epx_combine_expand (weighted).

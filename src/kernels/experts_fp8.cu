@@ -33,6 +33,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "experts_fp8.cu uses wgmma: build it for sm_90a (the Makefile's NVCC_GENCODE_WGMMA)"
+#endif
+
 #include "kernels/api.h"
 #include "kernels/experts_common.cuh"
 #include "kernels/fp8.cuh"
