@@ -30,6 +30,28 @@ __device__ __forceinline__ int expert_rows(const int *count, const int *begin_ar
   return max(0, min(c, room));
 }
 
+/* A GEMM CTA's start: waits for the previous kernel when launched early (the counts and rows
+ * come from it), lets the next one launch, and finds its expert's rows (expert blockIdx.y):
+ * returns their count and *begin (0: nothing to do; an idle expert costs no weight traffic)
+ * and, for the sending down projection, the peers masked off (*dead, read once per CTA). */
+__device__ __forceinline__ int cta_expert_rows(const epx__experts_gemm_args_t &a, int *begin,
+                                               unsigned *dead) {
+  epx::grid_dependency_wait();
+  epx::grid_dependents_may_launch();
+  *begin = 0;
+  const int count =
+      expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows, blockIdx.y, begin);
+  *dead = count > 0 && a.scatter_rows ? *(volatile const unsigned *)a.scatter.dead_mask : 0u;
+  return count;
+}
+
+/* The GEMM grid: (column tiles, experts). Gate/up (swiglu) CTAs own 128 gate rows and the
+ * matching 128 up rows; down CTAs own cta_rows rows. */
+inline dim3 gemm_grid(const epx__experts_gemm_args_t &a, int cta_rows) {
+  const int col_tiles = a.swiglu ? (a.n / 2) / 128 : (a.n + cta_rows - 1) / cta_rows;
+  return dim3(col_tiles, a.num_experts);
+}
+
 __device__ __forceinline__ void cp_async_cg16(void *smem, const void *gmem) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(epx::smem_addr(smem)),
                "l"(gmem)

@@ -77,15 +77,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   constexpr int kM = kTilesPerWarp, kPieces = 2 * kM, kW = kWarps;
   constexpr int kT = kThreads, kWarpRows = 16 * kM;
   extern __shared__ __align__(16) unsigned char smem[];
-  /* Launched early (early_launch): the counts and rows come from the previous kernel. */
-  epx::grid_dependency_wait();
-  epx::grid_dependents_may_launch();
+  int begin;
+  unsigned dead;
+  const int count = cta_expert_rows(a, &begin, &dead); /* launched early: waits first */
+  if (count == 0) return;
   const int e = blockIdx.y;
-  int begin = 0;
-  const int count =
-      expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows, e, &begin);
-  if (count == 0) return; /* an idle expert costs no weight traffic */
-  const unsigned dead = a.scatter_rows ? *(volatile const unsigned *)a.scatter.dead_mask : 0u;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int half_n = a.n / 2;
@@ -215,8 +211,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 extern "C" epx_status_t epx__experts_gemm_launch(const epx__experts_gemm_args_t *a,
                                                  cudaStream_t stream) {
   if (a->fp8) return epx__experts_fp8_gemm_launch(a, stream);
-  const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
-  const dim3 grid(col_tiles, a->num_experts);
+  const dim3 grid = gemm_grid(*a, kCtaRows);
   return a->swiglu ? epx::launch_ex<experts_gemm_kernel<true>>(a->early_launch, grid, kThreads,
                                                                kSmemBytes, stream, *a)
                    : epx::launch_ex<experts_gemm_kernel<false>>(a->early_launch, grid, kThreads,

@@ -151,8 +151,8 @@ struct Loads {
   bool w_active[2];   /* those 128 rows exist (n is a multiple of 128, not always of 256) */
   size_t w_step;      /* bytes between rows 32 apart */
   const char *x;      /* x row tid / 8 of the pass, or NULL past its rows */
-  const float *scale; /* tid < kScaleFloats: the scale word of block 0, or NULL */
-  size_t scale_step;  /* between blocks (1 for both x and weights: [., k / 128]) */
+  const float *scale; /* tid < kScaleFloats: block 0's scale (block s: scale + s; x's and the
+                         weights' are both [., k / 128]), or NULL */
   const void *any;    /* a valid address for the zero-filled copies */
   uint32_t w_off;     /* piece offset in a stage's weight slot (swizzled) */
   uint32_t x_off;     /* piece offset in a stage's x slot (swizzled) */
@@ -183,8 +183,8 @@ __device__ __forceinline__ void mainloop(const Loads &ld, int num_stages, unsign
       cp_async_ca16_zfill(x_s + slot * kXStage + ld.x_off,
                           ld.x ? ld.x + (size_t)s * kRowBytes : ld.any, ld.x ? 16 : 0);
       if (tid < kScaleFloats)
-        cp_async_ca4_zfill(sc_s + slot * (kScaleStage / 4) + tid,
-                           ld.scale ? ld.scale + s * ld.scale_step : ld.any, ld.scale ? 4 : 0);
+        cp_async_ca4_zfill(sc_s + slot * (kScaleStage / 4) + tid, ld.scale ? ld.scale + s : ld.any,
+                           ld.scale ? 4 : 0);
     }
     cp_async_commit(); /* always, so wait_group counts stages */
   };
@@ -272,15 +272,11 @@ __device__ __forceinline__ void mainloop(const Loads &ld, int num_stages, unsign
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kThreads, 1) experts_fp8_gemm_kernel(epx__experts_gemm_args_t a) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  /* Launched early (early_launch): the counts and rows come from the previous kernel. */
-  epx::grid_dependency_wait();
-  epx::grid_dependents_may_launch();
+  int begin;
+  unsigned dead;
+  const int count = cta_expert_rows(a, &begin, &dead); /* launched early: waits first */
+  if (count == 0) return;
   const int e = blockIdx.y;
-  int begin = 0;
-  const int count =
-      expert_rows(a.expert_count, a.expert_begin, a.rows_per_expert, a.num_rows, e, &begin);
-  if (count == 0) return; /* an idle expert costs no weight traffic */
-  const unsigned dead = a.scatter_rows ? *(volatile const unsigned *)a.scatter.dead_mask : 0u;
   unsigned char *smem = smem_raw + ((1024u - (epx::smem_addr(smem_raw) & 1023u)) & 1023u);
   float *tile = (float *)smem;
 
@@ -309,7 +305,6 @@ __global__ void __launch_bounds__(kThreads, 1) experts_fp8_gemm_kernel(epx__expe
   ld.w_off = r8 * kRowBytes + ((piece ^ (r8 % 8)) << 4);
   ld.x_off = ld.w_off; /* token r8's piece: the same swizzle */
   ld.any = a.w;
-  ld.scale_step = 1;
 
   for (int p0 = 0; p0 < count; p0 += kTokens) {
     const int rows = min(kTokens, count - p0);
@@ -400,8 +395,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
 
 extern "C" epx_status_t epx__experts_fp8_gemm_launch(const epx__experts_gemm_args_t *a,
                                                      cudaStream_t stream) {
-  const int col_tiles = a->swiglu ? (a->n / 2) / 128 : (a->n + kCtaRows - 1) / kCtaRows;
-  const dim3 grid(col_tiles, a->num_experts);
+  const dim3 grid = gemm_grid(*a, kCtaRows);
   return a->swiglu ? epx::launch_ex<experts_fp8_gemm_kernel<true>>(a->early_launch, grid, kThreads,
                                                                    kSmemBytes, stream, *a)
                    : epx::launch_ex<experts_fp8_gemm_kernel<false>>(a->early_launch, grid, kThreads,
