@@ -5,9 +5,9 @@
  * Each case fills every row of out with a sentinel, runs the FFN, and checks that (1) every
  * row of every expert matches the oracle within |gpu - ref| <= 0.02 * rms(ref) + 0.02 |ref|
  * (the GPU sums in another order; a wrong row, operand or scale is off by about rms(ref) or
- * more); with FP8 weights 0.06 * rms + 0.03 |ref| and the rms of the errors at most 0.01 *
- * rms (the tensor cores' FP8 sums keep fewer bits than float32, and a rounding difference can
- * move one code of the quantized intermediate: check_out), and (2) no other row was written.
+ * more); with FP8 weights 0.3 * rms + 0.03 |ref| (one FP8 step of the quantized intermediate
+ * h), at most 0.1 % of the values past 0.06 * rms + 0.03 |ref|, and the rms of the errors at
+ * most 0.01 * rms (check_out says why), and (2) no other row was written.
  * Routings: idle experts, one row, rows past a multiple of 8 and of 32 (several passes), counts
  * past the room (cut), negative counts, begins out of range, a contiguous layout with gaps and
  * experts out of order. Shapes: small, Qwen3-30B-A3B (H 2048, I 768) and a long K (H 7168). BF16
@@ -136,13 +136,19 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
       }
     }
   const double rms = covered_vals ? sqrt(sq / (double)covered_vals) : 0;
-  double worst = 0, err_sq = 0;
-  int rc = TEST_PASS;
-  /* FP8 weights: the GEMMs sum on the tensor cores, which keep fewer bits than float32 inside
-   * each 32-deep step (docs/moe.md, "FP8 on wgmma"), and an h value near an FP8 rounding
-   * boundary rounds the other way: a looser bound per value, and a tight one on the rms of the
-   * errors, which a wrong row, column or scale (errors of the order of rms) breaks. */
-  const double per_rms = c->fp8 ? 0.06 : 0.02, per_val = c->fp8 ? 0.03 : 0.02;
+  double worst = 0, worst_ratio = 0, err_sq = 0;
+  long long over = 0, past_tight = 0;
+  int worst_r = -1, worst_k = -1, rc = TEST_PASS;
+  /* FP8 weights: h is quantized to FP8, and an h value that close to a rounding boundary (the
+   * GPU's gate/up sums, on the tensor cores, keep fewer bits than float32 inside each 32-deep
+   * step) rounds the other way: its row moves by w_down x one FP8 step, up to ~0.2 x rms for
+   * the largest h of a row at I = 128 with these weights (measured: 0.126 x rms, 26 values of a
+   * row, seed 1802971814290704 at 5b74710 and 0623242). So a loose bound per value, allowing
+   * one such step; a tight one that at most 0.1 % of the values may pass (the flips are rare);
+   * and a tight one on the rms of the errors, which a wrong row, column or scale (errors of the
+   * order of rms) breaks. BF16: the tight bound for every value. */
+  const double per_val = c->fp8 ? 0.03 : 0.02, tight_rms = c->fp8 ? 0.06 : 0.02;
+  const double per_rms = c->fp8 ? 0.3 : tight_rms;
   for (int r = 0; r < c->num_rows && rc == TEST_PASS; r++)
     for (int k = 0; k < c->H; k++) {
       const size_t i = (size_t)r * c->H + k;
@@ -159,13 +165,27 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
       const double err = fabs(g - w), bound = per_rms * rms + per_val * fabs(w);
       if (err > worst) worst = err;
       err_sq += err * err;
-      if (!(err <= bound)) {
-        fprintf(stderr, "  %s %s: row %d col %d = %g, want %g (bound %g, rms %g)\n", c->name, what,
-                r, k, g, w, bound, rms);
-        rc = TEST_FAIL;
-        break;
-      }
+      if (!(err <= tight_rms * rms + per_val * fabs(w))) past_tight++;
+      /* every value is checked, so a failure says how many and how far, not only the first */
+      const double ratio = isnan(err) ? INFINITY : bound > 0 ? err / bound : err > 0 ? INFINITY : 0;
+      if (!(ratio <= 1.0)) over++;
+      if (!(ratio <= worst_ratio)) worst_ratio = ratio, worst_r = r, worst_k = k;
     }
+  if (rc == TEST_PASS && over > 0) {
+    const size_t i = (size_t)worst_r * c->H + worst_k;
+    fprintf(stderr,
+            "  %s %s: %lld value(s) over the bound; worst row %d col %d = %g, want %g "
+            "(err / bound %.2f, bound %g, rms %g)\n",
+            c->name, what, over, worst_r, worst_k, epx_ref_bf16_to_float(got[i]),
+            epx_ref_bf16_to_float(want[i]), worst_ratio,
+            per_rms * rms + per_val * fabs(epx_ref_bf16_to_float(want[i])), rms);
+    rc = TEST_FAIL;
+  }
+  if (rc == TEST_PASS && past_tight > covered_vals / 1000) {
+    fprintf(stderr, "  %s %s: %lld of %lld values past %.2f x rms + %.2f |ref| (at most 0.1 %%)\n",
+            c->name, what, past_tight, covered_vals, tight_rms, per_val);
+    rc = TEST_FAIL;
+  }
   const double err_rms = covered_vals ? sqrt(err_sq / (double)covered_vals) : 0;
   if (rc == TEST_PASS && !(err_rms <= 0.01 * rms)) {
     fprintf(stderr, "  %s %s: rms of the errors %.3g > 0.01 x rms of out %.3g\n", c->name, what,
@@ -173,8 +193,10 @@ static int check_out(const ffn_case_t *c, const ffn_data_t *d, const int *count,
     rc = TEST_FAIL;
   }
   if (rc == TEST_PASS)
-    printf("  %s %s: ok, max |err| %.3g, rms of errors %.3g (rms of out %.3g)\n", c->name, what,
-           worst, err_rms, rms);
+    printf(
+        "  %s %s: ok, max |err| %.3g (%.3f x rms), worst err / bound %.2f, %lld past the tight "
+        "bound, rms of errors %.3g (rms of out %.3g)\n",
+        c->name, what, worst, rms > 0 ? worst / rms : 0, worst_ratio, past_tight, err_rms, rms);
   free(got), free(want), free(first), free(rows), free(covered);
   return rc;
 }
