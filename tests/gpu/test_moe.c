@@ -22,12 +22,14 @@
  * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.02 x
  * rms(FFN rows) x sum |w| (the FFN test's bound carried through the weighted sum, plus the
  * combine's float32 rounding); a wrong row, expert or weight is off by about rms x |w|.
- * With FP8 weights 0.06 and 0.05: the FP8 GEMMs sum on the tensor cores, which keep fewer bits
- * than float32 inside each 32-deep step (docs/moe.md, "FP8 on wgmma"), and an h value near an
- * FP8 rounding boundary can round the other way. Measured on 4x H200: the 0.03 / 0.02 bound
- * failed by 1.6 % at 1445f11 (fp8w_bf16_rows_holes, 2 ranks, 4 steps chained per block); at
- * 5b74710 the worst value was 0.45 of this bound (the same case at 4 ranks), which is 0.9-1.1 of
- * the old one. A wrong row, expert or weight (about rms x |w|) stays well past it.
+ * With FP8 weights 0.06 and 0.25, and the rms of |err| / (rms x sum |w|) at most 0.01: the FP8
+ * GEMMs sum on the tensor cores, which keep fewer bits than float32 inside each 32-deep step
+ * (docs/moe.md, "FP8 on wgmma"), and an h value that close to an FP8 rounding boundary rounds
+ * the other way, moving its slot's row by w_down x one FP8 step: up to ~0.2 x rms x |w| at
+ * I = 128 (docs/moe.md, "That per-value bound was too tight"). The 0.06 / 0.05 bound it
+ * replaces failed once by 0.1 % (graph replay, 4 ranks, 4x H200, 2026-11-27: out[22][41] = -282,
+ * oracle -236.95, bound 45, rms 343), and 0.03 / 0.02 by 1.6 % at 1445f11. A wrong row, expert
+ * or weight is off by about rms x |w| over a whole row: past the mean-square bound.
  */
 #include <math.h>
 #include <stdio.h>
@@ -132,7 +134,7 @@ static int check_out(const moe_fixture_t *f, const world_t *w, const moe_oracle_
   uint16_t *got = malloc(n * 2 + 2);
   EXPECT(got);
   EXPECT_CUDA(cudaMemcpy(got, f->d.out, n * 2, cudaMemcpyDeviceToHost));
-  double worst = 0;
+  double worst = 0, sq_sum = 0;
   int rc = TEST_PASS;
   for (int t = 0; t < T && rc == TEST_PASS; t++) {
     double wsum = 0;
@@ -143,9 +145,11 @@ static int check_out(const moe_fixture_t *f, const world_t *w, const moe_oracle_
     for (int col = 0; col < H; col++) {
       const size_t i = (size_t)t * H + col;
       const double g = epx_ref_bf16_to_float(got[i]), err = fabs(g - want[i]);
-      const double bound = o->fp8_weights ? 0.06 * mag[i] + 0.05 * rms * wsum + 1e-6
+      const double bound = o->fp8_weights ? 0.06 * mag[i] + 0.25 * rms * wsum + 1e-6
                                           : 0.03 * mag[i] + 0.02 * rms * wsum + 1e-6;
       if (err / (bound > 0 ? bound : 1) > worst) worst = err / bound;
+      const double scaled = rms * wsum > 0 ? err / (rms * wsum) : 0;
+      sq_sum += scaled * scaled;
       if (!(err <= bound)) {
         fprintf(stderr, "  %s: out[%d][%d] = %.6g, oracle %.6g (bound %.3g, rms %.3g)\n", label, t,
                 col, g, want[i], bound, rms);
@@ -154,8 +158,18 @@ static int check_out(const moe_fixture_t *f, const world_t *w, const moe_oracle_
       }
     }
   }
+  /* FP8: the errors' mean square, which a wrong row, expert or weight (about rms x |w| over a
+   * whole row) breaks while the rare rounding flips the per-value bound allows do not */
+  const double err_rms = n ? sqrt(sq_sum / (double)n) : 0;
+  if (rc == TEST_PASS && o->fp8_weights && !(err_rms <= 0.01)) {
+    fprintf(stderr, "  %s: rms of |err| / (rms x sum |w|) %.4f, bound 0.01\n", label, err_rms);
+    rc = TEST_FAIL;
+  }
   if (rc == TEST_PASS && me == 0)
-    printf("  %s: ok, worst |err| / bound %.3f (rms of FFN rows %.3g)\n", label, worst, rms);
+    printf(
+        "  %s: ok, worst |err| / bound %.3f, rms of |err| / (rms x sum |w|) %.4f (rms of FFN "
+        "rows %.3g)\n",
+        label, worst, err_rms, rms);
   free(got);
   return rc;
 }
