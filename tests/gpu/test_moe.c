@@ -22,14 +22,16 @@
  * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.02 x
  * rms(FFN rows) x sum |w| (the FFN test's bound carried through the weighted sum, plus the
  * combine's float32 rounding); a wrong row, expert or weight is off by about rms x |w|.
- * With FP8 weights 0.06 and 0.25, and the rms of |err| / (rms x sum |w|) at most 0.01: the FP8
+ * With FP8 weights 0.06 and 0.25, and the rms of |err| / (rms x sum |w|) at most 0.03: the FP8
  * GEMMs sum on the tensor cores, which keep fewer bits than float32 inside each 32-deep step
  * (docs/moe.md, "FP8 on wgmma"), and an h value that close to an FP8 rounding boundary rounds
  * the other way, moving its slot's row by w_down x one FP8 step: up to ~0.2 x rms x |w| at
  * I = 128 (docs/moe.md, "That per-value bound was too tight"). The 0.06 / 0.05 bound it
  * replaces failed once by 0.1 % (graph replay, 4 ranks, 4x H200, 2026-11-27: out[22][41] = -282,
  * oracle -236.95, bound 45, rms 343), and 0.03 / 0.02 by 1.6 % at 1445f11. A wrong row, expert
- * or weight is off by about rms x |w| over a whole row: past the mean-square bound.
+ * or weight is off by about rms x |w| over a whole row: 1 / sqrt(T) = 0.18-0.25 of the
+ * mean-square measure at these T, past its bound (0.01 was too tight: fp8_one_expert reached
+ * 0.0104, 2 ranks, run seed 1801685973161545, 2026-11-27).
  */
 #include <math.h>
 #include <stdio.h>
@@ -161,8 +163,8 @@ static int check_out(const moe_fixture_t *f, const world_t *w, const moe_oracle_
   /* FP8: the errors' mean square, which a wrong row, expert or weight (about rms x |w| over a
    * whole row) breaks while the rare rounding flips the per-value bound allows do not */
   const double err_rms = n ? sqrt(sq_sum / (double)n) : 0;
-  if (rc == TEST_PASS && o->fp8_weights && !(err_rms <= 0.01)) {
-    fprintf(stderr, "  %s: rms of |err| / (rms x sum |w|) %.4f, bound 0.01\n", label, err_rms);
+  if (rc == TEST_PASS && o->fp8_weights && !(err_rms <= 0.03)) {
+    fprintf(stderr, "  %s: rms of |err| / (rms x sum |w|) %.4f, bound 0.03\n", label, err_rms);
     rc = TEST_FAIL;
   }
   if (rc == TEST_PASS && me == 0)
