@@ -29,11 +29,14 @@
 #        last lines in the summary; they need one GPU, not a group);
 #        EXPAND_BATCHES="1 8 32": after the bench, the normal rows once per value of
 #        EPX_EXPAND_PUBLISH_BATCH (DURING's fence batching), their expert-major rows in the summary;
+#        EXPERTS_COMPARE=1 (with BASELINE): epx_experts_bench of DIR and of this tree alternately
+#        (EXPERTS_COMPARE_ARGS, default "--dtype fp8 --tokens 1,8,32,128,512 --iters 20"), side
+#        by side in the summary;
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
 #        its benchmark is built beside this one and both run COMPARE_ROUNDS times (default 2)
 #        alternately with COMPARE_ARGS (default: the README's benchmark), then
 #        scripts/bench-compare.py prints the rows side by side with the run-to-run spread (event
-#        times, then kernel times).
+#        times, then kernel times); not with SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-out}}"
@@ -56,7 +59,10 @@ targets="lib build/bin/epx_test build/bin/epx_bench build/bin/epx_soak build/bin
   build/bin/epx_layout_bench build/bin/epx_moe_bench build/bin/epx_moe_prefill_bench"
 baseline_pid=
 if [ -n "${BASELINE:-}" ]; then
-  (make -C "$BASELINE" -j"$(nproc)" build/bin/epx_bench >"$out/baseline-build.log" 2>&1) &
+  base_targets=
+  [ -z "${SKIP_BENCH:-}" ] && base_targets="build/bin/epx_bench"
+  [ -n "${EXPERTS_COMPARE:-}" ] && base_targets="$base_targets build/bin/epx_experts_bench"
+  (make -C "$BASELINE" -j"$(nproc)" $base_targets >"$out/baseline-build.log" 2>&1) &
   baseline_pid=$!
 fi
 if ! make -j"$(nproc)" $targets >"$out/build.log" 2>&1; then
@@ -219,8 +225,30 @@ EPX_EXPAND_PUBLISH_BATCH=$b (exit $?):
 $(grep -E '^op|^epx (dispatch|combine) expand' "$out/bench-publish-batch-$b.log")"
 done
 
+# The experts' GEMMs against the baseline's: alternating runs, one row per shape, dtype and T.
+experts_compare_lines=
+if [ -n "${BASELINE:-}" ] && [ -n "${EXPERTS_COMPARE:-}" ]; then
+  for round in $(seq 1 "${COMPARE_ROUNDS:-2}"); do
+    for side in base new; do
+      bin=build/bin/epx_experts_bench
+      [ $side = base ] && bin="$BASELINE/build/bin/epx_experts_bench"
+      timeout 300 "$bin" ${EXPERTS_COMPARE_ARGS:---dtype fp8 --tokens 1,8,32,128,512 --iters 20} \
+        >"$out/experts-compare-$side-$round.log" 2>&1 || echo "experts compare $side $round: exit $?"
+    done
+  done
+  # "experts ffn <shape> <dtype> T <T> ... median <us> us ... <share> of hbm": median us (share)
+  experts_compare_lines=$(
+    for f in "$out"/experts-compare-*-*.log; do
+      side=$(basename "$f" .log | cut -d- -f3,4)
+      grep '^experts ffn' "$f" | awk -v s="$side" '{print $3, $4, $6, s, $14" ("$(NF-2)")"}'
+    done | sort -k1,1 -k2,2 -k3,3n -k4,4 | awk '{k=$1" "$2" T="$3
+      if (k != p) { if (p != "") print line; line = k; p = k }
+      line = line"  "$4" "$5" "$6} END { if (p != "") print line }'
+  )
+fi
+
 compare_line=
-if [ -n "${BASELINE:-}" ]; then
+if [ -n "${BASELINE:-}" ] && [ -z "${SKIP_BENCH:-}" ]; then
   a_json= b_json=
   for round in $(seq 1 "${COMPARE_ROUNDS:-2}"); do
     for side in base new; do
@@ -257,6 +285,8 @@ if [ -n "$deepep_line" ]; then
   done
 fi
 [ -n "$batch_lines" ] && echo "expert-major rows per publish batch:$batch_lines"
+[ -n "$experts_compare_lines" ] && echo "epx_experts_bench, median us (share of HBM), per run:
+$experts_compare_lines"
 [ -n "$compare_line" ] && cat "$out/compare.txt"
 if [ -f "$out/bench.log" ]; then
   echo "bench: exit $bench_rc"
