@@ -62,8 +62,15 @@ if [ -n "${BASELINE:-}" ]; then
   base_targets=
   [ -z "${SKIP_BENCH:-}" ] && base_targets="build/bin/epx_bench"
   [ -n "${EXPERTS_COMPARE:-}" ] && base_targets="$base_targets build/bin/epx_experts_bench"
-  (make -C "$BASELINE" -j"$(nproc)" $base_targets >"$out/baseline-build.log" 2>&1) &
-  baseline_pid=$!
+  if [ -n "$base_targets" ]; then
+    (make -C "$BASELINE" -j"$(nproc)" $base_targets >"$out/baseline-build.log" 2>&1) &
+    baseline_pid=$!
+  else
+    echo "BASELINE=$BASELINE: nothing to compare (SKIP_BENCH=1 and no EXPERTS_COMPARE=1)"
+  fi
+fi
+if [ -n "${EXPERTS_COMPARE:-}" ] && [ -z "${BASELINE:-}" ]; then
+  echo "EXPERTS_COMPARE=1 needs BASELINE=DIR: not compared"
 fi
 if ! make -j"$(nproc)" $targets >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
@@ -228,12 +235,14 @@ done
 # The experts' GEMMs against the baseline's: alternating runs, one row per shape, dtype and T.
 experts_compare_lines=
 if [ -n "${BASELINE:-}" ] && [ -n "${EXPERTS_COMPARE:-}" ]; then
+  rm -f "$out"/experts-compare-*.log # a reused OUT keeps no earlier run's rounds
   for round in $(seq 1 "${COMPARE_ROUNDS:-2}"); do
     for side in base new; do
       bin=build/bin/epx_experts_bench
       [ $side = base ] && bin="$BASELINE/build/bin/epx_experts_bench"
+      log="$out/experts-compare-$side-$round.log"
       timeout 300 "$bin" ${EXPERTS_COMPARE_ARGS:---dtype fp8 --tokens 1,8,32,128,512 --iters 20} \
-        >"$out/experts-compare-$side-$round.log" 2>&1 || echo "experts compare $side $round: exit $?"
+        >"$log" 2>&1 || echo "experts ffn: $side round $round exited with $?" >>"$log"
     done
   done
   # "experts ffn <shape> <dtype> T <T> ... median <us> us ... <share> of hbm": median us (share)
@@ -241,9 +250,10 @@ if [ -n "${BASELINE:-}" ] && [ -n "${EXPERTS_COMPARE:-}" ]; then
     for f in "$out"/experts-compare-*-*.log; do
       side=$(basename "$f" .log | cut -d- -f3,4)
       grep '^experts ffn' "$f" | awk -v s="$side" '{print $3, $4, $6, s, $14" ("$(NF-2)")"}'
-    done | sort -k1,1 -k2,2 -k3,3n -k4,4 | awk '{k=$1" "$2" T="$3
+    done | sort -k1,1 -k2,2 -k3,3n -k4,4V | awk '{k=$1" "$2" T="$3
       if (k != p) { if (p != "") print line; line = k; p = k }
       line = line"  "$4" "$5" "$6} END { if (p != "") print line }'
+    grep -h "exited with" "$out"/experts-compare-*-*.log
   )
 fi
 

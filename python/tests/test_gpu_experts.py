@@ -4,8 +4,8 @@ quantized per 128 channels, amax / 448). Skipped without a GPU.
 
 Checks: every expert row within 0.02 * rms + 0.02 |ref| (the library sums in another order;
 a wrong row or scale is off by ~rms; FP8 weights: check() says what), rows past each count
-untouched (sentinel), masked and contiguous layouts, BF16 and FP8 weights, FP8 x, a CUDA graph replayed after the counts
-changed, and argument errors by name."""
+untouched (sentinel), masked and contiguous layouts, BF16 and FP8 weights, FP8 x, a CUDA graph
+replayed after the counts changed, and argument errors by name."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -81,13 +81,14 @@ def check(out, ref, first, rows, sentinel, fp8=False):
     """Every expert's rows against the reference. FP8 weights: an h value next to an FP8
     rounding boundary can round the other way (the GPU's gate/up sums, on the tensor cores,
     keep fewer bits than float32: docs/moe.md, "FP8 on wgmma"), moving its row by w_down x one
-    FP8 step, up to ~0.2 x rms; so a loose bound per value, a tight one that at most 0.1 % of
-    the values may pass, and a tight one on the rms of the errors."""
+    FP8 step, up to ~0.2 x rms; so a loose bound per value, a tight one that the values of at
+    most max(2, rows / 32) rows, or 0.1 % of the values, may pass (a flip moves one row), and a
+    tight one on the rms of the errors."""
     flat = out.reshape(-1, H).float().cpu()
     covered = torch.zeros(flat.shape[0], dtype=torch.bool)
     vals = torch.cat([r.float().cpu().reshape(-1) for r in ref.values()])
     rms = vals.pow(2).mean().sqrt().item()
-    err_sq, n, past_tight = 0.0, 0, 0
+    err_sq, n, rows_past_tight, rows_covered, values_past_tight = 0.0, 0, 0, 0, 0
     per_val, tight = (0.03, 0.06) if fp8 else (0.02, 0.02)
     loose = 0.3 if fp8 else tight
     for e, r in ref.items():
@@ -96,12 +97,17 @@ def check(out, ref, first, rows, sentinel, fp8=False):
         err = (got - want).abs()
         assert (err <= loose * rms + per_val * want.abs()).all(), \
             "expert %d: max err %g (rms %g)" % (e, err.max().item(), rms)
-        past_tight += int((~(err <= tight * rms + per_val * want.abs())).sum().item())
+        past = ~(err <= tight * rms + per_val * want.abs())
+        rows_past_tight += int(past.any(dim=1).sum().item())
+        values_past_tight += int(past.sum().item())
+        rows_covered += want.shape[0]
         err_sq += err.pow(2).sum().item()
         n += want.numel()
         covered[first[e]:first[e] + rows[e]] = True
-    assert past_tight <= n // 1000, "%d of %d values past %g x rms + %g |ref|" % (
-        past_tight, n, tight, per_val)
+    rows_allowed = max(2, rows_covered // 32)
+    assert rows_past_tight <= rows_allowed or values_past_tight <= n // 1000, \
+        "%d values in %d of %d rows past %g x rms + %g |ref|" % (
+            values_past_tight, rows_past_tight, rows_covered, tight, per_val)
     assert n == 0 or (err_sq / n) ** 0.5 <= 0.01 * rms, "rms of the errors %g > 0.01 x %g" % (
         (err_sq / n) ** 0.5, rms)
     assert (flat[~covered] == sentinel).all(), "a row outside the experts' rows was written"
