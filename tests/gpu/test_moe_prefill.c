@@ -184,7 +184,7 @@ static int oracle_make(const prefill_fixture_t *f, int me, prefill_oracle_t *o) 
   o->want = malloc(sizeof(double) * (n + 1));
   o->mag = malloc(sizeof(double) * (n + 1));
   EXPECT(o->want && o->mag);
-  EXPECT(epx_ref_moe_decode(&f->w.ref, f->ref, f->w.M, 0, me, o->want, o->mag, &o->rms) == 0);
+  EXPECT(epx_ref_moe_decode(&f->w.ref, f->ref, f->w.M, 0, me, o->want, o->mag, &o->rms, NULL) == 0);
   return TEST_PASS;
 }
 

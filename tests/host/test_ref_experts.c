@@ -82,3 +82,56 @@ EPX_HOST_TEST(ref_experts_known_answer_fp8, 10) {
   free(gu), free(dn);
   return TEST_PASS;
 }
+
+/* epx_ref_fp8_step: the larger gap to a same-sign neighbour, at the edges of the code range. */
+EPX_HOST_TEST(ref_fp8_step_known_values, 10) {
+  EXPECT(epx_ref_fp8_step(0x00) == 0x1p-9f); /* 0: only up, to the least subnormal */
+  EXPECT(epx_ref_fp8_step(0x01) == 0x1p-9f); /* subnormals are 2^-9 apart */
+  EXPECT(epx_ref_fp8_step(0x38) == 0.125f);  /* 1.0: 1.125 above, 0.9375 below */
+  EXPECT(epx_ref_fp8_step(0xb8) == 0.125f);  /* -1.0: the same */
+  EXPECT(epx_ref_fp8_step(0x7e) == 32.f);    /* 448: only down, to 416 */
+  EXPECT(epx_ref_fp8_step(0x7d) == 32.f);    /* 416: 448 above, 384 below */
+  EXPECT(isnan(epx_ref_fp8_step(0x7f)) && isnan(epx_ref_fp8_step(0xff)));
+  return TEST_PASS;
+}
+
+/* The one-step allowance on the FP8 known-answer case: down = 2 x identity, so output c moves
+ * by exactly 2 x (the step of h_c's code) x h's scale when h_c rounds one step the other way;
+ * with BF16 weights the allowance is 0. */
+EPX_HOST_TEST(ref_experts_one_step_known_answer, 10) {
+  uint8_t *gu = calloc(2 * N * N, 1), *dn = calloc(N * N, 1), xq[N] = {0};
+  float gus[2] = {1.f, 1.f}, dns[1] = {2.f}, xs[1] = {1.f}, step[N];
+  uint16_t out[N];
+  EXPECT(gu && dn);
+  for (int n = 0; n < N; n++) {
+    gu[(size_t)n * N] = epx_ref_fp8_from_float((float)(n - 64) / 16.f);
+    gu[(size_t)(N + n) * N] = epx_ref_fp8_from_float((float)(n % 7) - 3.f);
+    dn[(size_t)n * N + n] = epx_ref_fp8_from_float(1.f);
+  }
+  xq[0] = epx_ref_fp8_from_float(1.f);
+  const epx_ref_experts_t w = {1, N, N, 1, NULL, NULL, gu, gus, dn, dns};
+  const int first = 0, rows = 1;
+  EXPECT(epx_ref_experts_ffn_one_step(&w, xq, 1, xs, 1, &first, &rows, out, step) == 0);
+  float h[N], amax = 0.f;
+  for (int n = 0; n < N; n++) {
+    h[n] = (float)silu_mul(epx_ref_fp8_to_float(gu[(size_t)n * N]),
+                           epx_ref_fp8_to_float(gu[(size_t)(N + n) * N]));
+    amax = fmaxf(amax, fabsf(h[n]));
+  }
+  const float scale = epx_ref_fp8_scale(amax, 0), inv = 1.0f / scale;
+  for (int n = 0; n < N; n++) {
+    const double want = 2.0 * epx_ref_fp8_step(epx_ref_fp8_from_float(h[n] * inv)) * scale;
+    EXPECTF(fabs(step[n] - want) <= 1e-6 * want, "channel %d: %g, want %g", n, step[n], want);
+  }
+  /* BF16 weights: no allowance */
+  uint16_t *gu16 = calloc(2 * N * N, 2), *dn16 = calloc(N * N, 2), x16[N] = {0};
+  EXPECT(gu16 && dn16);
+  for (int n = 0; n < N; n++) dn16[(size_t)n * N + n] = epx_ref_bf16_from_float(1.f);
+  x16[0] = epx_ref_bf16_from_float(1.f);
+  const epx_ref_experts_t wb = {1, N, N, 0, gu16, dn16, NULL, NULL, NULL, NULL};
+  for (int n = 0; n < N; n++) step[n] = -1.f;
+  EXPECT(epx_ref_experts_ffn_one_step(&wb, x16, 0, NULL, 1, &first, &rows, out, step) == 0);
+  for (int n = 0; n < N; n++) EXPECT(step[n] == 0.f);
+  free(gu), free(dn), free(gu16), free(dn16);
+  return TEST_PASS;
+}

@@ -3,7 +3,8 @@
  * definition computed another way: per token, out[t] = sum over valid slots k of
  * w[t][k] x FFN_{e_k}(x[t]), each FFN row from epx_ref_experts_ffn on that one row alone (FP8
  * rows quantized per 128 channels first). No dispatch or combine is involved on this side, so
- * a wrong row placement, source map or weight in the composition shows up.
+ * a wrong row placement, source map or weight in the composition shows up. The same for the
+ * magnitude and the one-step allowance (sums of |w| x the slot rows' values).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -17,15 +18,16 @@
 
 enum { R = 2, L = 3, E = R * L, K = 3, H = 256, I = 128, M = 5 };
 
-/* FFN of expert j (of experts x) on one BF16 row, BF16 out. */
-static int ffn_row(const epx_ref_experts_t *x, int j, const uint16_t *row, int fp8, uint16_t *out) {
+/* FFN of expert j (of experts x) on one BF16 row, BF16 out, and its one-step allowance. */
+static int ffn_row(const epx_ref_experts_t *x, int j, const uint16_t *row, int fp8, uint16_t *out,
+                   float *step) {
   int first[L] = {0}, rows[L] = {0};
   rows[j] = 1;
-  if (!fp8) return epx_ref_experts_ffn(x, row, 0, NULL, 1, first, rows, out);
+  if (!fp8) return epx_ref_experts_ffn_one_step(x, row, 0, NULL, 1, first, rows, out, step);
   uint8_t q[H];
   float scales[H / 128];
   if (epx_ref_fp8_quantize(row, 1, H, 0, q, scales) != 0) return -1;
-  return epx_ref_experts_ffn(x, q, 1, scales, 1, first, rows, out);
+  return epx_ref_experts_ffn_one_step(x, q, 1, scales, 1, first, rows, out, step);
 }
 
 static int check_world(int fp8, uint64_t *rng) {
@@ -53,35 +55,40 @@ static int check_world(int fp8, uint64_t *rng) {
   int rc = TEST_PASS;
   for (int s = 0; s < R && rc == TEST_PASS; s++) {
     double *got = malloc(sizeof(double) * T[s] * H), *mag = malloc(sizeof(double) * T[s] * H);
-    EXPECT(got && mag);
-    EXPECT(epx_ref_moe_decode(&world, ref_ex, M, fp8, s, got, mag, NULL) == 0);
+    double *one_step = malloc(sizeof(double) * T[s] * H);
+    EXPECT(got && mag && one_step);
+    EXPECT(epx_ref_moe_decode(&world, ref_ex, M, fp8, s, got, mag, NULL, one_step) == 0);
     for (int t = 0; t < T[s] && rc == TEST_PASS; t++) {
-      double want[H] = {0}, absum[H] = {0};
+      double want[H] = {0}, absum[H] = {0}, stepsum[H] = {0};
       for (int k = 0; k < K; k++) {
         const int64_t e = ids[s][t * K + k];
         if (e < 0) continue;
         uint16_t y[H];
-        EXPECT(ffn_row(&ref_ex[e / L], (int)(e % L), x[s] + (size_t)t * H, fp8, y) == 0);
+        float step[H];
+        EXPECT(ffn_row(&ref_ex[e / L], (int)(e % L), x[s] + (size_t)t * H, fp8, y, step) == 0);
         for (int c = 0; c < H; c++) {
           const double v = (double)w[s][t * K + k] * epx_ref_bf16_to_float(y[c]);
           want[c] += v;
           absum[c] += fabs(v);
+          stepsum[c] += fabs((double)w[s][t * K + k]) * step[c];
         }
       }
       for (int c = 0; c < H; c++) {
         const size_t i = (size_t)t * H + c;
         if (!(fabs(got[i] - want[c]) <= 1e-6 * absum[c] + 1e-12) ||
-            !(fabs(mag[i] - absum[c]) <= 1e-9 * absum[c] + 1e-12)) {
+            !(fabs(mag[i] - absum[c]) <= 1e-9 * absum[c] + 1e-12) ||
+            !(fabs(one_step[i] - stepsum[c]) <= 1e-9 * stepsum[c] + 1e-12) ||
+            (fp8 && absum[c] > 0 && !(one_step[i] > 0)) || (!fp8 && one_step[i] != 0)) {
           fprintf(stderr,
-                  "  fp8 %d rank %d token %d col %d: oracle %.10g (|.| %.6g), direct %.10g "
-                  "(|.| %.6g)\n",
-                  fp8, s, t, c, got[i], mag[i], want[c], absum[c]);
+                  "  fp8 %d rank %d token %d col %d: oracle %.10g (|.| %.6g, one step %.6g), "
+                  "direct %.10g (|.| %.6g, one step %.6g)\n",
+                  fp8, s, t, c, got[i], mag[i], one_step[i], want[c], absum[c], stepsum[c]);
           rc = TEST_FAIL;
           break;
         }
       }
     }
-    free(got), free(mag);
+    free(got), free(mag), free(one_step);
   }
   for (int r = 0; r < R; r++) experts_data_free(&ex[r]), free(x[r]), free(w[r]);
   return rc;
@@ -94,6 +101,6 @@ EPX_HOST_TEST(ref_moe_matches_the_definition, 60) {
   /* Arguments the library refuses. */
   const epx_ref_world_t empty = {0, 4, 1, 128, NULL};
   double out[1];
-  EXPECT(epx_ref_moe_decode(&empty, NULL, 4, 0, 0, out, NULL, NULL) == -1);
+  EXPECT(epx_ref_moe_decode(&empty, NULL, 4, 0, 0, out, NULL, NULL, NULL) == -1);
   return TEST_PASS;
 }

@@ -195,6 +195,15 @@ float epx_ref_fp8_to_float(uint8_t bits) {
   return f32_from_bits(sign | ((e + 120u) << 23) | (m << 20));
 }
 
+float epx_ref_fp8_step(uint8_t bits) {
+  const uint8_t mag = bits & 0x7fu;
+  if (mag == 0x7fu) return epx_ref_fp8_to_float(bits); /* NaN */
+  const float v = epx_ref_fp8_to_float(mag);
+  const float up = mag < 0x7eu ? epx_ref_fp8_to_float((uint8_t)(mag + 1)) - v : 0.f;
+  const float down = mag > 0 ? v - epx_ref_fp8_to_float((uint8_t)(mag - 1)) : 0.f;
+  return up > down ? up : down;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * FP8 per-128-channel quantization.
  * ------------------------------------------------------------------------------------------- */

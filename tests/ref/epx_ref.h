@@ -75,6 +75,12 @@ uint8_t epx_ref_fp8_from_float(float x);
  *   bits - [IN] FP8 bits */
 float epx_ref_fp8_to_float(uint8_t bits);
 
+/* epx_ref_fp8_step - the larger distance from the value of `bits` to its neighbours of the same
+ * sign (magnitude bits +- 1, within 0..0x7e): how far one rounding step the other way can move
+ * it. Exact; NaN for the NaN codes.
+ *   bits - [IN] FP8 bits */
+float epx_ref_fp8_step(uint8_t bits);
+
 /* ---------------------------------------------------------------------------------------------
  * FP8 per-128-channel quantization, bit-exact with the GPU. For each token t and each group g
  * of 128 channels (c = 128*g .. 128*g+127), all in float32 with IEEE round-to-nearest-even:

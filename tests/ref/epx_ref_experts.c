@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ref/epx_ref.h"
 
@@ -66,8 +67,30 @@ static void quantize_float_row(const float *f, int n, uint8_t *q, float *scales)
   }
 }
 
+/* One step of each h value moves output c by |w_down[c][j]| x step_j at most: the largest. */
+static void one_step_row(const uint8_t *wd, const float *ws, const uint8_t *hq, const float *hs,
+                         int n_rows, int k, float *step_out) {
+  const int kb = k / 128;
+  for (int c = 0; c < n_rows; c++) {
+    double most = 0;
+    for (int j = 0; j < k; j++) {
+      const double m = fabs((double)epx_ref_fp8_to_float(wd[(size_t)c * k + j])) *
+                       (double)ws[(size_t)(c / 128) * kb + j / 128] *
+                       (double)epx_ref_fp8_step(hq[j]) * (double)hs[j / 128];
+      if (m > most) most = m;
+    }
+    step_out[c] = (float)most;
+  }
+}
+
 int epx_ref_experts_ffn(const epx_ref_experts_t *w, const void *x, int x_fp8, const float *x_scales,
                         int num_rows, const int *first, const int *rows, uint16_t *out) {
+  return epx_ref_experts_ffn_one_step(w, x, x_fp8, x_scales, num_rows, first, rows, out, NULL);
+}
+
+int epx_ref_experts_ffn_one_step(const epx_ref_experts_t *w, const void *x, int x_fp8,
+                                 const float *x_scales, int num_rows, const int *first,
+                                 const int *rows, uint16_t *out, float *one_step) {
   const int H = w->hidden, I = w->intermediate, E = w->num_experts;
   if (H < 128 || H % 128 || I < 128 || I % 128 || E < 1 || (x_fp8 && !w->fp8)) {
     fprintf(stderr, "epx_ref_experts_ffn: unsupported shape H %d I %d E %d x_fp8 %d fp8 %d\n", H, I,
@@ -115,7 +138,12 @@ int epx_ref_experts_ffn(const epx_ref_experts_t *w, const void *x, int x_fp8, co
         quantize_float_row(hf, I, hq, hs);
         gemv_fp8(hq, hs, w->down_fp8 + (size_t)e * H * I,
                  w->down_scales + (size_t)e * (H / 128) * (I / 128), H, I, y);
+        if (one_step)
+          one_step_row(w->down_fp8 + (size_t)e * H * I,
+                       w->down_scales + (size_t)e * (H / 128) * (I / 128), hq, hs, H, I,
+                       one_step + (size_t)r * H);
       }
+      if (one_step && !w->fp8) memset(one_step + (size_t)r * H, 0, sizeof(float) * (size_t)H);
       for (int c = 0; c < H; c++) out[(size_t)r * H + c] = epx_ref_bf16_from_float((float)y[c]);
     }
   }

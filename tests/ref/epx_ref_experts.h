@@ -45,6 +45,16 @@ void epx_ref_experts_rows(int num_experts, int num_rows, const int *count, const
 int epx_ref_experts_ffn(const epx_ref_experts_t *w, const void *x, int x_fp8, const float *x_scales,
                         int num_rows, const int *first, const int *rows, uint16_t *out);
 
+/* epx_ref_experts_ffn, and with FP8 weights also one_step [num_rows, H] (the rows it writes):
+ * the most that one value of the row's quantized h rounded one FP8 step the other way moves
+ * each output, max over j of |w_down[c][j]| x the step of h_j (epx_ref_fp8_step) x their
+ * scales. The GPU's gate/up sums differ from these by rounding, so an h value next to a
+ * rounding boundary can land one step away: a tolerance adds one_step (0 with BF16 weights,
+ * whose h rounds to BF16 with steps far below the tolerances). */
+int epx_ref_experts_ffn_one_step(const epx_ref_experts_t *w, const void *x, int x_fp8,
+                                 const float *x_scales, int num_rows, const int *first,
+                                 const int *rows, uint16_t *out, float *one_step);
+
 #ifdef __cplusplus
 }
 #endif

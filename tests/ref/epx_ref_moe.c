@@ -12,23 +12,25 @@
 typedef struct {
   uint16_t *x16, *y;
   uint8_t *x8;
-  float *scales;
+  float *scales, *step; /* step: the FFN rows' one-step allowance, or NULL */
   int *count, *num;
 } rank_rows_t;
 
 static void rank_rows_free(rank_rows_t *r) {
-  free(r->x16), free(r->y), free(r->x8), free(r->scales), free(r->count), free(r->num);
+  free(r->x16), free(r->y), free(r->x8), free(r->scales), free(r->step), free(r->count);
+  free(r->num);
 }
 
 /* Steps 1 and 2 for rank d: the FFN runs once per source, on each expert's segment of it. */
 static int run_rank(const epx_ref_world_t *w, const epx_ref_experts_t *ex, int M, int fp8, int d,
-                    rank_rows_t *r) {
+                    int want_step, rank_rows_t *r) {
   const int R = w->num_ranks, L = w->num_experts / R, H = w->hidden;
   const size_t rows = (size_t)L * R * M;
   memset(r, 0, sizeof *r);
   r->y = calloc(rows * H + 1, 2);
   r->count = calloc((size_t)L, sizeof(int));
   r->num = calloc((size_t)L * R, sizeof(int));
+  if (want_step) r->step = calloc(rows * H + 1, sizeof(float));
   if (fp8) {
     r->x8 = calloc(rows * H + 1, 1);
     r->scales = calloc(rows * (H / 128) + 1, sizeof(float));
@@ -36,7 +38,8 @@ static int run_rank(const epx_ref_world_t *w, const epx_ref_experts_t *ex, int M
     r->x16 = calloc(rows * H + 1, 2);
   }
   int *first = malloc(sizeof(int) * L), *n = malloc(sizeof(int) * L);
-  if (!(r->y && r->count && r->num && first && n && (fp8 ? r->x8 && r->scales : r->x16 != NULL))) {
+  if (!(r->y && r->count && r->num && first && n && (fp8 ? r->x8 && r->scales : r->x16 != NULL) &&
+        (!want_step || r->step))) {
     fprintf(stderr, "epx_ref_moe_decode: out of memory\n");
     free(first), free(n);
     return -1;
@@ -46,16 +49,16 @@ static int run_rank(const epx_ref_world_t *w, const epx_ref_experts_t *ex, int M
   int rc = epx_ref_ll_dispatch_layout(w, d, M, 0, EPX_REF_LL_FIXED, &out);
   for (int s = 0; s < R && rc == 0; s++) {
     for (int j = 0; j < L; j++) first[j] = j * R * M + s * M, n[j] = r->num[j * R + s];
-    rc = epx_ref_experts_ffn(&ex[d], fp8 ? (const void *)r->x8 : (const void *)r->x16, fp8,
-                             r->scales, (int)rows, first, n, r->y);
+    rc = epx_ref_experts_ffn_one_step(&ex[d], fp8 ? (const void *)r->x8 : (const void *)r->x16, fp8,
+                                      r->scales, (int)rows, first, n, r->y, r->step);
   }
   free(first), free(n);
   return rc;
 }
 
 int epx_ref_moe_decode(const epx_ref_world_t *w, const epx_ref_experts_t *experts, int M,
-                       int fp8_dispatch, int src_rank, double *out, double *abs_sum,
-                       double *y_rms) {
+                       int fp8_dispatch, int src_rank, double *out, double *abs_sum, double *y_rms,
+                       double *one_step) {
   if (!w || !experts || !out || w->num_ranks < 1 || w->num_ranks > 64 || src_rank < 0 ||
       src_rank >= w->num_ranks || M < 1 || w->num_experts % w->num_ranks) {
     fprintf(stderr, "epx_ref_moe_decode: invalid arguments\n");
@@ -69,23 +72,29 @@ int epx_ref_moe_decode(const epx_ref_world_t *w, const epx_ref_experts_t *expert
   const uint16_t *y[64];
   int rc = 0, made = 0;
   for (; made < R && rc == 0; made++) {
-    rc = run_rank(w, experts, M, fp8_dispatch, made, &ranks[made]);
+    rc = run_rank(w, experts, M, fp8_dispatch, made, one_step != NULL, &ranks[made]);
     y[made] = ranks[made].y;
   }
   if (rc == 0)
     rc = epx_ref_ll_combine_f64_layout(w, src_rank, M, EPX_REF_LL_FIXED, y, weights, out);
-  /* The magnitude of each output: every valid slot's |w| x |its expert's row|. */
-  if (rc == 0 && abs_sum) {
-    memset(abs_sum, 0, sizeof(double) * (size_t)T * H);
+  /* The magnitude of each output: every valid slot's |w| x |its expert's row|; and the sum of
+   * the slots' |w| x one-step allowances. */
+  if (rc == 0 && (abs_sum || one_step)) {
+    if (abs_sum) memset(abs_sum, 0, sizeof(double) * (size_t)T * H);
+    if (one_step) memset(one_step, 0, sizeof(double) * (size_t)T * H);
     for (int t = 0; t < T; t++)
       for (int k = 0; k < K; k++) {
         const int64_t e = ids[(size_t)t * K + k];
         if (e < 0 || e >= w->num_experts) continue;
         const int row = epx_ref_ll_row(w, M, src_rank, t, (int)e);
-        const uint16_t *yr = ranks[e / L].y + ((size_t)(e % L) * R * M + row) * H;
+        const size_t at = ((size_t)(e % L) * R * M + row) * H;
         const double wk = weights ? fabs((double)weights[(size_t)t * K + k]) : 1.0;
-        for (int c = 0; c < H; c++)
-          abs_sum[(size_t)t * H + c] += wk * fabs((double)epx_ref_bf16_to_float(yr[c]));
+        for (int c = 0; c < H; c++) {
+          if (abs_sum)
+            abs_sum[(size_t)t * H + c] +=
+                wk * fabs((double)epx_ref_bf16_to_float(ranks[e / L].y[at + c]));
+          if (one_step) one_step[(size_t)t * H + c] += wk * (double)ranks[e / L].step[at + c];
+        }
       }
   }
   if (rc == 0 && y_rms) { /* over every received row of every rank */
