@@ -77,8 +77,8 @@ int epx_ref_moe_decode(const epx_ref_world_t *w, const epx_ref_experts_t *expert
   }
   if (rc == 0)
     rc = epx_ref_ll_combine_f64_layout(w, src_rank, M, EPX_REF_LL_FIXED, y, weights, out);
-  /* The magnitude of each output: every valid slot's |w| x |its expert's row|; and the sum of
-   * the slots' |w| x one-step allowances. */
+  /* The magnitude of each output: every valid slot's |w| x |its expert's row|; and the largest
+   * of the slots' |w| x one-step allowances. */
   if (rc == 0 && (abs_sum || one_step)) {
     if (abs_sum) memset(abs_sum, 0, sizeof(double) * (size_t)T * H);
     if (one_step) memset(one_step, 0, sizeof(double) * (size_t)T * H);
@@ -93,7 +93,10 @@ int epx_ref_moe_decode(const epx_ref_world_t *w, const epx_ref_experts_t *expert
           if (abs_sum)
             abs_sum[(size_t)t * H + c] +=
                 wk * fabs((double)epx_ref_bf16_to_float(ranks[e / L].y[at + c]));
-          if (one_step) one_step[(size_t)t * H + c] += wk * (double)ranks[e / L].step[at + c];
+          if (one_step) {
+            const double m = wk * (double)ranks[e / L].step[at + c];
+            if (m > one_step[(size_t)t * H + c]) one_step[(size_t)t * H + c] = m;
+          }
         }
       }
   }

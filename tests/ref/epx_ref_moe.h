@@ -33,9 +33,10 @@ extern "C" {
  *   abs_sum             - [OUT] optional [T, H]: sum over the token's slots of |w| x |FFN row|,
  *                               the magnitude the output is a sum of (for tolerances)
  *   y_rms               - [OUT] optional: root mean square of every FFN output row computed
- *   one_step            - [OUT] optional [T, H]: sum over the token's slots of |w| x the most
- *                               one FP8 step of one h value moves its FFN row
- *                               (epx_ref_experts_ffn_one_step; 0 with BF16 weights)
+ *   one_step            - [OUT] optional [T, H]: the largest over the token's slots of |w| x
+ *                               the most one FP8 step of one h value moves its FFN row
+ *                               (epx_ref_experts_ffn_one_step; 0 with BF16 weights): n such
+ *                               steps anywhere in the token move it by at most n x this
  * Returns 0, or -1 (message on stderr) on arguments the library refuses. */
 int epx_ref_moe_decode(const epx_ref_world_t *world, const epx_ref_experts_t *experts,
                        int max_tokens_per_rank, int fp8_dispatch, int src_rank, double *out,
