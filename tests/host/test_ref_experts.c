@@ -52,53 +52,10 @@ EPX_HOST_TEST(ref_experts_known_answer_bf16, 10) {
 }
 
 /* The same in FP8: weight codes exact (a_n, b_n are FP8 values), block scales 1 except the
- * down projection's (2), so out = 2 * quantized h. */
+ * down projection's (2), so out = 2 * quantized h; and the one-step allowance of output c is
+ * exactly 2 x (the step of h_c's code) x h's scale: how far h_c rounded one step the other way
+ * would move it. */
 EPX_HOST_TEST(ref_experts_known_answer_fp8, 10) {
-  uint8_t *gu = calloc(2 * N * N, 1), *dn = calloc(N * N, 1), xq[N] = {0};
-  float gus[2] = {1.f, 1.f}, dns[1] = {2.f}, xs[1] = {1.f};
-  uint16_t out[N];
-  EXPECT(gu && dn);
-  for (int n = 0; n < N; n++) {
-    gu[(size_t)n * N] = epx_ref_fp8_from_float((float)(n - 64) / 16.f);
-    gu[(size_t)(N + n) * N] = epx_ref_fp8_from_float((float)(n % 7) - 3.f);
-    dn[(size_t)n * N + n] = epx_ref_fp8_from_float(1.f);
-  }
-  xq[0] = epx_ref_fp8_from_float(1.f);
-  const epx_ref_experts_t w = {1, N, N, 1, NULL, NULL, gu, gus, dn, dns};
-  const int first = 0, rows = 1;
-  EXPECT(epx_ref_experts_ffn(&w, xq, 1, xs, 1, &first, &rows, out) == 0);
-  float h[N], amax = 0.f;
-  for (int n = 0; n < N; n++) {
-    h[n] = (float)silu_mul(epx_ref_fp8_to_float(gu[(size_t)n * N]),
-                           epx_ref_fp8_to_float(gu[(size_t)(N + n) * N]));
-    amax = fmaxf(amax, fabsf(h[n]));
-  }
-  const float scale = epx_ref_fp8_scale(amax, 0), inv = 1.0f / scale;
-  for (int n = 0; n < N; n++) {
-    const float want = 2.f * (epx_ref_fp8_to_float(epx_ref_fp8_from_float(h[n] * inv)) * scale);
-    EXPECTF(epx_ref_bf16_to_float(out[n]) == epx_ref_bf16_to_float(epx_ref_bf16_from_float(want)),
-            "channel %d: %g, want %g", n, epx_ref_bf16_to_float(out[n]), want);
-  }
-  free(gu), free(dn);
-  return TEST_PASS;
-}
-
-/* epx_ref_fp8_step: the larger gap to a same-sign neighbour, at the edges of the code range. */
-EPX_HOST_TEST(ref_fp8_step_known_values, 10) {
-  EXPECT(epx_ref_fp8_step(0x00) == 0x1p-9f); /* 0: only up, to the least subnormal */
-  EXPECT(epx_ref_fp8_step(0x01) == 0x1p-9f); /* subnormals are 2^-9 apart */
-  EXPECT(epx_ref_fp8_step(0x38) == 0.125f);  /* 1.0: 1.125 above, 0.9375 below */
-  EXPECT(epx_ref_fp8_step(0xb8) == 0.125f);  /* -1.0: the same */
-  EXPECT(epx_ref_fp8_step(0x7e) == 32.f);    /* 448: only down, to 416 */
-  EXPECT(epx_ref_fp8_step(0x7d) == 32.f);    /* 416: 448 above, 384 below */
-  EXPECT(isnan(epx_ref_fp8_step(0x7f)) && isnan(epx_ref_fp8_step(0xff)));
-  return TEST_PASS;
-}
-
-/* The one-step allowance on the FP8 known-answer case: down = 2 x identity, so output c moves
- * by exactly 2 x (the step of h_c's code) x h's scale when h_c rounds one step the other way;
- * with BF16 weights the allowance is 0. */
-EPX_HOST_TEST(ref_experts_one_step_known_answer, 10) {
   uint8_t *gu = calloc(2 * N * N, 1), *dn = calloc(N * N, 1), xq[N] = {0};
   float gus[2] = {1.f, 1.f}, dns[1] = {2.f}, xs[1] = {1.f}, step[N];
   uint16_t out[N];
@@ -120,18 +77,44 @@ EPX_HOST_TEST(ref_experts_one_step_known_answer, 10) {
   }
   const float scale = epx_ref_fp8_scale(amax, 0), inv = 1.0f / scale;
   for (int n = 0; n < N; n++) {
-    const double want = 2.0 * epx_ref_fp8_step(epx_ref_fp8_from_float(h[n] * inv)) * scale;
-    EXPECTF(fabs(step[n] - want) <= 1e-6 * want, "channel %d: %g, want %g", n, step[n], want);
+    const float want = 2.f * (epx_ref_fp8_to_float(epx_ref_fp8_from_float(h[n] * inv)) * scale);
+    EXPECTF(epx_ref_bf16_to_float(out[n]) == epx_ref_bf16_to_float(epx_ref_bf16_from_float(want)),
+            "channel %d: %g, want %g", n, epx_ref_bf16_to_float(out[n]), want);
+    const double want_step = 2.0 * epx_ref_fp8_step(epx_ref_fp8_from_float(h[n] * inv)) * scale;
+    EXPECTF(fabs(step[n] - want_step) <= 1e-6 * want_step, "channel %d: step %g, want %g", n,
+            step[n], want_step);
   }
-  /* BF16 weights: no allowance */
-  uint16_t *gu16 = calloc(2 * N * N, 2), *dn16 = calloc(N * N, 2), x16[N] = {0};
-  EXPECT(gu16 && dn16);
-  for (int n = 0; n < N; n++) dn16[(size_t)n * N + n] = epx_ref_bf16_from_float(1.f);
-  x16[0] = epx_ref_bf16_from_float(1.f);
-  const epx_ref_experts_t wb = {1, N, N, 0, gu16, dn16, NULL, NULL, NULL, NULL};
-  for (int n = 0; n < N; n++) step[n] = -1.f;
-  EXPECT(epx_ref_experts_ffn_one_step(&wb, x16, 0, NULL, 1, &first, &rows, out, step) == 0);
-  for (int n = 0; n < N; n++) EXPECT(step[n] == 0.f);
-  free(gu), free(dn), free(gu16), free(dn16);
+  free(gu), free(dn);
+  return TEST_PASS;
+}
+
+/* epx_ref_fp8_step: the larger gap to a same-sign neighbour, at the edges of the code range. */
+EPX_HOST_TEST(ref_fp8_step_known_values, 10) {
+  EXPECT(epx_ref_fp8_step(0x00) == 0x1p-9f); /* 0: only up, to the least subnormal */
+  EXPECT(epx_ref_fp8_step(0x01) == 0x1p-9f); /* subnormals are 2^-9 apart */
+  EXPECT(epx_ref_fp8_step(0x38) == 0.125f);  /* 1.0: 1.125 above, 0.9375 below */
+  EXPECT(epx_ref_fp8_step(0xb8) == 0.125f);  /* -1.0: the same */
+  EXPECT(epx_ref_fp8_step(0x7e) == 32.f);    /* 448: only down, to 416 */
+  EXPECT(epx_ref_fp8_step(0x7d) == 32.f);    /* 416: 448 above, 384 below */
+  EXPECT(isnan(epx_ref_fp8_step(0x7f)) && isnan(epx_ref_fp8_step(0xff)));
+  return TEST_PASS;
+}
+
+/* With BF16 weights there is no one-step allowance (h rounds to BF16, far below the bounds). */
+EPX_HOST_TEST(ref_experts_one_step_is_zero_for_bf16, 10) {
+  uint16_t *gu = calloc(2 * N * N, 2), *dn = calloc(N * N, 2), x[N] = {0}, out[N];
+  float step[N];
+  EXPECT(gu && dn);
+  for (int n = 0; n < N; n++) {
+    gu[(size_t)n * N] = epx_ref_bf16_from_float((float)(n - 64) / 16.f);
+    dn[(size_t)n * N + n] = epx_ref_bf16_from_float(1.f);
+    step[n] = -1.f;
+  }
+  x[0] = epx_ref_bf16_from_float(1.f);
+  const epx_ref_experts_t w = {1, N, N, 0, gu, dn, NULL, NULL, NULL, NULL};
+  const int first = 0, rows = 1;
+  EXPECT(epx_ref_experts_ffn_one_step(&w, x, 0, NULL, 1, &first, &rows, out, step) == 0);
+  for (int n = 0; n < N; n++) EXPECTF(step[n] == 0.f, "channel %d: step %g", n, step[n]);
+  free(gu), free(dn);
   return TEST_PASS;
 }
