@@ -24,17 +24,17 @@
  * combine's float32 rounding); a wrong row, expert or weight is off by about rms x |w|.
  * With FP8 weights 0.06 and 0.05 plus twice the oracle's one-step allowance (the largest over
  * the token's slots of |w| x the most one FP8 step of one h value moves that slot's FFN row:
- * epx_ref_moe_decode's one_step; twice covers two such steps anywhere in the token), and the
- * rms of |err| / (rms x sum |w|) at most 0.03. The FP8
- * GEMMs sum on the tensor cores, which keep fewer bits than float32 inside each 32-deep step
- * (docs/moe.md, "FP8 on wgmma"), so an h value that close to an FP8 rounding boundary rounds
- * the other way. The 0.06 / 0.05 bound alone failed once by 0.1 % (graph replay, 4 ranks, 4x
- * H200, 2026-11-27: out[22][41] = -282, oracle -236.95, bound 45, rms 343), and 0.03 / 0.02 by
- * 1.6 % at 1445f11. A slot whose FFN row is wrong is off by about 1.4 x rms x |w| in most of
- * the token's values: past the per-value bound unless |w| is small next to the slots' one-step
- * allowances, and past the mean-square bound ((|w| / sum |w|) x 1.4 / sqrt(T)) for a whole
- * token or a heavy slot. The mean-square bound was 0.01 first: fp8_one_expert reached 0.0104
- * (2 ranks, run seed 1801685973161545); passing runs reach 0.008.
+ * epx_ref_moe_decode's one_step; twice covers two such steps anywhere in the token), and the rms
+ * of |err| / (rms x sum |w|) at most 0.03. The FP8 GEMMs sum on the tensor cores, which keep
+ * fewer bits than float32 inside each 32-deep step (docs/moe.md, "FP8 on wgmma"), so an h value
+ * that close to an FP8 rounding boundary rounds the other way. The 0.06 / 0.05 bound alone
+ * failed once by 0.1 % (graph replay, 4 ranks, 4x H200, 2026-11-27: out[22][41] = -282, oracle
+ * -236.95, bound 45, rms 343), and 0.03 / 0.02 by 1.6 % at 1445f11. A slot whose FFN row is
+ * wrong is off by about 1.4 x rms x |w| in most of the token's values: past the per-value bound
+ * unless |w| is small next to the slots' one-step allowances, and past the mean-square bound
+ * ((|w| / sum |w|) x 1.4 / sqrt(T)) for a whole token or a heavy slot. The mean-square bound was
+ * 0.01 first: fp8_one_expert reached 0.0104 (2 ranks, run seed 1801685973161545); passing runs
+ * reach 0.008.
  */
 #include <math.h>
 #include <stdio.h>
