@@ -67,16 +67,18 @@ static void quantize_float_row(const float *f, int n, uint8_t *q, float *scales)
   }
 }
 
-/* One step of each h value moves output c by |w_down[c][j]| x step_j at most: the largest. */
+/* One step of each h value moves output c by |w_down[c][j]| x step_j at most: the largest.
+ * hstep: scratch for the k steps of h's codes, found once for all n_rows outputs. */
 static void one_step_row(const uint8_t *wd, const float *ws, const uint8_t *hq, const float *hs,
-                         int n_rows, int k, float *step_out) {
+                         int n_rows, int k, double *hstep, float *step_out) {
   const int kb = k / 128;
+  for (int j = 0; j < k; j++) hstep[j] = (double)epx_ref_fp8_step(hq[j]);
   for (int c = 0; c < n_rows; c++) {
     double most = 0;
     for (int j = 0; j < k; j++) {
       const double m = fabs((double)epx_ref_fp8_to_float(wd[(size_t)c * k + j])) *
-                       (double)ws[(size_t)(c / 128) * kb + j / 128] *
-                       (double)epx_ref_fp8_step(hq[j]) * (double)hs[j / 128];
+                       (double)ws[(size_t)(c / 128) * kb + j / 128] * hstep[j] *
+                       (double)hs[j / 128];
       if (m > most) most = m;
     }
     step_out[c] = (float)most;
@@ -141,7 +143,7 @@ int epx_ref_experts_ffn_one_step(const epx_ref_experts_t *w, const void *x, int 
         if (one_step)
           one_step_row(w->down_fp8 + (size_t)e * H * I,
                        w->down_scales + (size_t)e * (H / 128) * (I / 128), hq, hs, H, I,
-                       one_step + (size_t)r * H);
+                       hd /* the BF16 path's h, unused here */, one_step + (size_t)r * H);
       }
       if (one_step && !w->fp8) memset(one_step + (size_t)r * H, 0, sizeof(float) * (size_t)H);
       for (int c = 0; c < H; c++) out[(size_t)r * H + c] = epx_ref_bf16_from_float((float)y[c]);
