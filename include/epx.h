@@ -165,15 +165,18 @@ typedef enum epx_ll_route {
  * expert there). Part of the config: every rank of a group uses the same (checked at creation).
  * docs/moe.md, "Expert-major layout". */
 typedef enum epx_expand_fan_out {
-  EPX_EXPAND_FAN_OUT_AUTO = 0,  /* the default: AFTER (faster: on 4x H200 at 4096 tokens,
-                                   H 7168, 648 us against DURING's 792; docs/moe.md) */
-  EPX_EXPAND_FAN_OUT_AFTER = 1, /* a kernel after the dispatch's wait for every source */
-  EPX_EXPAND_FAN_OUT_DURING = 2 /* num_sms more blocks of the dispatch kernel copy each token as
-                                   its row lands (the sender marks it ready), overlapping the
-                                   copies with the NVLink transfer; a rank's own tokens are
-                                   written to every row by the sender. The dispatch then uses
-                                   2 x num_sms SMs: group creation refuses it where that is more
-                                   than the GPU has */
+  EPX_EXPAND_FAN_OUT_AUTO = 0,  /* the default: AFTER, which leaves all but num_sms SMs to
+                                   other work during the transfer */
+  EPX_EXPAND_FAN_OUT_AFTER = 1, /* a kernel after the dispatch's wait for every source (on 4x
+                                   H200 at 4096 tokens, H 7168: 648 us, 1.25x the plain
+                                   dispatch's 518; docs/moe.md) */
+  EPX_EXPAND_FAN_OUT_DURING = 2 /* the dispatch kernel's other blocks, on every SM the num_sms
+                                   sending blocks leave (EPX_EXPAND_FAN_OUT_BLOCKS lowers it),
+                                   copy each token as its row lands (the sender marks it
+                                   ready), overlapping the copies with the NVLink transfer: the
+                                   fastest standalone (567-571 us there, 1.09-1.10x the plain),
+                                   but the dispatch holds every SM of the GPU. Group creation
+                                   refuses it where 2 x num_sms blocks do not fit */
 } epx_expand_fan_out_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each

@@ -27,8 +27,9 @@
 #        OUT/prefill-timeline", the timelines tarred to prefill-timeline.tgz; its table too);
 #        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
 #        last lines in the summary; they need one GPU, not a group);
-#        EXPAND_BATCHES="1 8 32": after the bench, the normal rows once per value of
-#        EPX_EXPAND_PUBLISH_BATCH (DURING's fence batching), their expert-major rows in the summary;
+#        EXPAND_SWEEP="EPX_EXPAND_PUBLISH_BATCH=1 EPX_EXPAND_FAN_OUT_BLOCKS=48,EPX_X=1": after the
+#        bench, the normal rows once per word (its comma-separated VAR=value settings in the
+#        environment), their expert-major rows in the summary (docs/moe.md, "Fan-out DURING");
 #        EXPERTS_COMPARE=1 (with BASELINE): epx_experts_bench of DIR and of this tree alternately
 #        (EXPERTS_COMPARE_ARGS, default "--dtype fp8 --tokens 1,8,32,128,512 --iters 20"), side
 #        by side in the summary;
@@ -221,15 +222,15 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   bench_rc=$?
 fi
 
-# DURING's publish batch (EPX_EXPAND_PUBLISH_BATCH): the expert-major rows per value, each its own
-# run of the normal rows at the default SM budget (docs/moe.md, "Fan-out DURING")
-batch_lines=
-for b in ${EXPAND_BATCHES:-}; do
-  EPX_EXPAND_PUBLISH_BATCH=$b timeout 300 build/bin/epx_bench --rows normal --sms 24 \
-    >"$out/bench-publish-batch-$b.log" 2>&1
-  batch_lines="$batch_lines
-EPX_EXPAND_PUBLISH_BATCH=$b (exit $?):
-$(grep -E '^op|^epx (dispatch|combine) expand' "$out/bench-publish-batch-$b.log")"
+# DURING's knobs (docs/env.md): the expert-major rows once per setting, each its own run of the
+# normal rows at the default SM budget (docs/moe.md, "Fan-out DURING")
+sweep_lines=
+for setting in ${EXPAND_SWEEP:-}; do
+  log="$out/bench-expand-$(echo "$setting" | tr ',=' '__').log"
+  env $(echo "$setting" | tr ',' ' ') timeout 300 build/bin/epx_bench --rows normal --sms 24 >"$log" 2>&1
+  sweep_lines="$sweep_lines
+$setting (exit $?):
+$(grep -E '^op|^epx (dispatch|combine) (expand|bf16)|^epx combine ' "$log")"
 done
 
 # The experts' GEMMs against the baseline's: alternating runs, one row per shape, dtype and T.
@@ -294,7 +295,7 @@ if [ -n "$deepep_line" ]; then
     [ -f "$log" ] && { echo "--- $(basename "$log")"; tail -25 "$log"; }
   done
 fi
-[ -n "$batch_lines" ] && echo "expert-major rows per publish batch:$batch_lines"
+[ -n "$sweep_lines" ] && echo "expert-major rows per setting:$sweep_lines"
 [ -n "$experts_compare_lines" ] && echo "epx_experts_bench, median us (share of HBM), per run:
 $experts_compare_lines"
 [ -n "$compare_line" ] && cat "$out/compare.txt"

@@ -109,11 +109,17 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
   xa.d.topk_weights = a->topk_weights;
   xa.expand_pos = h->expand_pos;
   /* The payload comes once per (token, rank); the fan-out copies it to the token's other rows:
-   * local HBM traffic instead of NVLink's. DURING: as many more blocks of the dispatch kernel
-   * as it has sending blocks, as rows land; AFTER: a kernel after it (every SM, two blocks
-   * each). */
-  /* (group creation checked that 2 x num_sms blocks fit for DURING) */
-  xa.fan_out_blocks = g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING ? g->config.num_sms : 0;
+   * local HBM traffic instead of NVLink's. AFTER: a kernel after the dispatch (every SM, two
+   * blocks each). DURING: more blocks of the dispatch kernel, as rows land: every SM the
+   * sending blocks leave (EPX_EXPAND_FAN_OUT_BLOCKS lowers it). The copies are bound by the
+   * loads each warp keeps in flight, so they keep pace with NVLink only on many SMs (4x H200:
+   * 24 fan-out blocks 762 us, 48 608, 108 567, against 518 for the plain dispatch; docs/moe.md,
+   * "Fan-out DURING"). Group creation checked that 2 x num_sms blocks fit. */
+  if (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING) {
+    const int64_t want = epx__param_ExpandFanOutBlocks();
+    const int room = g->num_device_sms - g->config.num_sms;
+    xa.fan_out_blocks = want <= 0 || want > room ? room : (int)want;
+  }
   const int64_t batch = epx__param_ExpandPublishBatch();
   xa.publish_batch = batch < 1 ? 1 : batch > 32 ? 32 : (int)batch;
   EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));

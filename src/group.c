@@ -162,8 +162,9 @@ static epx_status_t local_checks(ncclComm_t comm, int num_ranks, const epx_group
   if (cfg->num_sms > *num_device_sms)
     return epx__set_error(EPX_ERR_INVALID_ARGUMENT, "config.num_sms = %d: the GPU has only %d SMs",
                           cfg->num_sms, *num_device_sms);
-  /* DURING's dispatch runs num_sms sending and num_sms fan-out blocks (one per SM): both sets
-   * must fit, or the fan-out cannot overlap the transfer. */
+  /* DURING's dispatch runs num_sms sending blocks and fan-out blocks on the SMs they leave (one
+   * block per SM): at least num_sms of those, or the fan-out cannot keep pace with the
+   * transfer. */
   if (cfg->expand_fan_out == EPX_EXPAND_FAN_OUT_DURING && cfg->expand_max_rows > 0 &&
       2 * cfg->num_sms > *num_device_sms)
     return epx__set_error(EPX_ERR_INVALID_ARGUMENT,

@@ -26,8 +26,8 @@
  *           token (9aa124a) the kernel took 733 us against AFTER's 497 + 114 fan-out);
  *           the receiver's fan-out warps acquire each ready word and copy that token at once, in
  *           roughly the order tokens land (below), so the copies overlap the NVLink transfer.
- *           A rank's own tokens are written to every row by the sender (local stores, no
- *           fan-out). Waits are bounded; a fan-out warp that gives up raises EPX_ERR_TIMEOUT
+ *           A rank's own tokens take the same path (their ready words are local stores).
+ *           Waits are bounded; a fan-out warp that gives up raises EPX_ERR_TIMEOUT
  *           (stage DISPATCH) and marks the call given up so the others stop at once; a source
  *           that gave up the count exchange is skipped (block 0 raises it, as for AFTER).
  *
@@ -65,21 +65,23 @@ enum ScaleMode { kNoScales = 0, kContiguousScales = 1, kStridedScales = 2 };
 /* Copy one row of n16 16-byte words from src to dst[k] for every slot k in mask (one warp).
  * The slot loop is unrolled to the compile-time maximum so dst stays in registers.
  * kLanded: the row was written by a peer while this kernel runs (DURING's fan-out), so the loads
- * go through L2 (ld.global.cg), never the read-only path (.nc). */
+ * go through L2 (ld.global.cg), never the read-only path (.nc); and twice the loads in flight,
+ * since the fan-out is bound by them (4x H200, 48 fan-out blocks: 660 -> 638 us). */
 template <bool kLanded = false>
 __device__ __forceinline__ void copy_row_to_slots(const int4 *src, int4 *const *dst, unsigned mask,
                                                   int n16, int lane) {
-  for (int i0 = lane; i0 < n16; i0 += 32 * kUnroll) {
-    int4 v[kUnroll];
+  constexpr int kU = kLanded ? 2 * kUnroll : kUnroll;
+  for (int i0 = lane; i0 < n16; i0 += 32 * kU) {
+    int4 v[kU];
 #pragma unroll
-    for (int u = 0; u < kUnroll; u++)
+    for (int u = 0; u < kU; u++)
       if (i0 + u * 32 < n16)
         v[u] = kLanded ? __ldcg(src + i0 + u * 32) : epx::ld_nc_na_v4(src + i0 + u * 32);
 #pragma unroll
     for (int k = 0; k < EPX_MAX_TOP_K; k++) {
       if (!((mask >> k) & 1u)) continue;
 #pragma unroll
-      for (int u = 0; u < kUnroll; u++)
+      for (int u = 0; u < kU; u++)
         if (i0 + u * 32 < n16) dst[k][i0 + u * 32] = v[u];
     }
   }
@@ -142,14 +144,13 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
   const uint32_t epoch = meta->epoch;
   int q_max = 0;
   for (int s = 0; s < R; s++)
-    if (s != me) q_max = max(q_max, (meta->rank_prefix[s + 1] - meta->rank_prefix[s] + G - 1) / G);
+    q_max = max(q_max, (meta->rank_prefix[s + 1] - meta->rank_prefix[s] + G - 1) / G);
   const long long items = (long long)q_max * R * G;
   const long long warps = (long long)xa.fan_out_blocks * kWarps;
   /* One budget for the whole fan-out, as block 0's wait for every source has. */
   const uint64_t t0 = epx::globaltimer_ns();
   for (long long it = (long long)fan_block * kWarps + threadIdx.x / 32; it < items; it += warps) {
     const int b = (int)(it % G), s = (int)((it / G) % R), q = (int)(it / ((long long)G * R));
-    if (s == me) continue; /* the sender wrote every row of its own tokens */
     const int p0 = meta->rank_prefix[s], n_s = meta->rank_prefix[s + 1] - p0;
     const int i = p0 + (int)((long long)n_s * b / G) + q;
     if (i >= p0 + (int)((long long)n_s * (b + 1) / G)) continue;
@@ -163,7 +164,9 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
             return *gave_up == epoch ||
                    *(volatile const unsigned int *)&ctrl->notify_abort[s] == epoch;
           });
-      if (r == epx::WaitResult::kReady) epx::fence_acq_rel_sys(); /* the poll's acquire */
+      /* The poll's acquire: a load, not a fence (a system fence would also wait for this
+       * warp's stores of the previous token, serializing the tokens' copies). */
+      if (r == epx::WaitResult::kReady) (void)epx::ld_acquire_sys_u32(ready + i);
     }
     r = (epx::WaitResult)__shfl_sync(kFull, (int)r, 0);
     if (r == epx::WaitResult::kTimedOut && lane == 0) {
@@ -291,10 +294,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int row = first ? meta->expand_base[e] + xa.expand_pos[(size_t)t * K + lane] : -1;
     const bool writes = first && row >= 0 && row < cap;
     /* The payload crosses NVLink once per rank, into the token's lowest expert row there
-     * (order 0); the fan-out copies it to the others on the receiver. DURING writes this rank's
-     * own rows all here (local stores). Every row gets its own (source, token, slot) and
-     * weight below. */
-    const unsigned wmask = __ballot_sync(kFull, writes && (order == 0 || (during && d == me)));
+     * (order 0); the fan-out copies it to the others on the receiver (this rank's own tokens
+     * too). Every row gets its own (source, token, slot) and weight below. */
+    const unsigned wmask = __ballot_sync(kFull, writes && order == 0);
     char *peer = writes ? ctx.peer_base[d] + L.normal_offset : nullptr;
     int4 *my_dst = writes ? (int4 *)(peer + L.expand_x_offset + (size_t)row * H * elem) : nullptr;
     int4 *dst[EPX_MAX_TOP_K];
@@ -338,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane < K && lane >= n_d) list[lane] = -1;
     }
     if (during) { /* publish, per batch: these tokens' rows, scales, infos and lists landed */
-      const unsigned peers = __reduce_or_sync(kFull, first && d != me ? 1u << d : 0u);
+      const unsigned peers = __reduce_or_sync(kFull, first ? 1u << d : 0u);
       if (lane == npend) pend_t = t, pend_peers = peers;
       npend++;
       if (npend == xa.publish_batch || t + kWarps >= end) {
