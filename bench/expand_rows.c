@@ -56,6 +56,7 @@ static int combine_iter(void *arg, cudaStream_t stream) {
 static int emit(bench_rank_t *b, expand_op_t *op, const char *name, bench_iter_fn fn, int sms) {
   bench_stats_t st;
   BENCH_TRY(bench_time(b, fn, op, &st));
+  BENCH_TRY(bench_trace_row(b, op->group, name, fn, op, op->w->num_tokens, sms, &st));
   BENCH_CUDA(cudaStreamSynchronize(b->stream));
   int prefix[EPX_MAX_RANKS + 1];
   BENCH_CUDA(cudaMemcpy(prefix, op->result.recv_rank_prefix, sizeof(int) * (b->num_ranks + 1),

@@ -44,7 +44,9 @@ extern "C" {
   X(LL_DISPATCH_RECV, "ll", "ll dispatch recv", "block")     \
   X(LL_COMBINE_SEND, "ll", "ll combine send", "block")       \
   X(LL_COMBINE_WAIT, "ll", "ll combine wait", "ranks")       \
-  X(LL_COMBINE_REDUCE, "ll", "ll combine reduce", "tokens")
+  X(LL_COMBINE_REDUCE, "ll", "ll combine reduce", "tokens")  \
+  X(EXPAND_FAN_OUT_WAIT, "dispatch", "fan-out wait", "row")  \
+  X(EXPAND_FAN_OUT_TOKEN, "dispatch", "fan-out token", "row")
 
 typedef enum epx__trace_tag {
 #define EPX_TRACE_TAG_ENUM_(name, cat, label, arg) EPX_TRACE_##name,

@@ -120,9 +120,13 @@ __device__ __forceinline__ void fan_out_token(const int *list, int K, int cap, i
 /* DURING's fan-out blocks (those whose start ticket comes after the sending blocks'). Work order:
  * source s's rows are [rank_prefix[s], rank_prefix[s + 1]); its sending block b covers about the
  * b-th of G equal parts of them and writes its tokens in order, so rows land part by part in
- * parallel. Item (q, s, b), q slowest, is the q-th row of part b of source s; the fan-out warps
- * take items in that order, close to the order of arrival (an uneven routing only makes it less
- * close). */
+ * parallel. Item (q, s, b), q slowest, is the q-th row of part b of source s, and warp w of the W
+ * fan-out warps owns items w, w + W, w + 2W, ... It takes them 32 at a time (lane l stands for
+ * the l-th) and copies whichever has landed, not the first in order: the parts' bounds here are
+ * only estimates (a sending block's share is so many tokens, of which a varying number come to
+ * this rank), so an item can be the previous part's last row, landing at the very end. Waiting
+ * for the items in order, a warp whose first item was such a row copied its other eight, long
+ * landed, one after another after it: a 35-40 us tail (4x H200, traced). */
 __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
                                                const epx__expand_dispatch_launch_args_t &xa,
                                                const epx__recv_meta_t *meta, int fan_block, int n16,
@@ -149,33 +153,61 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
   const long long warps = (long long)xa.fan_out_blocks * kWarps;
   /* One budget for the whole fan-out, as block 0's wait for every source has. */
   const uint64_t t0 = epx::globaltimer_ns();
-  for (long long it = (long long)fan_block * kWarps + threadIdx.x / 32; it < items; it += warps) {
-    const int b = (int)(it % G), s = (int)((it / G) % R), q = (int)(it / ((long long)G * R));
-    const int p0 = meta->rank_prefix[s], n_s = meta->rank_prefix[s + 1] - p0;
-    const int i = p0 + (int)((long long)n_s * b / G) + q;
-    if (i >= p0 + (int)((long long)n_s * (b + 1) / G)) continue;
-    epx::WaitResult r = epx::WaitResult::kReady;
-    if (lane == 0) {
-      const uint64_t spent = epx::globaltimer_ns() - t0;
-      r = epx::wait_until<64>(
-          spent < ctx.timeout_ns ? ctx.timeout_ns - spent : 0,
-          [&] { return epx::ld_relaxed_sys_u32(ready + i) == epoch; },
+  for (long long first = (long long)fan_block * kWarps + threadIdx.x / 32; first < items;
+       first += 32 * warps) {
+    /* This lane's item: its row i, or -1 (past the end, or past its part's estimated end). */
+    const long long it = first + (long long)lane * warps;
+    int i = -1, s = 0;
+    if (it < items) {
+      const int b = (int)(it % G), q = (int)(it / ((long long)G * R));
+      s = (int)((it / G) % R);
+      const int p0 = meta->rank_prefix[s], n_s = meta->rank_prefix[s + 1] - p0;
+      const int row = p0 + (int)((long long)n_s * b / G) + q;
+      if (row < p0 + (int)((long long)n_s * (b + 1) / G)) i = row;
+    }
+    unsigned pending = __ballot_sync(kFull, i >= 0);
+    const uint64_t t_wait = epx::trace_begin(ctx);
+    while (pending) {
+      unsigned landed = 0, dropped = 0; /* dropped: its source gave up the count exchange */
+      bool late = false;
+      /* Every lane polls its own item and the ballots make the result the warp's; the budget
+       * is checked in `abandon`, alike in every lane (a per-lane timer could split the warp),
+       * so wait_until's own budget is never reached. */
+      const epx::WaitResult r = epx::wait_until<64>(
+          ~0ull,
           [&] {
-            return *gave_up == epoch ||
-                   *(volatile const unsigned int *)&ctrl->notify_abort[s] == epoch;
+            const bool mine = (pending >> lane) & 1u;
+            const bool is_landed = mine && epx::ld_relaxed_sys_u32(ready + i) == epoch;
+            const bool is_dropped = mine && !is_landed &&
+                                    *(volatile const unsigned int *)&ctrl->notify_abort[s] == epoch;
+            landed = __ballot_sync(kFull, is_landed);
+            dropped = __ballot_sync(kFull, is_dropped);
+            return (landed | dropped) != 0u;
+          },
+          [&] {
+            late = __any_sync(kFull, epx::globaltimer_ns() - t0 > ctx.timeout_ns);
+            return late || __any_sync(kFull, *gave_up == epoch);
           });
+      if (r != epx::WaitResult::kReady) {
+        if (late && lane == __ffs(pending) - 1) {
+          epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, s, i, (long long)epoch);
+          *gave_up = epoch;
+        }
+        return; /* this call gave up: the other warps stop at their next poll */
+      }
+      pending &= ~(landed | dropped);
       /* The poll's acquire: a load, not a fence (a system fence would also wait for this
        * warp's stores of the previous token, serializing the tokens' copies). */
-      if (r == epx::WaitResult::kReady) (void)epx::ld_acquire_sys_u32(ready + i);
+      if ((landed >> lane) & 1u) (void)epx::ld_acquire_sys_u32(ready + i);
+      __syncwarp(); /* each landed lane's acquire orders the whole warp's reads below */
+      for (unsigned m = landed; m; m &= m - 1) {
+        const int row = __shfl_sync(kFull, i, __ffs(m) - 1);
+        const uint64_t t_copy = epx::trace_begin(ctx);
+        if (lane == 0) epx::trace_end(ctx, t_wait, EPX_TRACE_EXPAND_FAN_OUT_WAIT, row);
+        fan_out_token<true>(token_rows + (size_t)row * K, K, cap, x, scales, n16, scale_cols, lane);
+        if (lane == 0) epx::trace_end(ctx, t_copy, EPX_TRACE_EXPAND_FAN_OUT_TOKEN, row);
+      }
     }
-    r = (epx::WaitResult)__shfl_sync(kFull, (int)r, 0);
-    if (r == epx::WaitResult::kTimedOut && lane == 0) {
-      epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, s, i, (long long)epoch);
-      *gave_up = epoch;
-    }
-    if (r != epx::WaitResult::kReady) continue;
-    __syncwarp(); /* lane 0's acquire orders the whole warp's reads below */
-    fan_out_token<true>(token_rows + (size_t)i * K, K, cap, x, scales, n16, scale_cols, lane);
   }
 }
 
