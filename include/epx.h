@@ -174,7 +174,8 @@ typedef enum epx_expand_fan_out {
                                    sending blocks leave (EPX_EXPAND_FAN_OUT_BLOCKS lowers it),
                                    copy each token as its row lands (the sender marks it
                                    ready), overlapping the copies with the NVLink transfer: the
-                                   fastest standalone (567-571 us there, 1.09-1.10x the plain),
+                                   fastest standalone (540-544 us there, 1.04-1.05x the plain;
+                                   at 2 ranks 265 us, 1.13x),
                                    but the dispatch holds every SM of the GPU. Group creation
                                    refuses it where 2 x num_sms blocks do not fit */
 } epx_expand_fan_out_t;

@@ -112,9 +112,10 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
    * local HBM traffic instead of NVLink's. AFTER: a kernel after the dispatch (every SM, two
    * blocks each). DURING: more blocks of the dispatch kernel, as rows land: every SM the
    * sending blocks leave (EPX_EXPAND_FAN_OUT_BLOCKS lowers it). The copies are bound by the
-   * loads each warp keeps in flight, so they keep pace with NVLink only on many SMs (4x H200:
-   * 24 fan-out blocks 762 us, 48 608, 108 567, against 518 for the plain dispatch; docs/moe.md,
-   * "Fan-out DURING"). Group creation checked that 2 x num_sms blocks fit. */
+   * loads each warp keeps in flight, so they keep pace with NVLink only on many SMs (4x H200,
+   * before the fan-out took its tokens as they land: 24 fan-out blocks 762 us, 48 608, 108 567,
+   * against 518 for the plain dispatch; docs/moe.md, "Fan-out DURING"). Group creation checked
+   * that 2 x num_sms blocks fit. */
   if (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING) {
     const int64_t want = epx__param_ExpandFanOutBlocks();
     const int room = g->num_device_sms - g->config.num_sms;

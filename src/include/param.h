@@ -37,7 +37,7 @@ EPX_PARAM(LlRoute, "LL_ROUTE",
           0) /* 0: the library default; 1 DIRECT, 2 BY_RANK, 3 DISPATCH_BY_RANK */
 EPX_PARAM(ExpandFanOut, "EXPAND_FAN_OUT", 0) /* 0: the library default; 1 AFTER, 2 DURING */
 /* DURING: tokens a sending warp publishes per system-scope fence, 1..32 */
-EPX_PARAM(ExpandPublishBatch, "EXPAND_PUBLISH_BATCH", 8)
+EPX_PARAM(ExpandPublishBatch, "EXPAND_PUBLISH_BATCH", 2)
 /* DURING: the dispatch kernel's fan-out blocks; 0: every SM its sending blocks leave */
 EPX_PARAM(ExpandFanOutBlocks, "EXPAND_FAN_OUT_BLOCKS", 0)
 /* epx_moe_decode on a DIRECT combine: 1 the down projection sends its rows, 0 the combine does */
