@@ -73,6 +73,15 @@ static epx_status_t check_expand_args(epx_group_t g, const char *fn, const epx_d
 
 static const char kDispatchFn[] = "epx_dispatch_expand";
 
+int epx__expand_fan_out_blocks(int device_sms, int num_sms, int64_t want) {
+  const int room = device_sms - num_sms;
+  return want <= 0 || want > room ? room : (int)want;
+}
+
+int epx__expand_publish_batch(int64_t want) {
+  return want < 1 ? 1 : want > 32 ? 32 : (int)want;
+}
+
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
                                           const epx_dispatch_args_t *a,
                                           const epx_dispatch_expand_result_t *out,
@@ -116,13 +125,10 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
    * before the fan-out took its tokens as they land: 24 fan-out blocks 762 us, 48 608, 108 567,
    * against 518 for the plain dispatch; docs/moe.md, "Fan-out DURING"). Group creation checked
    * that 2 x num_sms blocks fit. */
-  if (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING) {
-    const int64_t want = epx__param_ExpandFanOutBlocks();
-    const int room = g->num_device_sms - g->config.num_sms;
-    xa.fan_out_blocks = want <= 0 || want > room ? room : (int)want;
-  }
-  const int64_t batch = epx__param_ExpandPublishBatch();
-  xa.publish_batch = batch < 1 ? 1 : batch > 32 ? 32 : (int)batch;
+  if (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING)
+    xa.fan_out_blocks = epx__expand_fan_out_blocks(g->num_device_sms, g->config.num_sms,
+                                                   epx__param_ExpandFanOutBlocks());
+  xa.publish_batch = epx__expand_publish_batch(epx__param_ExpandPublishBatch());
   EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
   if (xa.fan_out_blocks == 0) { /* AFTER: the fan-out is a kernel of its own */
     const epx__expand_fan_out_launch_args_t fa = {

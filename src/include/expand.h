@@ -9,6 +9,8 @@
 #ifndef EPX_EXPAND_H_
 #define EPX_EXPAND_H_
 
+#include <stdint.h>
+
 #include "epx.h"
 #include "kernels/api.h"
 
@@ -40,6 +42,12 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
 epx_status_t epx__dispatch_expand_finish(epx_group_t g, epx_handle_t h,
                                          const epx__expand_pending_t *pending,
                                          epx_dispatch_expand_result_t *out);
+
+/* DURING's fan-out blocks beside num_sms sending blocks: every SM those leave, or `want`
+ * (EPX_EXPAND_FAN_OUT_BLOCKS) when it is in 1..that. Pure; host-tested. */
+int epx__expand_fan_out_blocks(int device_sms, int num_sms, int64_t want);
+/* DURING's tokens per publish (EPX_EXPAND_PUBLISH_BATCH) clamped to 1..32. Pure; host-tested. */
+int epx__expand_publish_batch(int64_t want);
 
 /* epx_combine_expand of expert outputs left blocked by the prefill layer's batched GEMM:
  * block_rows > 0: local expert j's output rows at [j * block_rows, j * block_rows + count[j])

@@ -10,6 +10,7 @@
 
 #include "common/runner.h"
 #include "config.h"
+#include "expand.h"
 #include "epx.h"
 #include "workspace.h"
 
@@ -134,6 +135,24 @@ EPX_HOST_TEST(expand_calls_refuse_without_gpu, 10) {
 
 /* expand_fan_out: auto resolves to AFTER; a caller built against 0.1.0 (version 100) had tail
  * padding where the field now is, so whatever it holds is read as auto. */
+/* DURING's fan-out blocks and publish batch from their knobs: the defaults, values in range
+ * kept, the rest clamped (an H200: 132 SMs, num_sms 24 senders). */
+EPX_HOST_TEST(expand_during_knobs_clamp, 10) {
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 0), 108); /* default: every SM left */
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 48), 48);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 1), 1);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 108), 108);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 109), 108);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, -5), 108);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 66, 0), 66); /* the least group creation allows */
+  EXPECT_EQ_INT(epx__expand_publish_batch(2), 2);
+  EXPECT_EQ_INT(epx__expand_publish_batch(0), 1);
+  EXPECT_EQ_INT(epx__expand_publish_batch(-7), 1);
+  EXPECT_EQ_INT(epx__expand_publish_batch(32), 32);
+  EXPECT_EQ_INT(epx__expand_publish_batch(1000), 32);
+  return TEST_PASS;
+}
+
 EPX_HOST_TEST(expand_fan_out_resolves, 10) {
   epx_group_config_t c = expand_config(100), r;
   EXPECT_OK(epx__config_resolve(&c, 4, &r));
