@@ -176,8 +176,13 @@ typedef enum epx_expand_fan_out {
                                    ready), overlapping the copies with the NVLink transfer: the
                                    fastest standalone (540-544 us there, 1.04-1.05x the plain;
                                    at 2 ranks 265 us, 1.13x),
-                                   but the dispatch holds every SM of the GPU. Group creation
-                                   refuses it where 2 x num_sms blocks do not fit */
+                                   but the dispatch holds every SM of the GPU: kernels of
+                                   other streams wait for SMs meanwhile (a low-latency kernel
+                                   of another group, which needs all its blocks resident, can
+                                   time out), and in epx_moe_prefill's overlap the fan-out
+                                   blocks take the SMs the GEMMs free (not measured; AFTER is
+                                   the plan's default). Group creation refuses it where
+                                   2 x num_sms blocks do not fit */
 } epx_expand_fan_out_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each
