@@ -291,9 +291,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   int begin, end;
   epx::dispatch::block_share(aborted ? 0 : a.routing.num_tokens, role, senders, &begin, &end);
   /* DURING: the tokens whose ready words wait for the batch's fence; lane j holds the j-th
-   * (its token and the bit mask of the peers it went to). */
+   * (its token and the bit mask of the ranks it went to, this one included). */
   int pend_t = -1, npend = 0;
-  unsigned pend_peers = 0;
+  unsigned pend_ranks = 0;
   for (int t = begin + warp; t < end; t += kWarps) {
     const uint64_t t_token = epx::trace_begin(ctx);
     /* Lane k < K: slot k's expert (invalid ids are empty slots: the layout reported them). */
@@ -374,16 +374,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane < K && lane >= n_d) list[lane] = -1;
     }
     if (during) { /* publish, per batch: these tokens' rows, scales, infos and lists landed */
-      const unsigned peers = __reduce_or_sync(kFull, first ? 1u << d : 0u);
-      if (lane == npend) pend_t = t, pend_peers = peers;
+      const unsigned ranks = __reduce_or_sync(kFull, first ? 1u << d : 0u);
+      if (lane == npend) pend_t = t, pend_ranks = ranks;
       npend++;
       if (npend == xa.publish_batch || t + kWarps >= end) {
-        const unsigned any = __reduce_or_sync(kFull, lane < npend ? pend_peers : 0u);
+        const unsigned any = __reduce_or_sync(kFull, lane < npend ? pend_ranks : 0u);
         __syncwarp();
         if (lane == 0 && any) epx::fence_acq_rel_sys(); /* with the barrier: the warp's stores */
         for (int j = 0; any && j < npend; j++) {
           const int tj = __shfl_sync(kFull, pend_t, j);
-          const unsigned pj = __shfl_sync(kFull, pend_peers, j);
+          const unsigned pj = __shfl_sync(kFull, pend_ranks, j);
           for (unsigned m = lane == 0 ? pj : 0u; m; m &= m - 1) { /* after lane 0's fence */
             const int dd = __ffs(m) - 1;
             const int prow = dest_base[dd] + a.routing.token_pos_in_rank[(size_t)tj * R + dd];
