@@ -170,19 +170,21 @@ typedef enum epx_expand_fan_out {
   EPX_EXPAND_FAN_OUT_AFTER = 1, /* a kernel after the dispatch's wait for every source (on 4x
                                    H200 at 4096 tokens, H 7168: 648 us, 1.25x the plain
                                    dispatch's 518; docs/moe.md) */
-  EPX_EXPAND_FAN_OUT_DURING = 2 /* the dispatch kernel's other blocks, on every SM the num_sms
-                                   sending blocks leave (EPX_EXPAND_FAN_OUT_BLOCKS lowers it),
-                                   copy each token as its row lands (the sender marks it
-                                   ready), overlapping the copies with the NVLink transfer: the
-                                   fastest standalone (540-544 us there, 1.04-1.05x the plain;
-                                   at 2 ranks 265 us, 1.13x),
-                                   but the dispatch holds every SM of the GPU: kernels of
-                                   other streams wait for SMs meanwhile (a low-latency kernel
-                                   of another group, which needs all its blocks resident, can
-                                   time out), and in epx_moe_prefill's overlap the fan-out
-                                   blocks take the SMs the GEMMs free (not measured; AFTER is
-                                   the plan's default). Group creation refuses it where
-                                   2 x num_sms blocks do not fit */
+  EPX_EXPAND_FAN_OUT_DURING = 2 /* more blocks of the dispatch kernel (about 2 x num_sms at
+                                   4 ranks, 2.75 x at 2, top-8; EPX_EXPAND_FAN_OUT_BLOCKS
+                                   sets the count) copy each token as its row lands (the
+                                   sender marks it ready), overlapping the copies with the
+                                   NVLink transfer: the fastest standalone (4x H200, 4096
+                                   tokens, H 7168, num_sms 24: 511-513 us at 4 ranks, 0.98x
+                                   the plain dispatch; 257-258 us at 2 ranks, 1.09-1.10x;
+                                   docs/moe.md), but the dispatch holds num_sms + those SMs
+                                   while it runs: kernels of other streams get fewer SMs
+                                   meanwhile (a low-latency kernel of another group, which
+                                   needs all its blocks resident, can time out), and in
+                                   epx_moe_prefill's overlap the fan-out blocks take SMs the
+                                   GEMMs would use (docs/moe.md has the layer measured both
+                                   ways). Group creation refuses it where 2 x num_sms blocks
+                                   do not fit */
 } epx_expand_fan_out_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each

@@ -15,6 +15,7 @@
  * halves (expand.h): queue everything, then wait for the counts; the prefill layer queues the
  * next chunk's dispatch between them.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -73,9 +74,24 @@ static epx_status_t check_expand_args(epx_group_t g, const char *fn, const epx_d
 
 static const char kDispatchFn[] = "epx_dispatch_expand";
 
-int epx__expand_fan_out_blocks(int device_sms, int num_sms, int64_t want) {
+int epx__expand_fan_out_blocks(int device_sms, int num_sms, int num_ranks, int top_k,
+                               int64_t want) {
   const int room = device_sms - num_sms;
-  return want <= 0 || want > room ? room : (int)want;
+  if (want > 0) return want > room ? room : (int)want;
+  /* Too few fan-out blocks fall behind the landing rows; too many slow the transfer itself (their
+   * polls and copies share L2 and HBM with it). Measured on 4x H200 at num_sms 24 (59cefd9,
+   * epx_bench --rows normal, `epx dispatch expand during` median us against about 234 and 519
+   * for the plain dispatch): EP2, 48 / 56 / 64 / 72 / 80 / 88 / 108 blocks: 262 / 259 / 257 /
+   * 257 / 260 / 263 / 262; EP4, 24 / 32 / 40 / 48 / 56 / 72 / 108: 572 / 557 / 524 / 512 / 518 /
+   * 527 / 534. The best count follows the copies per received token, d = the token's rows on a
+   * rank beyond the first, under uniform routing: K / R experts on a rank it goes to, over the
+   * chance 1 - (1 - 1/R)^K that it goes there, less one (EP2 3.0, EP4 1.2, EP8 0.5). The line
+   * num_sms x (1.5 + 0.42 d) passes both optima (66 and 48 blocks); other SM counts and EP8 are
+   * not measured. */
+  const double p = 1.0 - pow(1.0 - 1.0 / num_ranks, top_k);
+  const double d = p > 0 ? (double)top_k / num_ranks / p - 1.0 : 0.0;
+  const long blocks = lround(num_sms * (1.5 + 0.42 * d));
+  return blocks < 1 ? 1 : blocks > room ? room : (int)blocks;
 }
 
 int epx__expand_publish_batch(int64_t want) {
@@ -119,15 +135,14 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
   xa.expand_pos = h->expand_pos;
   /* The payload comes once per (token, rank); the fan-out copies it to the token's other rows:
    * local HBM traffic instead of NVLink's. AFTER: a kernel after the dispatch (every SM, two
-   * blocks each). DURING: more blocks of the dispatch kernel, as rows land: every SM the
-   * sending blocks leave (EPX_EXPAND_FAN_OUT_BLOCKS lowers it). The copies are bound by the
-   * loads each warp keeps in flight, so they keep pace with NVLink only on many SMs (4x H200,
-   * before the fan-out took its tokens as they land: 24 fan-out blocks 762 us, 48 608, 108 567,
-   * against 518 for the plain dispatch; docs/moe.md, "Fan-out DURING"). Group creation checked
-   * that 2 x num_sms blocks fit. */
+   * blocks each). DURING: more blocks of the dispatch kernel, as rows land, as many as
+   * epx__expand_fan_out_blocks says (too few fall behind the landing rows, too many slow the
+   * transfer; docs/moe.md, "Fan-out DURING"). Group creation checked that 2 x num_sms blocks
+   * fit. */
   if (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING)
-    xa.fan_out_blocks = epx__expand_fan_out_blocks(g->num_device_sms, g->config.num_sms,
-                                                   epx__param_ExpandFanOutBlocks());
+    xa.fan_out_blocks =
+        epx__expand_fan_out_blocks(g->num_device_sms, g->config.num_sms, g->num_ranks,
+                                   g->config.top_k, epx__param_ExpandFanOutBlocks());
   xa.publish_batch = epx__expand_publish_batch(epx__param_ExpandPublishBatch());
   EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
   if (xa.fan_out_blocks == 0) { /* AFTER: the fan-out is a kernel of its own */

@@ -43,9 +43,10 @@ epx_status_t epx__dispatch_expand_finish(epx_group_t g, epx_handle_t h,
                                          const epx__expand_pending_t *pending,
                                          epx_dispatch_expand_result_t *out);
 
-/* DURING's fan-out blocks beside num_sms sending blocks: every SM those leave, or `want`
- * (EPX_EXPAND_FAN_OUT_BLOCKS) when it is in 1..that. Pure; host-tested. */
-int epx__expand_fan_out_blocks(int device_sms, int num_sms, int64_t want);
+/* DURING's fan-out blocks beside num_sms sending blocks, at most the SMs those leave:
+ * `want` (EPX_EXPAND_FAN_OUT_BLOCKS) when it is 1 or more, else a default that grows with the
+ * copies a received token needs (src/expand.c says how it was fitted). Pure; host-tested. */
+int epx__expand_fan_out_blocks(int device_sms, int num_sms, int num_ranks, int top_k, int64_t want);
 /* DURING's tokens per publish (EPX_EXPAND_PUBLISH_BATCH) clamped to 1..32. Pure; host-tested. */
 int epx__expand_publish_batch(int64_t want);
 

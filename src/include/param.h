@@ -38,7 +38,8 @@ EPX_PARAM(LlRoute, "LL_ROUTE",
 EPX_PARAM(ExpandFanOut, "EXPAND_FAN_OUT", 0) /* 0: the library default; 1 AFTER, 2 DURING */
 /* DURING: tokens a sending warp publishes per system-scope fence, 1..32 */
 EPX_PARAM(ExpandPublishBatch, "EXPAND_PUBLISH_BATCH", 2)
-/* DURING: the dispatch kernel's fan-out blocks; 0: every SM its sending blocks leave */
+/* DURING: the dispatch kernel's fan-out blocks (at most the SMs its sending blocks leave);
+ * 0: the default, epx__expand_fan_out_blocks */
 EPX_PARAM(ExpandFanOutBlocks, "EXPAND_FAN_OUT_BLOCKS", 0)
 /* epx_moe_decode on a DIRECT combine: 1 the down projection sends its rows, 0 the combine does */
 EPX_PARAM(MoeSendRows, "MOE_SEND_ROWS", 1)

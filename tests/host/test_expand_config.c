@@ -138,13 +138,20 @@ EPX_HOST_TEST(expand_calls_refuse_without_gpu, 10) {
 /* DURING's fan-out blocks and publish batch from their knobs: the defaults, values in range
  * kept, the rest clamped (an H200: 132 SMs, num_sms 24 senders). */
 EPX_HOST_TEST(expand_during_knobs_clamp, 10) {
-  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 0), 108); /* default: every SM left */
-  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 48), 48);
-  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 1), 1);
-  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 108), 108);
-  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 109), 108);
-  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, -5), 108);
-  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 66, 0), 66); /* the least group creation allows */
+  /* Defaults (top-8): the measured optima at EP2 and EP4, and the line's value elsewhere. */
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 2, 8, 0), 66);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 8, 0), 48);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 8, 8, 0), 41);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 1, 8, 0), 107); /* d = K - 1 */
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 1, -5), 36); /* d = 0: 1.5 x num_sms */
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 66, 2, 8, 0), 66);  /* the SMs left (what group
+                                                                         creation allows at least) */
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 1, 8, 8, 0), 2);
+  /* The knob: kept in 1..the SMs left, clamped above. */
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 8, 72), 72);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 8, 1), 1);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 8, 108), 108);
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 8, 109), 108);
   EXPECT_EQ_INT(epx__expand_publish_batch(2), 2);
   EXPECT_EQ_INT(epx__expand_publish_batch(0), 1);
   EXPECT_EQ_INT(epx__expand_publish_batch(-7), 1);
