@@ -361,8 +361,10 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   p->rows = g->layout.expand_rows;
   p->num_chunks = cfg.num_chunks ? cfg.num_chunks : 2;
   p->device_sms = g->num_device_sms;
-  /* The communication's SMs: num_sms, twice that with DURING (whose fan-out blocks past those
-   * take SMs as the GEMMs' blocks end: the plan reserves only what group creation checked). */
+  /* The communication's SMs: num_sms, twice that with DURING. DURING's fan-out blocks
+   * (epx__expand_fan_out_blocks) can be more than num_sms (66 at EP2 with 24 senders); those past
+   * the reserve take SMs as the GEMMs' blocks end. The plan reserves only what group creation
+   * checked; docs/moe.md has the layer measured with DURING (slower than AFTER). */
   const int comm_sms =
       g->config.num_sms * (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING ? 2 : 1);
   p->gemm_sms = cfg.gemm_sms ? cfg.gemm_sms : g->num_device_sms - comm_sms;

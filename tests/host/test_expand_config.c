@@ -143,7 +143,8 @@ EPX_HOST_TEST(expand_during_knobs_clamp, 10) {
   EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 8, 0), 48);
   EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 8, 8, 0), 41);
   EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 1, 8, 0), 107); /* d = K - 1 */
-  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 1, -5), 36); /* d = 0: 1.5 x num_sms */
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 1, 0), 36);  /* d = 0: 1.5 x num_sms */
+  EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 24, 4, 8, -5), 48); /* negative: the default */
   EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 66, 2, 8, 0), 66);  /* the SMs left (what group
                                                                          creation allows at least) */
   EXPECT_EQ_INT(epx__expand_fan_out_blocks(132, 1, 8, 8, 0), 2);
