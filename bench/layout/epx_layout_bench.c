@@ -34,7 +34,7 @@
 typedef struct options {
   int tokens[MAX_LIST], num_tokens;
   int ranks[MAX_LIST], num_ranks;
-  int num_experts, top_k, int32_ids, from_mask;
+  int num_experts, top_k, int32_ids, from_mask, expand;
   int iters, warmup, device;
   uint64_t seed;
 } options_t;
@@ -48,6 +48,7 @@ static void usage(FILE *f) {
           "  --topk K           experts per token, distinct (default 8)\n"
           "  --int32            int32 expert ids (default int64)\n"
           "  --mask             the rank-mask variant (epx_dispatch with is_token_in_rank)\n"
+          "  --expand           the expert-major variant (epx_dispatch_expand: expand_pos too)\n"
           "  --iters N          timed iterations per shape (default 200)\n"
           "  --warmup N         untimed iterations before them (default 20)\n"
           "  --seed N           routing seed (default 1)\n"
@@ -79,6 +80,9 @@ static int parse_options(int argc, char **argv, options_t *o) {
     } else if (!strcmp(a, "--mask")) {
       o->from_mask = 1;
       continue;
+    } else if (!strcmp(a, "--expand")) {
+      o->expand = 1;
+      continue;
     } else if (!v) {
       bad = 1;
     } else if (!strcmp(a, "--tokens")) {
@@ -107,6 +111,12 @@ static int parse_options(int argc, char **argv, options_t *o) {
     }
     i++;
   }
+  if (o->from_mask && o->expand) {
+    fprintf(stderr,
+            "epx_layout_bench: --mask and --expand exclude each other (expert-major "
+            "positions need ids)\n");
+    return 2;
+  }
   int ok = o->num_experts >= 1 && o->num_experts <= EPX_MAX_EXPERTS && o->top_k >= 1 &&
            o->top_k <= EPX_MAX_TOP_K && o->top_k <= o->num_experts && o->iters >= 1 &&
            o->warmup >= 0;
@@ -130,6 +140,7 @@ typedef struct buffers {
   int *per_rank, *per_expert;
   uint8_t *in_rank;
   int *pos;
+  int *expand_pos; /* [T, K] (--expand) */
 } buffers_t;
 
 typedef struct shape {
@@ -156,6 +167,7 @@ static epx_status_t launch(const options_t *o, one_gpu_ctx_t *c, const buffers_t
   a.from_mask = o->from_mask;
   a.in_rank_mask = o->from_mask ? b->mask_in : NULL;
   a.in_tokens_per_expert = o->from_mask ? b->per_expert_in : NULL;
+  a.expand_pos = o->expand ? b->expand_pos : NULL;
   return epx__layout_launch(&c->ctx, &a, stream);
 }
 
@@ -198,6 +210,31 @@ static int time_shape(const options_t *o, one_gpu_ctx_t *c, const buffers_t *b, 
   return 0;
 }
 
+/* --expand: slot k of token t's position among the call's tokens listing its expert, in token
+ * order (-1 for an invalid id; a repeated expert gets its first slot's); what the layout kernel
+ * writes to expand_pos (src/kernels/layout.cu). Returns the entries of got that differ. */
+static long long count_wrong_expand(const int64_t *idx, int T, int K, int E, const int *got) {
+  int *next = calloc(E, sizeof(int)), *ref = malloc(sizeof(int) * ((size_t)T * K + 1));
+  long long wrong = -1;
+  if (next && ref) {
+    wrong = 0;
+    for (int t = 0; t < T; t++)
+      for (int k = 0; k < K; k++) {
+        const int64_t e = idx[(size_t)t * K + k];
+        int *r = &ref[(size_t)t * K + k];
+        *r = -1;
+        if (e < 0 || e >= E) continue;
+        int first = k;
+        for (int j = 0; j < k && first == k; j++)
+          if (idx[(size_t)t * K + j] == e) first = j;
+        *r = first == k ? next[e]++ : ref[(size_t)t * K + first];
+      }
+    for (size_t i = 0; i < (size_t)T * K; i++) wrong += got[i] != ref[i];
+  }
+  free(next), free(ref);
+  return wrong;
+}
+
 /* Entries of the last iteration's outputs that differ from the reference; -1 on a CUDA error. */
 static long long count_wrong(const options_t *o, const buffers_t *b, const shape_t *s) {
   const int T = s->T, R = s->R, E = o->num_experts;
@@ -222,6 +259,16 @@ static long long count_wrong(const options_t *o, const buffers_t *b, const shape
   for (int r = 0; r < R; r++) wrong += got_rank[r] != ref_rank[r];
   for (int e = 0; e < E; e++) wrong += got_expert[e] != ref_expert[e];
   for (size_t i = 0; i < TR; i++) wrong += (got_in[i] != ref_in[i]) + (got_pos[i] != ref_pos[i]);
+  if (o->expand) {
+    const size_t TK = (size_t)T * o->top_k;
+    int *got_x = malloc(sizeof(int) * (TK + 1));
+    const long long w = got_x && cudaMemcpy(got_x, b->expand_pos, sizeof(int) * TK,
+                                            cudaMemcpyDeviceToHost) == cudaSuccess
+                            ? count_wrong_expand(s->idx, T, o->top_k, E, got_x)
+                            : -1;
+    free(got_x);
+    wrong = w < 0 ? -1 : wrong + w;
+  }
 out:
   free(ref_rank), free(ref_expert), free(got_rank), free(got_expert);
   free(ref_in), free(got_in), free(ref_pos), free(got_pos);
@@ -271,7 +318,8 @@ static int run(const options_t *o) {
   for (size_t i = 0; i < (size_t)max_t * K; i++) idx32[i] = (int32_t)idx[i];
 
   one_gpu_ctx_t c;
-  BENCH_CUDA(one_gpu_ctx_create(&c, max_t > 0 ? max_t : 1, 10000));
+  BENCH_CUDA(o->expand ? one_gpu_ctx_create_expand(&c, max_t > 0 ? max_t : 1, 10000)
+                       : one_gpu_ctx_create(&c, max_t > 0 ? max_t : 1, 10000));
   buffers_t b;
   memset(&b, 0, sizeof b);
   BENCH_CUDA(cudaMalloc(&b.idx, sizeof(int64_t) * ((size_t)max_t * K + 1)));
@@ -281,6 +329,7 @@ static int run(const options_t *o) {
   BENCH_CUDA(cudaMalloc((void **)&b.per_expert, sizeof(int) * E));
   BENCH_CUDA(cudaMalloc((void **)&b.in_rank, (size_t)max_t * max_r + 1));
   BENCH_CUDA(cudaMalloc((void **)&b.pos, sizeof(int) * ((size_t)max_t * max_r + 1)));
+  BENCH_CUDA(cudaMalloc((void **)&b.expand_pos, sizeof(int) * ((size_t)max_t * K + 1)));
   if (o->int32_ids)
     BENCH_CUDA(
         cudaMemcpy(b.idx, idx32, sizeof(int32_t) * (size_t)max_t * K, cudaMemcpyHostToDevice));
@@ -327,8 +376,10 @@ static int run(const options_t *o) {
       const double med = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
       const double p99 = us[(99 * n + 99) / 100 - 1]; /* the ceil(0.99 n)-th smallest */
       printf("%-8s %7d %5d %7d %4d %5s %9.2f %9.2f %9.2f %9.2f %6lld\n",
-             o->from_mask ? "layout/m" : "layout", s.T, R, E, K, o->int32_ids ? "int32" : "int64",
-             med, p99, us[0], us[n - 1], wrong);
+             o->from_mask ? "layout/m"
+             : o->expand  ? "layout/x"
+                          : "layout",
+             s.T, R, E, K, o->int32_ids ? "int32" : "int64", med, p99, us[0], us[n - 1], wrong);
       fflush(stdout);
       failed |= wrong != 0 || err.status != 0;
     }
@@ -338,7 +389,7 @@ static int run(const options_t *o) {
   cudaEventDestroy(ready);
   cudaStreamDestroy(stream);
   cudaFree(b.idx), cudaFree(b.mask_in), cudaFree(b.per_expert_in), cudaFree(b.per_rank);
-  cudaFree(b.per_expert), cudaFree(b.in_rank), cudaFree(b.pos);
+  cudaFree(b.per_expert), cudaFree(b.in_rank), cudaFree(b.pos), cudaFree(b.expand_pos);
   one_gpu_ctx_destroy(&c);
   free(idx), free(idx32), free(mask), free(per_expert), free(us), free(ev);
   return failed ? 1 : 0;

@@ -10,12 +10,13 @@
 
 #include "workspace.h"
 
-cudaError_t one_gpu_ctx_create(one_gpu_ctx_t *c, int max_tokens, int timeout_ms) {
+static cudaError_t create(one_gpu_ctx_t *c, int max_tokens, int timeout_ms, int expand) {
   memset(c, 0, sizeof *c);
   epx__ws_layout_t l;
-  /* modes = 0: no normal or low-latency region; the other sizes only shape those. */
-  epx__ws_layout_init(&l, 1, max_tokens, 128, EPX_MAX_EXPERTS, EPX_MAX_TOP_K, EPX_DTYPE_BF16, 0, 1,
-                      0);
+  /* modes = 0: no normal or low-latency region; the other sizes only shape those. With expand,
+   * normal mode and one expert-major row: the layout region gets its expert columns. */
+  epx__ws_layout_init(&l, 1, max_tokens, 128, EPX_MAX_EXPERTS, EPX_MAX_TOP_K, EPX_DTYPE_BF16,
+                      expand ? EPX_MODE_NORMAL : 0, 1, expand ? 1 : 0);
   cudaError_t e = cudaMalloc((void **)&c->workspace, l.total_bytes);
   if (e == cudaSuccess) e = cudaMemset(c->workspace, 0, l.total_bytes);
   if (e == cudaSuccess)
@@ -36,6 +37,14 @@ cudaError_t one_gpu_ctx_create(one_gpu_ctx_t *c, int max_tokens, int timeout_ms)
   c->ctx.layout = l;
   c->ctx.trace = NULL;
   return cudaSuccess;
+}
+
+cudaError_t one_gpu_ctx_create(one_gpu_ctx_t *c, int max_tokens, int timeout_ms) {
+  return create(c, max_tokens, timeout_ms, 0);
+}
+
+cudaError_t one_gpu_ctx_create_expand(one_gpu_ctx_t *c, int max_tokens, int timeout_ms) {
+  return create(c, max_tokens, timeout_ms, 1);
 }
 
 void one_gpu_ctx_destroy(one_gpu_ctx_t *c) {

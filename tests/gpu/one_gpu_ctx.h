@@ -27,6 +27,10 @@ typedef struct one_gpu_ctx {
  * timeout_ms bounds each of its kernels' waits. Returns cudaSuccess, or the failing call's error
  * (everything allocated so far released). */
 cudaError_t one_gpu_ctx_create(one_gpu_ctx_t *c, int max_tokens, int timeout_ms);
+/* The same, with the layout region's expert-major scan columns too (the layout kernel's kExpand
+ * variant, which epx_dispatch_expand runs): a normal-mode workspace of one rank with one
+ * expert-major row, enough for layout calls with expand_pos. */
+cudaError_t one_gpu_ctx_create_expand(one_gpu_ctx_t *c, int max_tokens, int timeout_ms);
 /* Release it (synchronizes the device). NULL fields are skipped. */
 void one_gpu_ctx_destroy(one_gpu_ctx_t *c);
 /* The async error recorded since the last call (out->status 0: none), then rearm the record as
