@@ -220,8 +220,14 @@ static int run_case(const ffn_case_t *c) {
 }
 
 /* Counts of the masked-layout cases, with idle, 1, 8, 9 (past a multiple of 8), 33 and 70
- * rows (several passes), one past the room and one negative. */
+ * rows (several passes), one past the room and one negative. The "many CTAs" cases have more
+ * (expert, 256-row tile, pass) items than a GPU has SMs (40 experts, 4 tiles per projection, 0
+ * to 2 passes: about 190 items), so a GEMM whose CTAs walk several items each (a persistent
+ * kernel) is checked across items too. */
 EPX_ONE_GPU_TEST(experts_ffn_masked_matches_reference, 300) {
+  static const int count40[40] = {0,  1, 9,  33, 40, 8,  17, 32, 0, 25, 40, 3,  12, 39,
+                                  31, 2, 40, 0,  16, 24, 33, 7,  8, 40, 1,  36, 0,  20,
+                                  29, 5, 40, 11, 0,  38, 9,  14, 4, 27, 40, 30};
   static const int count6[6] = {0, 1, 9, 33, 70, 8};
   static const int count_cut[6] = {80, -3, 8, 1, 0, 72}; /* room 72: 80 is cut to 72 */
   static const int count3[3] = {8, 32, 5};
@@ -235,6 +241,8 @@ EPX_ONE_GPU_TEST(experts_ffn_masked_matches_reference, 300) {
       {"fp8 qwen3", 3, 2048, 768, 1, 1, 3 * 40, 40, count3, NULL},
       {"bf16 long K", 3, 7168, 256, 0, 0, 3 * 32, 32, count3, NULL},
       {"fp8 long K", 3, 7168, 256, 1, 0, 3 * 32, 32, count3, NULL},
+      {"bf16 many CTAs", 40, 1024, 512, 0, 0, 40 * 40, 40, count40, NULL},
+      {"fp8 many CTAs (x fp8)", 40, 1024, 512, 1, 1, 40 * 40, 40, count40, NULL},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
     if (run_case(&cases[i]) != TEST_PASS) return TEST_FAIL;
