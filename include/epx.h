@@ -173,19 +173,18 @@ typedef enum epx_expand_fan_out {
   EPX_EXPAND_FAN_OUT_DURING = 2 /* num_sms x 2 more blocks of the dispatch kernel at 4
                                    ranks, x 2.75 at 2 (top-8; cut to the SMs the sending
                                    blocks leave; EPX_EXPAND_FAN_OUT_BLOCKS sets the count)
-                                   copy each token as its row lands (the
-                                   sender marks it ready), overlapping the copies with the
-                                   NVLink transfer: the fastest standalone (4x H200, 4096
-                                   tokens, H 7168, num_sms 24: 511-513 us at 4 ranks, 0.98x
-                                   the plain dispatch; 255 us at 2 ranks, 1.09-1.10x;
-                                   docs/moe.md), but the dispatch holds num_sms + those SMs
-                                   while it runs: kernels of other streams get fewer SMs
-                                   meanwhile (a low-latency kernel of another group, which
-                                   needs all its blocks resident, can time out), and in
-                                   epx_moe_prefill's overlap the fan-out blocks take SMs the
-                                   GEMMs would use (docs/moe.md has the layer measured both
-                                   ways). Group creation refuses it where 2 x num_sms blocks
-                                   do not fit */
+                                   copy each token as its row lands (the sender marks it
+                                   ready), overlapping the copies with the NVLink transfer:
+                                   the fastest standalone (4x H200, 4096 tokens, H 7168,
+                                   num_sms 24: 511-513 us at 4 ranks, 0.98x the plain
+                                   dispatch; 255 us at 2 ranks, 1.09-1.10x; docs/moe.md),
+                                   but the dispatch holds num_sms + those SMs while it runs:
+                                   kernels of other streams get fewer SMs meanwhile (a
+                                   low-latency kernel of another group, which needs all its
+                                   blocks resident, can time out), and in epx_moe_prefill's
+                                   overlap the fan-out blocks take SMs the GEMMs would use
+                                   (docs/moe.md has the layer measured both ways). Group
+                                   creation refuses it where 2 x num_sms blocks do not fit */
 } epx_expand_fan_out_t;
 
 /* epx_workspace_size - bytes of symmetric workspace a group with this config allocates on each

@@ -20,18 +20,19 @@
  *   AFTER:  expand_fan_out, the next kernel on the receiver's stream (113 us of HBM traffic at
  *           EP4, 4096 tokens, H 7168, a2f5d44: most of the expand row's 131 us over the plain).
  *   DURING: the dispatch kernel has fan_out_blocks more blocks (epx__expand_fan_out_blocks:
- *           by the copies a token needs, 48 at EP4 with 24 senders). After a token's stores to a
- * rank, the sender's warp publishes its plain row there as ready (the call's notify epoch into
- * expand_ready[row], a system-scope release after a warp barrier; one fence per publish_batch
- * tokens, EPX_EXPAND_PUBLISH_BATCH, default 2: a warp sends only about 11 tokens, and at 8 most
- *           were published together near its end, 290 against 265 us at EP2); the receiver's
- *           fan-out warps copy each token once its ready word is seen (below), so the copies
- *           overlap the NVLink transfer (4x H200, e8d91a5: 544 us against 518 for the plain
- *           dispatch; the last copy ends 4 us after the last source's rows landed).
- *           A rank's own tokens take the same path (their ready words are local stores).
- *           Waits are bounded; a fan-out warp that gives up raises EPX_ERR_TIMEOUT
- *           (stage DISPATCH) and marks the call given up so the others stop at once; a source
- *           that gave up the count exchange is skipped (block 0 raises it, as for AFTER).
+ *           by the copies a token needs, 48 at EP4 with 24 senders). After a token's stores to
+ *           a rank, the sender's warp publishes its plain row there as ready (the call's notify
+ *           epoch into expand_ready[row], a system-scope release after a warp barrier; one fence
+ *           per publish_batch tokens, EPX_EXPAND_PUBLISH_BATCH, default 2: a warp sends only
+ *           about 11 tokens, and at 8 most were published together near its end, 290 against
+ *           265 us at EP2); the receiver's fan-out warps copy each token once its ready word is
+ *           seen (below), so the copies overlap the NVLink transfer (4x H200, e8d91a5: 544 us
+ *           against 518 for the plain dispatch; the last copy ends 4 us after the last
+ *           source's rows landed). A rank's own tokens take the same path (their ready words
+ *           are local stores). Waits are bounded; a fan-out warp that gives up raises
+ *           EPX_ERR_TIMEOUT (stage DISPATCH) and marks the call given up so the others stop at
+ *           once; a source that gave up the count exchange is skipped (block 0 raises it, as
+ *           for AFTER).
  *
  * Roles as normal_dispatch.cu: num_blocks sending blocks of kThreads, one warp per token over a
  * contiguous share, lane k < K standing for slot k; then every sending block's completion signal
