@@ -4,6 +4,7 @@
  *
  *   build/bin/epx_experts_bench [--ranks 2] [--tokens 1,32,128,512] [--iters 50]
  *                               [--shape deepseek|qwen3|all] [--dtype bf16|fp8|all] [--seed N]
+ *                               [--x bf16|fp8]
  *
  * Per shape and dtype, the E/R experts one rank of an R-rank group holds; per token count T,
  * the rows they receive when each of R x T tokens picks top-k distinct experts of E uniformly
@@ -15,6 +16,8 @@
  * Shapes: deepseek = DeepSeek-V3 experts (H 7168, I 2048, 256 experts, top-8);
  *         qwen3    = Qwen3-30B-A3B experts (H 2048, I 768, 128 experts, top-8).
  * Weights are random (BF16 of U(-1, 1) / sqrt(K); FP8 codes with block scales), x is BF16.
+ * --x fp8: with FP8 weights, x as FP8 codes with per-128-channel scales, as an FP8 dispatch
+ * delivers it (no quantize-x kernel in the call); those rows' dtype column reads "fp8x".
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -71,7 +74,7 @@ static void stats(float *t, int n, float *median, float *p99) {
 /* Returns 0, 2 for bad flags, or -1 after a failed call (reported). */
 static int run(int argc, char **argv) {
   int ranks = 2, iters = 50, tokens[16] = {1, 32, 128, 512}, num_tokens = 4;
-  const char *shape_sel = "all", *dtype_sel = "all";
+  const char *shape_sel = "all", *dtype_sel = "all", *x_sel = "bf16";
   uint64_t seed = 1;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--ranks") && i + 1 < argc)
@@ -86,16 +89,23 @@ static int run(int argc, char **argv) {
       shape_sel = argv[++i];
     else if (!strcmp(argv[i], "--dtype") && i + 1 < argc)
       dtype_sel = argv[++i];
+    else if (!strcmp(argv[i], "--x") && i + 1 < argc)
+      x_sel = argv[++i];
     else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
       seed = strtoull(argv[++i], NULL, 0);
     else {
       fprintf(stderr,
               "usage: %s [--ranks R] [--tokens 1,32,128,512] [--iters N] [--shape "
-              "deepseek|qwen3|all] [--dtype bf16|fp8|all] [--seed N]\n",
+              "deepseek|qwen3|all] [--dtype bf16|fp8|all] [--seed N] [--x bf16|fp8]\n",
               argv[0]);
       return 2;
     }
   }
+  if (strcmp(x_sel, "bf16") && strcmp(x_sel, "fp8")) {
+    fprintf(stderr, "epx_experts_bench: --x must be bf16 or fp8\n");
+    return 2;
+  }
+  const int x_fp8 = !strcmp(x_sel, "fp8");
   if (ranks < 1 || iters < 1 || num_tokens < 1) {
     fprintf(stderr, "epx_experts_bench: --ranks, --iters and --tokens must be positive\n");
     return 2;
@@ -150,6 +160,7 @@ static int run(int argc, char **argv) {
     const size_t H = sh->hidden, I = sh->intermediate, E = local;
     for (int fp8 = 0; fp8 <= 1; fp8++) {
       if (strcmp(dtype_sel, "all") && strcmp(dtype_sel, fp8 ? "fp8" : "bf16")) continue;
+      if (x_fp8 && !fp8) continue; /* FP8 x needs FP8 weights */
       const size_t elem = fp8 ? 1 : 2;
       const size_t gu_bytes = E * 2 * I * H * elem, dn_bytes = E * H * I * elem;
       epx_experts_t w = EPX_EXPERTS_INIT;
@@ -186,14 +197,24 @@ static int run(int argc, char **argv) {
         BENCH_CUDA(cudaMalloc((void **)&count_dev, sizeof(int) * E));
         BENCH_CUDA(cudaMemcpy(count_dev, count, sizeof(int) * E, cudaMemcpyHostToDevice));
         void *x, *out, *ws;
+        float *x_scales = NULL;
         size_t ws_bytes;
-        BENCH_CUDA(cudaMalloc(&x, (size_t)num_rows * H * 2));
+        const epx_dtype_t x_dtype = x_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+        BENCH_CUDA(cudaMalloc(&x, (size_t)num_rows * H * (x_fp8 ? 1 : 2)));
         BENCH_CUDA(cudaMalloc(&out, (size_t)num_rows * H * 2));
-        BENCH_CUDA(bench_fill_bf16(x, (size_t)num_rows * H, 2.f, seed + 5));
-        BENCH_EPX(epx_experts_ffn_workspace_size(&w, num_rows, EPX_DTYPE_BF16, &ws_bytes));
+        if (x_fp8) { /* codes of U(-448, 448)-like spread, scales around 2 / 448 */
+          const size_t n_scales = (size_t)num_rows * (H / 128);
+          BENCH_CUDA(cudaMalloc((void **)&x_scales, n_scales * 4));
+          BENCH_CUDA(bench_fill_fp8(x, (size_t)num_rows * H, seed + 5));
+          BENCH_CUDA(bench_fill_f32(x_scales, n_scales, 1.f / 448.f, 3.f / 448.f, seed + 6));
+        } else {
+          BENCH_CUDA(bench_fill_bf16(x, (size_t)num_rows * H, 2.f, seed + 5));
+        }
+        BENCH_EPX(epx_experts_ffn_workspace_size(&w, num_rows, x_dtype, &ws_bytes));
         BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
         epx_experts_ffn_args_t a = EPX_EXPERTS_FFN_ARGS_INIT;
-        a.x = x, a.num_rows = num_rows, a.expert_count = count_dev, a.rows_per_expert = rpe;
+        a.x = x, a.x_dtype = x_dtype, a.x_scales = x_scales;
+        a.num_rows = num_rows, a.expert_count = count_dev, a.rows_per_expert = rpe;
         a.out = out, a.workspace = ws, a.workspace_bytes = ws_bytes;
         for (int it = 0; it < 3; it++) BENCH_EPX(epx_experts_ffn(&w, &a, stream));
         for (int it = 0; it < iters; it++) {
@@ -210,10 +231,11 @@ static int run(int argc, char **argv) {
         printf(
             "experts ffn    %-8s %-4s  T %4d  E %3d  rows %6lld  active %3d  median %9.1f us  "
             "p99 %9.1f us  weights %8.1f MB  %7.0f GB/s  %.2f of hbm\n",
-            sh->name, fp8 ? "fp8" : "bf16", T, local, rows, active, med * 1e3, p99 * 1e3,
-            bytes / 1e6, gbs, gbs / hbm_gbs);
+            sh->name, fp8 ? (x_fp8 ? "fp8x" : "fp8") : "bf16", T, local, rows, active, med * 1e3,
+            p99 * 1e3, bytes / 1e6, gbs, gbs / hbm_gbs);
         fflush(stdout);
         BENCH_CUDA(cudaFree(x));
+        BENCH_CUDA(cudaFree(x_scales)); /* NULL with BF16 x: a no-op */
         BENCH_CUDA(cudaFree(out));
         BENCH_CUDA(cudaFree(ws));
         BENCH_CUDA(cudaFree(count_dev));

@@ -154,6 +154,28 @@ __device__ __forceinline__ unsigned look_back_thread(const epx__kernel_ctx_t &ct
   return prefix;
 }
 
+/* A token's n values, its row of a [T, n] int array, in 16- or 8-byte stores where n and the
+ * row's address allow: a warp's one-int stores at an n-int stride cost about 3 us of the
+ * expert-major layout's 16 at 4096 tokens, top-8 (1x H200, epx_layout_bench). */
+template <int kMax>
+__device__ __forceinline__ void store_token_row(int *row, const int (&v)[kMax], int n) {
+  static_assert(kMax % 4 == 0, "whole 16-byte groups");
+  const uintptr_t at = (uintptr_t)row;
+  if (n % 4 == 0 && at % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kMax; i += 4)
+      if (i < n) *(int4 *)(row + i) = make_int4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+  } else if (n % 2 == 0 && at % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < kMax; i += 2)
+      if (i < n) *(int2 *)(row + i) = make_int2(v[i], v[i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kMax; i++)
+      if (i < n) row[i] = v[i];
+  }
+}
+
 /* kExpand's dynamic shared memory, for E experts: lane bitmaps [kWarps][E] u32, then the
  * per-warp prefixes [kWarps][E] u16, then the tile's prefix per expert [E] u32. */
 __host__ __device__ constexpr size_t expand_smem_bytes(int E) {
@@ -337,25 +359,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   /* 4. Outputs. */
   if (t < T) {
+    int rank_pos[EPX_MAX_RANKS]; /* ranks past R: not stored */
 #pragma unroll
     for (int r = 0; r < EPX_MAX_RANKS; r++) {
-      if (r >= R) break;
-      const bool in_rank = (rank_mask >> r) & 1u;
-      const int offset = (int)col_prefix[r] + warp_count[warp][r] + lane_prefix[r];
-      if (a.is_token_in_rank) a.is_token_in_rank[(size_t)t * R + r] = in_rank ? 1 : 0;
-      if (a.token_pos_in_rank) a.token_pos_in_rank[(size_t)t * R + r] = in_rank ? offset : -1;
+      const bool in_rank = r < R && ((rank_mask >> r) & 1u);
+      rank_pos[r] = in_rank ? (int)col_prefix[r] + warp_count[warp][r] + lane_prefix[r] : -1;
+      if (a.is_token_in_rank && r < R) a.is_token_in_rank[(size_t)t * R + r] = in_rank ? 1 : 0;
     }
+    if (a.token_pos_in_rank) store_token_row(a.token_pos_in_rank + (size_t)t * R, rank_pos, R);
     if constexpr (kExpand) {
       const unsigned below = (1u << lane) - 1u;
+      int pos[EPX_MAX_TOP_K]; /* slots past K hold -1 and are not stored */
 #pragma unroll
       for (int k = 0; k < EPX_MAX_TOP_K; k++) {
-        if (k >= K) break;
         const int e = ids[k];
-        int pos = -1;
-        if (e >= 0)
-          pos = (int)(ex_tile[e] + ex_warp[warp * E + e] + __popc(ex_mask[warp * E + e] & below));
-        a.expand_pos[(size_t)t * K + k] = pos;
+        pos[k] =
+            e >= 0
+                ? (int)(ex_tile[e] + ex_warp[warp * E + e] + __popc(ex_mask[warp * E + e] & below))
+                : -1;
       }
+      store_token_row(a.expand_pos + (size_t)t * K, pos, K);
     }
   }
   if (kFromMask) { /* the caller's expert counts; tile 0 copies them */
