@@ -106,6 +106,10 @@ static int run(int argc, char **argv) {
     return 2;
   }
   const int x_fp8 = !strcmp(x_sel, "fp8");
+  if (x_fp8 && !strcmp(dtype_sel, "bf16")) {
+    fprintf(stderr, "epx_experts_bench: --x fp8 needs FP8 weights (--dtype fp8 or all)\n");
+    return 2;
+  }
   if (ranks < 1 || iters < 1 || num_tokens < 1) {
     fprintf(stderr, "epx_experts_bench: --ranks, --iters and --tokens must be positive\n");
     return 2;
