@@ -149,6 +149,7 @@ $(BUILD)/obj/src/blas_lib.o: CFLAGS += -DEPX_CUDA_LIBDIR='"$(CUDA_LIBDIR)"'
 # any target-specific assignment of NVCC_GENCODE, does not reach them).
 OBJ_GENCODE = $(NVCC_GENCODE)
 $(BUILD)/obj/src/kernels/experts_fp8.o: OBJ_GENCODE = $(NVCC_GENCODE_WGMMA)
+$(BUILD)/obj/src/kernels/moe_gemm_fp8.o: OBJ_GENCODE = $(NVCC_GENCODE_WGMMA)
 
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)

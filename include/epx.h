@@ -987,6 +987,14 @@ typedef enum epx_moe_ffn_backend {
                                     expert; a chunk whose blocks would add over 50% padding
                                     runs one GEMM per expert (docs/moe.md). Refused at
                                     creation with FP8 weights */
+  ,
+  EPX_MOE_FFN_EPX_GROUPED = 4 /* FP8 weights only: EPX's grouped FP8 GEMM, one launch per
+                                 projection for all of a chunk's experts, each expert's rows
+                                 read from device memory (TMA and wgmma; Hopper). No per-expert
+                                 host calls, so no GEMM lanes; FP8 on the wire as with cuBLAS.
+                                 Refused at creation with BF16 weights or on a GPU other than
+                                 compute capability 9.0. Faster than cuBLASLt at Qwen3-30B-A3B's
+                                 expert shape, slower at DeepSeek-V3's (docs/moe.md) */
 } epx_moe_ffn_backend_t;
 
 typedef struct epx_moe_prefill_config {
@@ -1021,13 +1029,14 @@ typedef struct epx_moe_prefill_config {
 
 /* What a plan resolved (epx_moe_prefill_get_info). */
 typedef struct epx_moe_prefill_info {
-  size_t size;     /* sizeof(epx_moe_prefill_info_t); set by EPX_MOE_PREFILL_INFO_INIT */
-  int num_chunks;  /* [OUT] of an overlapped call */
-  int num_groups;  /* [OUT] 1 (chain only) or 2 */
-  int ffn_backend; /* [OUT] EPX_MOE_FFN_CUBLAS, EPX_MOE_FFN_CUBLAS_GROUPED or EPX_MOE_FFN_EPX */
-  int gemm_sms;    /* [OUT] SM count target of overlapped GEMMs (not the batched down) */
-  int gate_up_out_fp32;   /* [OUT] FP8 cuBLASLt: 1 if the gate/up GEMM writes float32 (else BF16) */
-  int expert_alignment;   /* [OUT] the alignment the layer's dispatches pad each expert to */
+  size_t size;          /* sizeof(epx_moe_prefill_info_t); set by EPX_MOE_PREFILL_INFO_INIT */
+  int num_chunks;       /* [OUT] of an overlapped call */
+  int num_groups;       /* [OUT] 1 (chain only) or 2 */
+  int ffn_backend;      /* [OUT] EPX_MOE_FFN_CUBLAS, EPX_MOE_FFN_CUBLAS_GROUPED, EPX_MOE_FFN_EPX or
+                           EPX_MOE_FFN_EPX_GROUPED */
+  int gemm_sms;         /* [OUT] SM count target of overlapped GEMMs (not the batched down) */
+  int gate_up_out_fp32; /* [OUT] FP8 cuBLASLt: 1 if the gate/up GEMM writes float32 (else BF16) */
+  int expert_alignment; /* [OUT] the alignment the layer's dispatches pad each expert to */
   size_t workspace_bytes; /* [OUT] epx_moe_prefill_workspace_size */
   int gemm_lanes;         /* [OUT] streams the per-expert GEMMs run on (1 with EPX's FFN) */
   int dispatch_dtype;     /* [OUT] EPX_DTYPE_BF16 or EPX_DTYPE_FP8_E4M3: what the dispatches

@@ -20,6 +20,8 @@
  * runs over the blocks (blocked_begin: its segments), and down writes y blocked too, which the
  * combine maps back (epx__combine_expand_blocked). A chunk where blocks would cost too much
  * (epx__moe_block_rows: one expert with most rows) runs one GEMM per expert instead.
+ * EPX's grouped FP8 GEMM (EPX_MOE_FFN_EPX_GROUPED, plan->fp8_grouped): each projection of FP8
+ * weights is one launch over every expert's segment, its bounds read on the device; no lanes.
  */
 #include <string.h>
 
@@ -99,6 +101,25 @@ typedef struct {
 
 static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const epx__moe_rows_t *rows,
                             const int *lane, char *blas_ws, cudaStream_t stream) {
+  if (g->fp8 && p->fp8_grouped) { /* every expert in one launch, bounds read on the device */
+    const epx__moe_gemm_fp8_args_t ga = {.w = g->w,
+                                         .w_stride = g->w_stride,
+                                         .w_scales = g->w_scales,
+                                         .ws_stride = g->ws_stride,
+                                         .ws_kb = p->scales_kb[g->which],
+                                         .x = g->x,
+                                         .x_scales = g->x_scales,
+                                         .y = g->y,
+                                         .y_fp32 = g->which == 0 && p->gu_fp32,
+                                         .n = g->n,
+                                         .k = g->k,
+                                         .num_experts = p->L,
+                                         .begin = rows->begin_dev,
+                                         .x_rows = rows->num_rows,
+                                         .num_ctas = g->sm_target ? g->sm_target : p->device_sms,
+                                         .early_launch = 0};
+    return epx__moe_gemm_fp8_launch(&ga, stream);
+  }
   EPX_CHECK(fork_lanes(p, stream));
   epx_status_t st = EPX_OK;
   for (int j = 0; j < p->L && st == EPX_OK; j++) {
@@ -282,7 +303,7 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
 epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t *rows, char *ws,
                                      size_t ws_bytes, cudaStream_t stream) {
   const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
-  if (p->backend != EPX_MOE_FFN_CUBLAS || ws_bytes < l.total)
+  if (p->backend != EPX_MOE_FFN_CUBLAS || p->no_blas || ws_bytes < l.total)
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "epx__moe_gemm_reference: needs the cuBLAS backend and the workspace");
   const epx_experts_t *w = &p->experts;

@@ -198,6 +198,30 @@ static epx_status_t repack_scales(const float *src, int E, int n, int k, float *
 
 /* Which backend runs the FFN, and the gate/up output type of FP8 cuBLASLt. */
 static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int asked) {
+  if (asked == EPX_MOE_FFN_EPX_GROUPED) { /* FP8 weights (checked): EPX's grouped GEMM */
+    int dev = 0, major = 0, minor = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major != 9 || minor != 0)
+      return epx__set_error(EPX_ERR_UNSUPPORTED,
+                            "%s: config->ffn_backend = EPX_MOE_FFN_EPX_GROUPED needs a GPU of "
+                            "compute capability 9.0 (its kernel is built for sm_90a); this one "
+                            "is %d.%d",
+                            fn, major, minor);
+    if (!epx__moe_gemm_fp8_supported(2 * p->I, p->H, p->L) ||
+        !epx__moe_gemm_fp8_supported(p->H, p->I, p->L))
+      return epx__set_error(EPX_ERR_UNSUPPORTED,
+                            "%s: config->ffn_backend = EPX_MOE_FFN_EPX_GROUPED: hidden %d and "
+                            "intermediate %d must be multiples of 128, local experts %d at most "
+                            "%d",
+                            fn, p->H, p->I, p->L, EPX_MAX_EXPERTS);
+    /* The FP8 cuBLAS plan's workspace, scales and FP8 wire, its GEMMs replaced (moe_ffn.c) */
+    p->backend = EPX_MOE_FFN_CUBLAS;
+    p->fp8_grouped = 1;
+    p->gu_fp32 = 1; /* closest to the oracle: h from float32 gate and up */
+    return EPX_OK;
+  }
   p->backend = asked == EPX_MOE_FFN_EPX || p->no_blas ? EPX_MOE_FFN_EPX : EPX_MOE_FFN_CUBLAS;
   /* BF16 weights: auto takes the batched GEMM (docs/moe.md: faster at both of issue 16's
    * shapes on 4x H200, ba211eb); asked for, the weights were checked and cuBLAS loaded */
@@ -256,7 +280,9 @@ static epx_status_t choose_wire(const char *fn, epx_moe_prefill_t p, int asked) 
  * chunks that fall back to one GEMM per expert (a skewed routing). Lanes 1.. are streams of
  * the compute stream's priority. */
 static epx_status_t lanes_build(epx_moe_prefill_t p, int asked) {
-  p->lanes = p->backend == EPX_MOE_FFN_CUBLAS ? (asked ? asked : EPX__MOE_AUTO_LANES) : 1;
+  p->lanes = p->backend == EPX_MOE_FFN_CUBLAS && !p->fp8_grouped
+                 ? (asked ? asked : EPX__MOE_AUTO_LANES)
+                 : 1;
   if (p->lanes <= 1) return EPX_OK;
   int least = 0, greatest = 0;
   CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -327,9 +353,9 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
       cfg.num_chunks == 0 || (cfg.num_chunks >= 2 && cfg.num_chunks <= EPX__MOE_MAX_CHUNKS),
       "%s: config->num_chunks = %d: must be 0 (auto) or in [2, %d]", fn, cfg.num_chunks,
       EPX__MOE_MAX_CHUNKS);
-  EPX_ARG_CHECK(
-      cfg.ffn_backend >= EPX_MOE_FFN_AUTO && cfg.ffn_backend <= EPX_MOE_FFN_CUBLAS_GROUPED,
-      "%s: config->ffn_backend = %d: must be an epx_moe_ffn_backend_t", fn, cfg.ffn_backend);
+  EPX_ARG_CHECK(cfg.ffn_backend >= EPX_MOE_FFN_AUTO && cfg.ffn_backend <= EPX_MOE_FFN_EPX_GROUPED,
+                "%s: config->ffn_backend = %d: must be an epx_moe_ffn_backend_t", fn,
+                cfg.ffn_backend);
   epx_group_t g = groups[0];
   EPX_ARG_CHECK(cfg.gemm_sms >= 0 && cfg.gemm_sms <= g->num_device_sms,
                 "%s: config->gemm_sms = %d: must be in [0, the GPU's %d SMs]", fn, cfg.gemm_sms,
@@ -346,6 +372,11 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
       cfg.ffn_backend != EPX_MOE_FFN_CUBLAS_GROUPED || experts->weight_dtype == EPX_DTYPE_BF16,
       "%s: config->ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED needs BF16 weights (cuBLAS's "
       "batched GEMM has no FP8 block scaling); use EPX_MOE_FFN_CUBLAS for FP8",
+      fn);
+  EPX_ARG_CHECK(
+      cfg.ffn_backend != EPX_MOE_FFN_EPX_GROUPED || experts->weight_dtype == EPX_DTYPE_FP8_E4M3,
+      "%s: config->ffn_backend = EPX_MOE_FFN_EPX_GROUPED needs FP8 weights (it is an FP8 GEMM); "
+      "use EPX_MOE_FFN_CUBLAS_GROUPED for BF16",
       fn);
 
   epx_moe_prefill_t p = calloc(1, sizeof *p);
@@ -426,7 +457,9 @@ EPX_EXPORT epx_status_t epx_moe_prefill_get_info(epx_moe_prefill_t p,
                                    "EPX_MOE_PREFILL_INFO_INIT"));
   info->num_chunks = p->num_chunks;
   info->num_groups = p->num_groups;
-  info->ffn_backend = p->grouped ? EPX_MOE_FFN_CUBLAS_GROUPED : p->backend;
+  info->ffn_backend = p->grouped       ? EPX_MOE_FFN_CUBLAS_GROUPED
+                      : p->fp8_grouped ? EPX_MOE_FFN_EPX_GROUPED
+                                       : p->backend;
   info->gemm_sms = p->gemm_sms;
   info->gate_up_out_fp32 = p->gu_fp32;
   info->expert_alignment = EPX__MOE_ALIGN;

@@ -23,7 +23,9 @@
  * (--gemm-lanes, a list to compare them in one run); ffn = cublas (per-expert GEMMs,
  * EPX_MOE_FFN_CUBLAS), group
  * (--grouped: BF16 points once more with EPX_MOE_FFN_CUBLAS_GROUPED, one batched GEMM per
- * projection: what auto picks for BF16 weights; --grouped-only: BF16 points only so) or epx.
+ * projection: what auto picks for BF16 weights), egrp (--grouped: FP8 points once more with
+ * EPX_MOE_FFN_EPX_GROUPED, EPX's grouped FP8 GEMM; --grouped-only: every point only with its
+ * grouped backend) or epx.
  * --gemm-sms N[,M]: the plan's config.gemm_sms, a list to compare in one run; column sms
  * (info.gemm_sms) (cuBLAS's SM target while communication runs beside
  * the GEMMs). --timeline DIR (created if missing): after the timed calls, one layer and one
@@ -56,7 +58,8 @@ typedef struct {
   int chunks;
   int lanes[MOE_MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
   const char *timeline;               /* --timeline DIR: one layer and one chain call's kernels */
-  int grouped; /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED; 2: only those */
+  int grouped; /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED, FP8 ones with
+                  EPX_MOE_FFN_EPX_GROUPED; 2: only those */
   int gemm_sms[MOE_MAX_LIST], num_gemm_sms; /* --gemm-sms: config.gemm_sms values (0: default) */
 } options_t;
 
@@ -64,6 +67,7 @@ typedef struct {
 static const char *ffn_name(int backend) {
   return backend == EPX_MOE_FFN_CUBLAS           ? "cublas"
          : backend == EPX_MOE_FFN_CUBLAS_GROUPED ? "group"
+         : backend == EPX_MOE_FFN_EPX_GROUPED    ? "egrp"
                                                  : "epx";
 }
 
@@ -381,12 +385,13 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
         const moe_shape_t *s = &moe_shapes[o->m.shapes[i]];
         for (int q = 0; q < o->num_gemm_sms && !rc; q++) {
           const int sms = o->gemm_sms[q];
-          for (int m = 0; m < o->num_lanes && !rc && !(o->grouped == 2 && !o->m.fp8[j]); m++)
+          for (int m = 0; m < o->num_lanes && !rc && o->grouped != 2; m++)
             rc = bench_point(comm, rank, R, s, o->m.fp8[j], o->m.tokens[k], o->lanes[m], sms,
                              EPX_MOE_FFN_CUBLAS, o, stream);
-          if (!rc && o->grouped && !o->m.fp8[j]) /* one call per projection (auto lanes) */
-            rc = bench_point(comm, rank, R, s, 0, o->m.tokens[k], 0, sms,
-                             EPX_MOE_FFN_CUBLAS_GROUPED, o, stream);
+          if (!rc && o->grouped) /* one call per projection (auto lanes) */
+            rc = bench_point(comm, rank, R, s, o->m.fp8[j], o->m.tokens[k], 0, sms,
+                             o->m.fp8[j] ? EPX_MOE_FFN_EPX_GROUPED : EPX_MOE_FFN_CUBLAS_GROUPED, o,
+                             stream);
         }
       }
   cudaStreamDestroy(stream);
@@ -422,7 +427,8 @@ int main(int argc, char **argv) {
               "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
               "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
               "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped | --grouped-only "
-              "(BF16: no per-expert points)] [--gemm-sms N[,M] (0 = the plan's default)] "
+              "(only the grouped backends: no per-expert points)] [--gemm-sms N[,M] (0 = the "
+              "plan's default)] "
               "[--timeline DIR]\n",
               argv[0]);
       return 2;

@@ -12,7 +12,7 @@ from . import _capi, _tensors, errors
 from ._tensors import _torch, data_ptr, invalid_argument
 from ._tensors import stream_ptr as _stream_ptr
 
-FFN_BACKENDS = {"auto": 0, "cublas": 1, "epx": 2, "cublas_grouped": 3}
+FFN_BACKENDS = {"auto": 0, "cublas": 1, "epx": 2, "cublas_grouped": 3, "epx_grouped": 4}
 
 
 class MoePrefill:
@@ -21,11 +21,12 @@ class MoePrefill:
     max_tokens_per_rank x min(K, E/R) + 3 E/R); experts: this rank's epx.Experts; num_chunks:
     chunks of an overlapped call (0: 2); ffn_backend: "auto" ("cublas_grouped" for BF16
     weights, "cublas" for FP8), "cublas" (one GEMM per expert), "cublas_grouped" (BF16 weights:
-    one cuBLAS batched GEMM per projection for all experts) or "epx"; gemm_sms: SMs
+    one cuBLAS batched GEMM per projection for all experts), "epx_grouped" (FP8 weights: EPX's
+    grouped FP8 GEMM, one launch per projection for all experts; Hopper) or "epx"; gemm_sms: SMs
     the overlapped GEMMs are tuned for (0: the GPU's minus the group's num_sms; the batched
     down projection always uses every SM); gemm_lanes: streams the
     per-expert GEMMs run on at once (0: 4; cuBLAS backends); dispatch_dtype: what crosses NVLink,
-    "auto" (FP8 with FP8 weights on cuBLAS and groups with dtypes including "fp8"), "bf16" or
+    "auto" (FP8 with FP8 weights on cuBLAS or epx_grouped and groups with dtypes including "fp8"), "bf16" or
     "fp8"."""
 
     def __init__(self, groups, experts, *, num_chunks=0, ffn_backend="auto", gemm_sms=0,

@@ -512,6 +512,10 @@ def _n_moe_prefill(ctx):
     weights = [_prefill_experts(ctx, d, I) for d in range(ctx.R)]
     layer = None
     try:
+        c.raises(epx.errors.EpxInvalidArgument,
+                 lambda: epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]),
+                                        ffn_backend="epx_grouped"),
+                 "MoePrefill(ffn_backend='epx_grouped') with BF16 weights")
         for backend, chosen in (("auto", "cublas_grouped"), ("cublas", "cublas")):
             layer = epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]), ffn_backend=backend)
             c.check(layer.ffn_backend == chosen, f"MoePrefill({backend}) chose {layer.ffn_backend}")

@@ -97,6 +97,10 @@ struct epx_moe_prefill {
   int *blocked_begin;
   long long batched_chunks, unbatched_chunks;
   epx__moe_lt_algo_t algos[EPX__MOE_LT_CACHE];
+  /* EPX_MOE_FFN_EPX_GROUPED: the FP8 cuBLAS plan (backend CUBLAS: its workspace, repacked
+   * scales, FP8 wire) with each projection one launch of EPX's grouped FP8 GEMM
+   * (kernels/moe_gemm_fp8.cu) instead of a cuBLASLt call per expert; one lane. */
+  int fp8_grouped;
 };
 
 /* The workspace layout of a plan's calls (epx__moe_ws_layout with the plan's values). */

@@ -7,6 +7,7 @@
 #ifndef EPX_KERNELS_API_H_
 #define EPX_KERNELS_API_H_
 
+#include <cuda.h> /* CUtensorMap */
 #include <stdint.h>
 
 #include "epx.h"
@@ -321,6 +322,40 @@ typedef struct epx__moe_segment_scales_launch_args {
 
 epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch_args_t *args,
                                             cudaStream_t stream);
+
+/* The prefill layer's grouped FP8 GEMM (moe_gemm_fp8.cu): for every local expert j in
+ * [0, num_experts), on its segment [begin[j], begin[j + 1]) of the expert-major rows (device
+ * bounds; each segment a multiple of 4 rows starting at a multiple of 4):
+ *   y[r][c] = sum over k-blocks b of w_scale_j[c / 128][b] x_scale[r][b] x
+ *             sum over k in b of x[r][k] w_j[c][k]
+ * x: FP8 E4M3 [rows, k]; x_scales: per-segment, row r of segment j and block b at
+ * begin[j] * (k / 128) + b * S_j + (r - begin[j]) (epx__moe_rows_launch's layout); w_j at
+ * w + j * w_stride bytes (w_stride = n k: the weights are one [L n, k] matrix), [n, k] FP8; its
+ * scales at w_scales + j * ws_stride floats, [n / 128][ws_kb]; y [rows, n] float32 (y_fp32) or
+ * BF16. n a multiple of 128, k of 128 (epx__moe_gemm_fp8_supported). num_ctas persistent CTAs (the
+ * SMs the GEMM may use). */
+typedef struct epx__moe_gemm_fp8_args {
+  /* Set by the launcher (TMA): the weights as one [L n, k] matrix in boxes of 128 rows; x
+   * [x_rows, k] in boxes of 32, 64, 96 and 128 rows (a tile loads the one its rows need). */
+  CUtensorMap tmap_w, tmap_x[4];
+  const void *w;
+  size_t w_stride;
+  const float *w_scales;
+  size_t ws_stride;
+  int ws_kb;
+  const void *x;
+  const float *x_scales;
+  void *y;
+  int y_fp32;
+  int n, k, num_experts;
+  const int *begin; /* device [num_experts + 1] */
+  int x_rows;       /* rows x has (reads past them are zeros); 0: nothing to do */
+  int num_ctas;
+  int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
+} epx__moe_gemm_fp8_args_t;
+
+int epx__moe_gemm_fp8_supported(int n, int k, int num_experts);
+epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t *args, cudaStream_t stream);
 
 /* The prefill layer's batched GEMM (EPX_MOE_FFN_CUBLAS_GROUPED, moe_gemm.c): one cuBLAS call
  * over every local expert j in [0, num_experts), each on a block of block_rows rows; cuBLAS

@@ -42,10 +42,12 @@
 #include "kernels/fp8.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/ptx.cuh"
+#include "kernels/wgmma.cuh"
 
 namespace {
 
 using namespace epx::experts;
+using namespace epx::wgmma;
 
 constexpr int kCtaRows = 256;  /* weight rows of a CTA: 2 warpgroups x 2 m64 tiles */
 constexpr int kThreads = 256;  /* two warpgroups */
@@ -64,86 +66,6 @@ static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
 constexpr int kTileStride = kTokens + 1; /* epilogue tile [kCtaRows][kTileStride] floats */
 static_assert(kCtaRows * kTileStride * 4 <= kStages * kWStage, "the tile reuses the stages");
 static_assert(kTokens * 8 == kThreads, "one 16-byte piece of x per thread and stage");
-
-/* Shared-memory matrix descriptor: K-major, 128-byte swizzle (rows of 128 bytes, 8-row groups
- * 1024 bytes apart; the leading offset is unused in this mode). */
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-         ((uint64_t)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-/* cp.async writes are the generic proxy's; wgmma reads through the async proxy. */
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-/* Keeps the compiler from moving accumulator reads or writes across a wgmma wait. */
-template <int kRegs>
-__device__ __forceinline__ void fence_regs(float *r) {
-#pragma unroll
-  for (int i = 0; i < kRegs; i++) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-/* d (+)= A (64 x 32, desc a) * B (32 x N, desc b), E4M3 in, float32 out; accumulate = 0
- * overwrites d. d holds N / 2 floats a thread (the m16n8 fragment order per n8 column). */
-template <int kN>
-struct Wgmma;
-template <>
-struct Wgmma<8> {
-  static __device__ __forceinline__ void run(float *d, uint64_t a, uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, %4, %5, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(a), "l"(b), "r"(accumulate));
-  }
-};
-template <>
-struct Wgmma<16> {
-  static __device__ __forceinline__ void run(float *d, uint64_t a, uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, "
-        "p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7])
-        : "l"(a), "l"(b), "r"(accumulate));
-  }
-};
-template <>
-struct Wgmma<24> {
-  static __device__ __forceinline__ void run(float *d, uint64_t a, uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11}, %12, %13, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-        : "l"(a), "l"(b), "r"(accumulate));
-  }
-};
-template <>
-struct Wgmma<32> {
-  static __device__ __forceinline__ void run(float *d, uint64_t a, uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(accumulate));
-  }
-};
 
 /* One pass's copies: this thread's share of a stage (see issue()). */
 struct Loads {
@@ -232,24 +154,24 @@ __device__ __forceinline__ void mainloop(const Loads &ld, int num_stages, unsign
     auto step = [&](int ks, float(&p)[2][kN / 2]) {
 #pragma unroll
       for (int mt = 0; mt < 2; mt++) fence_regs<kN / 2>(p[mt]);
-      wgmma_fence();
+      fence();
 #pragma unroll
       for (int mt = 0; mt < 2; mt++)
         Wgmma<kN>::run(p[mt], smem_desc(a0 + mt * 64 * kRowBytes + ks * 32),
                        smem_desc(b0 + ks * 32), 0);
-      wgmma_commit();
+      commit();
     };
     step(0, part);
     step(1, part2);
-    wgmma_wait<1>();
+    wait<1>();
     promote(part);
     step(2, part);
-    wgmma_wait<1>();
+    wait<1>();
     promote(part2);
     step(3, part2);
-    wgmma_wait<1>();
+    wait<1>();
     promote(part);
-    wgmma_wait<0>();
+    wait<0>();
     promote(part2);
   }
   cp_async_wait<0>();

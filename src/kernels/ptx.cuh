@@ -124,6 +124,25 @@ __device__ __forceinline__ void bulk_load(void *smem, const void *gmem, uint32_t
       : "memory");
 }
 
+/* Arm the barrier for `bytes` more bytes of asynchronous copies (one arrival). */
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+/* Global -> shared through a tensor map (2D, the box its encoding fixed) at coordinates
+ * (c0 innermost, c1); completes `bytes` of the barrier's transaction count. The map must live
+ * in parameter (__grid_constant__), constant or global memory. */
+__device__ __forceinline__ void tma_load_2d(void *smem, const void *tensor_map, int c0, int c1,
+                                            uint64_t *bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3}], [%4];" ::"r"(smem_addr(smem)),
+      "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+
 /* Whether the barrier has completed the phase of the given parity. */
 __device__ __forceinline__ bool mbarrier_try_wait(uint64_t *bar, uint32_t parity) {
   uint32_t done;

@@ -117,19 +117,25 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
         c->name,
         info.ffn_backend == EPX_MOE_FFN_CUBLAS           ? "cuBLAS"
         : info.ffn_backend == EPX_MOE_FFN_CUBLAS_GROUPED ? "cuBLAS batched"
+        : info.ffn_backend == EPX_MOE_FFN_EPX_GROUPED    ? "EPX grouped FP8"
                                                          : "EPX",
         info.num_chunks, info.gemm_lanes,
         info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "FP8" : "BF16",
         info.gate_up_out_fp32 ? "float32" : "BF16", info.workspace_bytes);
-  /* auto sends FP8 exactly where the weights are FP8 and the FFN is cuBLAS */
-  const int want_fp8 = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS &&
-                       c->dispatch_dtype != EPX_DTYPE_BF16;
+  /* auto sends FP8 exactly where the weights are FP8 and the FFN is cuBLAS or EPX's grouped
+   * GEMM (both read the received FP8 rows as they are) */
+  const int gemm_fp8 = c->fp8_weights && (info.ffn_backend == EPX_MOE_FFN_CUBLAS ||
+                                          info.ffn_backend == EPX_MOE_FFN_EPX_GROUPED);
+  const int want_fp8 = gemm_fp8 && c->dispatch_dtype != EPX_DTYPE_BF16;
   EXPECT_EQ_INT(info.dispatch_dtype, want_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16);
-  /* lanes with cuBLAS (the batched plan's for its per-expert fallback), none with EPX's FFN */
-  EXPECT_EQ_INT(info.gemm_lanes, info.ffn_backend != EPX_MOE_FFN_EPX
-                                     ? (c->gemm_lanes ? c->gemm_lanes : EPX__MOE_AUTO_LANES)
-                                     : 1);
-  if (c->backend == EPX_MOE_FFN_CUBLAS_GROUPED) EXPECT_EQ_INT(info.ffn_backend, c->backend);
+  /* lanes with cuBLAS (the batched plan's for its per-expert fallback), none with EPX's FFN or
+   * grouped GEMM (one launch per projection) */
+  EXPECT_EQ_INT(info.gemm_lanes,
+                info.ffn_backend != EPX_MOE_FFN_EPX && info.ffn_backend != EPX_MOE_FFN_EPX_GROUPED
+                    ? (c->gemm_lanes ? c->gemm_lanes : EPX__MOE_AUTO_LANES)
+                    : 1);
+  if (c->backend == EPX_MOE_FFN_CUBLAS_GROUPED || c->backend == EPX_MOE_FFN_EPX_GROUPED)
+    EXPECT_EQ_INT(info.ffn_backend, c->backend);
   /* AUTO must pick cuBLAS's batched GEMM for BF16 weights and cuBLASLt for FP8 on the lent
    * machines (Hopper, CUDA 13): a silent fallback to EPX's FFN would pass every check below
    * and leave the cuBLAS paths unrun. */
@@ -138,9 +144,10 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
             "%s: EPX_MOE_FFN_AUTO chose backend %d: cuBLAS%s is missing or has no kernel for "
             "these scale modes (epx_last_error after create: %s)",
             c->name, info.ffn_backend, c->fp8_weights ? "Lt" : "", epx_last_error());
-  /* FP8 on cuBLASLt; EPX's FFN (wgmma since 1445f11, summing each 32-deep step in float32)
-   * stayed inside the tighter bound: worst 0.38 of it, rms 0.005 (3fa71c4, 2 and 4 ranks) */
-  const int fp8_tensor_cores = c->fp8_weights && info.ffn_backend == EPX_MOE_FFN_CUBLAS;
+  /* FP8 on cuBLASLt or EPX's grouped GEMM (both sum 128-deep blocks on the tensor cores);
+   * EPX's FFN (wgmma since 1445f11, summing each 32-deep step in float32) stayed inside the
+   * tighter bound: worst 0.38 of it, rms 0.005 (3fa71c4, 2 and 4 ranks) */
+  const int fp8_tensor_cores = gemm_fp8;
   f->rms_coef = fp8_tensor_cores ? 0.2 : 0.1;
   f->rms_err_max = fp8_tensor_cores ? 0.05 : 0.01;
   if (world_dev_make(&f->w, t->rank, 1, &f->d) != TEST_PASS) return TEST_FAIL;
@@ -255,7 +262,8 @@ static int one_call(epx_test_rank_t *t, prefill_fixture_t *f, int overlap, const
   return TEST_PASS;
 }
 
-/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  backend (0 auto, 2 EPX)  chunks
+/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  backend (0 auto, 2 EPX, 3
+ *  cuBLAS batched, 4 EPX grouped)  chunks
  *  GEMM lanes  dispatch dtype (0 auto) */
 static const prefill_case_t cases[] = {
     {"bf16_uniform", {64, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, 0, 0, 0, 0},
@@ -294,6 +302,26 @@ static const prefill_case_t cases[] = {
     {"bf16_batched_qwen3_like", {128, 2048, 4, 8, ROUTE_UNIFORM, 128, -1}, 768, 0, 3, 0, 0, 0, 1},
     {"bf16_batched_40_experts", {2048, 256, 40, 8, ROUTE_UNIFORM, 2048, -1}, 128, 0, 3, 0, 0, 0, 1},
     {"bf16_batched_3_experts", {1024, 256, 3, 2, ROUTE_UNIFORM, 1024, -1}, 128, 0, 3, 3, 0, 0, 1},
+    /* EPX_MOE_FFN_EPX_GROUPED (FP8 weights, one launch per projection, device bounds): holes,
+     * one expert, a rank with no token, fewer tokens than chunks, Qwen3's shape, 40 experts
+     * (the tile prefix's scan in steps of 32), BF16 on the wire, and segments of about 256
+     * rows (several token tiles per expert) */
+    {"fp8_egrp_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 4, 0, 0, 0, 0},
+    {"fp8_egrp_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 4, 0, 0, 0, 0},
+    {"fp8_egrp_empty_rank", {64, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 4, 0, 0, 0, 0},
+    {"fp8_egrp_fewer_tokens", {8, 256, 4, 4, ROUTE_UNIFORM, 3, -1}, 128, 1, 4, 4, 0, 0, 0},
+    {"fp8_egrp_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, 4, 0, 0, 0, 0},
+    {"fp8_egrp_40_experts", {32, 256, 40, 8, ROUTE_HOLES, -1, -1}, 128, 1, 4, 3, 0, 0, 0},
+    {"fp8_egrp_bf16_wire",
+     {48, 256, 4, 4, ROUTE_HOLES, -1, -1},
+     256,
+     1,
+     4,
+     0,
+     0,
+     EPX_DTYPE_BF16,
+     0},
+    {"fp8_egrp_many_rows", {512, 256, 8, 8, ROUTE_UNIFORM, 512, -1}, 256, 1, 4, 0, 0, 0, 0},
     {"bf16_batched_one_expert",
      {256, 256, 4, 4, ROUTE_ONE_EXPERT, 256, -1},
      128,
@@ -430,9 +458,13 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
                  "config->dispatch_dtype");
   pc = (epx_moe_prefill_config_t)EPX_MOE_PREFILL_CONFIG_INIT;
-  pc.ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED + 1;
+  pc.ffn_backend = EPX_MOE_FFN_EPX_GROUPED + 1;
   EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
                  "config->ffn_backend");
+  pc.ffn_backend = EPX_MOE_FFN_EPX_GROUPED; /* an FP8 GEMM: this fixture's weights are BF16 */
+  EXPECT_REFUSED(epx_moe_prefill_create(f.g, 2, ex, &pc, &p), EPX_ERR_INVALID_ARGUMENT,
+                 "EPX_MOE_FFN_EPX_GROUPED");
+  EXPECT(p == NULL);
   pc.ffn_backend = EPX_MOE_FFN_CUBLAS_GROUPED; /* with FP8 weights: no block-scaled batched GEMM */
   bad = *ex, bad.weight_dtype = EPX_DTYPE_FP8_E4M3;
   bad.gate_up_scales = bad.down_scales = (const float *)f.ws; /* any device memory: not read */

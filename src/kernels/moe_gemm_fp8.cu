@@ -1,0 +1,367 @@
+/*
+ * moe_gemm_fp8.cu - the prefill layer's grouped FP8 GEMM (docs/moe.md, "MoE layer at prefill"):
+ * one launch runs a projection for every local expert of a chunk, y_j = x_j w_j^T on expert j's
+ * segment of the expert-major rows, with DeepSeek-V3's block scales (128 x 128 on the weights,
+ * 1 x 128 on the rows), reading the segments' bounds from device memory. It replaces one
+ * cuBLASLt call per expert: those left most SMs idle (an expert's GEMM at prefill is a few
+ * dozen tiles), split K to fill them, and cost the host ~10 us each (docs/moe.md).
+ *
+ * Tiles: 128 weight rows (two warpgroups, one m64 each: the weights are wgmma's A, "swap AB")
+ * x up to 128 rows of x (wgmma's N: 32, 64, 96 or 128, the tile's rows rounded up to 32).
+ * An expert's segment of S rows is cut into ceil(S / 128) token tiles of equal size (a multiple
+ * of 8), so a segment of 260 rows is three tiles of 88 rows, not 128 + 128 + 4.
+ * Tile order: expert, then weight tile, then token tile, so the token tiles that share a weight
+ * tile run at about the same time and the weights come from HBM once.
+ *
+ * Persistent CTAs (one per SM, the grid the caller asks for) stride over the tiles; the copy
+ * pipeline runs on across tiles, so a CTA streams the next tile's first stages while it stores
+ * the last one. Stages of 128 K-bytes: the tile's weight rows and x rows, both in the
+ * 128-byte-swizzled K-major layout wgmma reads, the x rows' 128 scales of that block and the
+ * weight tile's one. Per stage a warpgroup runs the four k32 steps into one partial sum (the
+ * tensor cores' FP8 sum of 128 products, as DeepSeek-V3's recipe and cuBLASLt's block-scaled
+ * kernels promote), then adds it, times weight scale x row scale, into its float32 totals.
+ */
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "moe_gemm_fp8.cu uses wgmma: build it for sm_90a (the Makefile's NVCC_GENCODE_WGMMA)"
+#endif
+
+#include "kernels/api.h"
+#include "kernels/experts_common.cuh"
+#include "kernels/launch.cuh"
+#include "kernels/ptx.cuh"
+#include "kernels/wait.cuh"
+#include "kernels/wgmma.cuh"
+
+namespace {
+
+using namespace epx::wgmma;
+using epx::experts::cp_async_ca16_zfill;
+using epx::experts::cp_async_ca4_zfill;
+using epx::experts::cp_async_commit;
+using epx::experts::cp_async_wait;
+
+constexpr int kThreads = 256; /* two warpgroups */
+constexpr int kTileW = 128;   /* weight rows of a tile: one 128-row scale block */
+#ifndef EPX_GEMM_TILE_X
+#define EPX_GEMM_TILE_X 128
+#endif
+constexpr int kTileX = EPX_GEMM_TILE_X; /* rows of x of a tile, at most (a multiple of 32) */
+constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
+constexpr int kStages = kTileX > 128 ? 5 : 6;
+constexpr int kAhead = kStages - 1;         /* stages in flight beyond the one computed */
+constexpr int kWStage = kTileW * kRowBytes; /* 16 KB */
+constexpr int kXStage = kTileX * kRowBytes;
+constexpr int kScaleStage = (kTileX + 4) * 4; /* the x rows' scales, then the weight tile's */
+constexpr int kMaxExperts = EPX_MAX_EXPERTS;
+constexpr int kSmemBytes = 1024 /* to align the base */ +
+                           kStages * (kWStage + kXStage + kScaleStage + 8 /* barrier */) +
+                           2 * (kMaxExperts + 1) * 4 /* tile prefix, segment begins */;
+static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
+static_assert(kTileX == 128 && kTileW <= 256, "four x boxes (32 .. 128 rows; api.h's tmap_x)");
+
+/* A tile: expert e's weight rows [n0, n0 + kTileW) on its segment rows [row0, row0 + rows). */
+struct Tile {
+  int e, n0, row0, rows, seg_rows, seg_begin;
+};
+
+/* Tile t of the grid's order (see the header); prefix[j]: the tiles before expert j's. */
+__device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *begin, int L) {
+  int lo = 0, hi = L; /* the last expert whose first tile is <= t (it has tiles: t < its end) */
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (prefix[mid] <= t)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  Tile tl;
+  tl.e = lo;
+  tl.seg_begin = begin[lo];
+  tl.seg_rows = begin[lo + 1] - begin[lo];
+  int per = (tl.seg_rows + kTileX - 1) / kTileX;
+  per = min(kTileX, ((tl.seg_rows + per - 1) / per + 7) / 8 * 8); /* rows of its token tiles */
+  const int x_tiles = (tl.seg_rows + per - 1) / per;
+  const int local = t - prefix[lo];
+  tl.n0 = (local / x_tiles) * kTileW;
+  tl.row0 = (local % x_tiles) * per;
+  tl.rows = min(per, tl.seg_rows - tl.row0);
+  return tl;
+}
+
+/* Token tiles of a segment of s rows (find_tile's cut). */
+__device__ __forceinline__ int x_tiles_of(int s) {
+  if (s <= 0) return 0;
+  int per = (s + kTileX - 1) / kTileX;
+  per = min(kTileX, ((s + per - 1) / per + 7) / 8 * 8);
+  return (s + per - 1) / per;
+}
+
+template <int kN>
+__device__ __forceinline__ void mma_stage(float *p, uint32_t a0, uint32_t b0) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ks++)
+    Wgmma<kN>::run(p, smem_desc(a0 + ks * 32), smem_desc(b0 + ks * 32), ks > 0);
+}
+
+/* Wait for a stage's TMA boxes: bounded (4 s, then a trap: a copy that never lands is a fault
+ * of the copy engine or of its tensor map, not a peer that may still come). */
+__device__ __forceinline__ void wait_full(uint64_t *bar, uint32_t parity) {
+  const epx::WaitResult r = epx::wait_until(
+      4000000000ull, [&] { return epx::mbarrier_try_wait(bar, parity); }, epx::NeverAbandon{});
+  if (r != epx::WaitResult::kReady) __trap();
+}
+
+/* The issuing side: this thread's copies of stage s of the CTA's stage sequence (its tiles one
+ * after another, k_blocks stages each), kAhead stages ahead of the computing side. */
+struct Issuer {
+  unsigned char *w_s, *x_s;
+  float *sc_s;
+  uint64_t *full; /* [kStages]: a stage's two TMA boxes landed */
+  const int *prefix, *begin;
+  int num_stages, k_blocks, tid;
+  int tile = -1, kb; /* the tile being issued (index among the CTA's) and its next block */
+  Tile it;
+
+  __device__ __forceinline__ void issue(const epx__moe_gemm_fp8_args_t &a, int s) {
+    if (s < num_stages) {
+      if (kb == k_blocks) {
+        kb = 0;
+        tile++;
+        it = find_tile((int)blockIdx.x + tile * (int)gridDim.x, prefix, begin, a.num_experts);
+      }
+      const int slot = s % kStages, b = kb++;
+      if (tid == 0) { /* the weight tile's and the x rows' 128 K-bytes: two TMA boxes */
+        const int x_boxes = (it.rows + 31) / 32; /* the x box of the tile's wgmma width */
+        epx::mbarrier_arrive_expect_tx(&full[slot], kWStage + x_boxes * 32 * kRowBytes);
+        epx::tma_load_2d(w_s + slot * kWStage, &a.tmap_w, b * kRowBytes, it.e * a.n + it.n0,
+                         &full[slot]);
+        epx::tma_load_2d(x_s + slot * kXStage, &a.tmap_x[x_boxes - 1], b * kRowBytes,
+                         it.seg_begin + it.row0, &full[slot]);
+      }
+      float *sd = sc_s + slot * (kScaleStage / 4);
+      if (tid < kTileX / 4) { /* rows 4 tid .. 4 tid + 3 of the tile: whole groups (S % 4 == 0) */
+        const bool real = 4 * tid < it.rows;
+        const float *src = a.x_scales + (size_t)it.seg_begin * k_blocks + (size_t)b * it.seg_rows +
+                           it.row0 + 4 * tid;
+        cp_async_ca16_zfill(sd + 4 * tid, real ? (const void *)src : a.x_scales, real ? 16 : 0);
+      } else if (tid == kTileX / 4) {
+        cp_async_ca4_zfill(
+            sd + kTileX,
+            a.w_scales + (size_t)it.e * a.ws_stride + (size_t)(it.n0 / kTileW) * a.ws_kb + b, 4);
+      }
+    }
+    cp_async_commit(); /* always, so wait_group counts stages */
+  }
+};
+
+/* One tile at wgmma width kN: its k_blocks stages from stage s0 of the CTA's sequence, then its
+ * rows stored from the registers while the next tile's first stages stream in. */
+template <int kN>
+__device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, Issuer &is,
+                                         const Tile &ct, int s0, float *acc, float *part) {
+  constexpr int kJ = kN / 8; /* n8 column blocks */
+  const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < kN / 2; i++) acc[i] = 0.f;
+  for (int s = s0; s < s0 + is.k_blocks; s++) {
+    const int slot = s % kStages;
+    cp_async_wait<kAhead - 1>(); /* this thread's scale copies of stage s */
+    /* One lane per warp waits for the TMA boxes; the barrier passes that on to the others.
+     * (Every thread polling, or thread 0 alone, made ptxas serialize the wgmmas: C7511,
+     * "insufficient register resources", CUDA 13.0; check the build's ptxas output.) */
+    if (threadIdx.x % 32 == 0) wait_full(&is.full[slot], (s / kStages) & 1);
+    __syncwarp();
+    __syncthreads(); /* stage s landed for every thread; slot (s - 1) % kStages is free */
+    is.issue(a, s + kAhead);
+    const uint32_t a0 = epx::smem_addr(is.w_s + slot * kWStage + wg * 64 * kRowBytes);
+    const uint32_t b0 = epx::smem_addr(is.x_s + slot * kXStage);
+    fence_regs<kN / 2>(part);
+    fence();
+    mma_stage<kN>(part, a0, b0);
+    commit();
+    wait<0>();
+    fence_regs<kN / 2>(part);
+    /* acc += part x (weight block's scale x row's scale), per column (row of x) */
+    const float *sc = is.sc_s + slot * (kScaleStage / 4);
+    const float sw = sc[kTileX];
+#pragma unroll
+    for (int j = 0; j < kJ; j++) {
+      const float2 sx = *(const float2 *)(sc + 8 * j + 2 * t);
+      const float s0w = sw * sx.x, s1w = sw * sx.y;
+      acc[4 * j + 0] += part[4 * j + 0] * s0w;
+      acc[4 * j + 1] += part[4 * j + 1] * s1w;
+      acc[4 * j + 2] += part[4 * j + 2] * s0w;
+      acc[4 * j + 3] += part[4 * j + 3] * s1w;
+    }
+  }
+  /* Row `col` of x gets weight rows n0 + row. */
+  const size_t out_row0 = (size_t)(ct.seg_begin + ct.row0);
+  const int wrow = ct.n0 + wg * 64 + 16 * warp4 + g;
+#pragma unroll
+  for (int j = 0; j < kJ; j++) {
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const int col = 8 * j + 2 * t + (q & 1), row = wrow + 8 * (q >> 1);
+      if (col < ct.rows) {
+        const size_t at = (out_row0 + col) * (size_t)a.n + row;
+        if (a.y_fp32)
+          ((float *)a.y)[at] = acc[4 * j + q];
+        else
+          ((__nv_bfloat16 *)a.y)[at] = __float2bfloat16_rn(acc[4 * j + q]);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_gemm_fp8_kernel(const __grid_constant__ epx__moe_gemm_fp8_args_t a) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char *smem = smem_raw + ((1024u - (epx::smem_addr(smem_raw) & 1023u)) & 1023u);
+  Issuer is;
+  is.w_s = smem;                                   /* [stage][kWStage] */
+  is.x_s = is.w_s + kStages * kWStage;             /* [stage][kXStage] */
+  is.sc_s = (float *)(is.x_s + kStages * kXStage); /* [stage][kScaleStage / 4] */
+  is.full = (uint64_t *)((unsigned char *)is.sc_s + kStages * kScaleStage); /* [kStages] */
+  int *prefix = (int *)(is.full + kStages);                                 /* [L + 1] */
+  int *begin = prefix + kMaxExperts + 1;                                    /* [L + 1] */
+
+  epx::grid_dependency_wait(); /* launched early: the rows and bounds come from before */
+  epx::grid_dependents_may_launch();
+  const int tid = threadIdx.x, L = a.num_experts;
+  const int n_tiles = a.n / kTileW, k_blocks = a.k / kRowBytes;
+
+  /* Every expert's segment bounds and first tile (warp 0 scans 32 experts per step). */
+  for (int j = tid; j <= L; j += kThreads) begin[j] = a.begin[j];
+  if (tid == 0) {
+    for (int i = 0; i < kStages; i++) epx::mbarrier_init(&is.full[i], 1);
+    epx::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (tid < 32) {
+    int carry = 0;
+    for (int j0 = 0; j0 < L; j0 += 32) {
+      const int j = j0 + tid;
+      const int mine = j < L ? x_tiles_of(begin[j + 1] - begin[j]) * n_tiles : 0;
+      int incl = mine;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (tid >= d) incl += v;
+      }
+      if (j < L) prefix[j] = carry + incl - mine;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (tid == 0) prefix[L] = carry;
+  }
+  __syncthreads();
+  const int total = prefix[L];
+  if ((int)blockIdx.x >= total) return;
+  const int my_tiles = (total - 1 - (int)blockIdx.x) / (int)gridDim.x + 1;
+
+  is.prefix = prefix;
+  is.begin = begin;
+  is.k_blocks = k_blocks;
+  is.num_stages = my_tiles * k_blocks;
+  is.tid = tid;
+  is.kb = k_blocks; /* the first issue looks its tile up */
+
+  float acc[kTileX / 2], part[kTileX / 2];
+#pragma unroll
+  for (int i = 0; i < kTileX / 2; i++) part[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < kAhead; s++) is.issue(a, s);
+  for (int c = 0; c < my_tiles; c++) {
+    const Tile ct = find_tile((int)blockIdx.x + c * (int)gridDim.x, prefix, begin, L);
+    const int s0 = c * k_blocks;
+    /* On (rows + 31) / 32, not on n_of(rows): a switch on N itself made ptxas serialize the
+     * wgmmas (C7511, "insufficient register resources"; CUDA 13.0) */
+    switch ((ct.rows + 31) / 32) {
+      case 1:
+        run_tile<32>(a, is, ct, s0, acc, part);
+        break;
+      case 2:
+        run_tile<64>(a, is, ct, s0, acc, part);
+        break;
+      case 3:
+        run_tile<96>(a, is, ct, s0, acc, part);
+        break;
+#if EPX_GEMM_TILE_X > 128
+      case 5:
+        run_tile<160>(a, is, ct, s0, acc, part);
+        break;
+#endif
+      default:
+        run_tile<128>(a, is, ct, s0, acc, part);
+        break;
+    }
+  }
+  cp_async_wait<0>(); /* no copy outlives the CTA */
+}
+
+}  // namespace
+
+extern "C" int epx__moe_gemm_fp8_supported(int n, int k, int num_experts) {
+  return n > 0 && k > 0 && n % kTileW == 0 && k % kRowBytes == 0 && num_experts > 0 &&
+         num_experts <= kMaxExperts;
+}
+
+/* cuTensorMapEncodeTiled, from the driver at run time (libepx does not link libcuda). */
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (!fn) {
+    void *p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+  }
+  return fn;
+}
+
+/* A [rows, k] byte matrix read in boxes of box_rows x 128 bytes, 128-byte swizzled (the layout
+ * wgmma's K-major descriptors read). */
+static epx_status_t encode_rows(CUtensorMap *map, const void *base, int k, long long rows,
+                                int box_rows, const char *what) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (!encode)
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "epx__moe_gemm_fp8_launch: cuTensorMapEncodeTiled is not available "
+                          "from the driver");
+  const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)k};
+  const cuuint32_t box[2] = {(cuuint32_t)kRowBytes, (cuuint32_t)box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void *>(base), dims, strides, box,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return epx__set_error(EPX_ERR_CUDA,
+                          "epx__moe_gemm_fp8_launch: cuTensorMapEncodeTiled (%s: %lld rows of %d "
+                          "bytes at %p) failed: %d",
+                          what, rows, k, base, (int)r);
+  return EPX_OK;
+}
+
+extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t *a,
+                                                 cudaStream_t stream) {
+  if (!epx__moe_gemm_fp8_supported(a->n, a->k, a->num_experts) ||
+      a->w_stride != (size_t)a->n * a->k)
+    return epx__set_error(EPX_ERR_INTERNAL,
+                          "epx__moe_gemm_fp8_launch: n %d, k %d, %d experts, weight stride %zu",
+                          a->n, a->k, a->num_experts, a->w_stride);
+  if (a->x_rows <= 0) return EPX_OK;
+  epx__moe_gemm_fp8_args_t args = *a;
+  EPX_CHECK(
+      encode_rows(&args.tmap_w, a->w, a->k, (long long)a->num_experts * a->n, kTileW, "weights"));
+  for (int i = 0; i < kTileX / 32; i++) /* boxes of 32, 64, 96 and 128 rows */
+    EPX_CHECK(encode_rows(&args.tmap_x[i], a->x, a->k, a->x_rows, 32 * (i + 1), "rows"));
+  return epx::launch_ex<moe_gemm_fp8_kernel>(a->early_launch, dim3(a->num_ctas), kThreads,
+                                             kSmemBytes, stream, args);
+}
