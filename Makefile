@@ -148,8 +148,8 @@ $(BUILD)/obj/src/blas_lib.o: CFLAGS += -DEPX_CUDA_LIBDIR='"$(CUDA_LIBDIR)"'
 # variable of the recipe's own, so that `make NVCC_GENCODE=...` on the command line, which beats
 # any target-specific assignment of NVCC_GENCODE, does not reach them).
 OBJ_GENCODE = $(NVCC_GENCODE)
-$(BUILD)/obj/src/kernels/experts_fp8.o: OBJ_GENCODE = $(NVCC_GENCODE_WGMMA)
-$(BUILD)/obj/src/kernels/moe_gemm_fp8.o: OBJ_GENCODE = $(NVCC_GENCODE_WGMMA)
+WGMMA_OBJ := $(BUILD)/obj/src/kernels/experts_fp8.o $(BUILD)/obj/src/kernels/moe_gemm_fp8.o
+$(WGMMA_OBJ): OBJ_GENCODE = $(NVCC_GENCODE_WGMMA)
 
 $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
@@ -158,6 +158,17 @@ $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(OBJ_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
+
+# The wgmma kernels fail to build where ptxas reports that it serialized their wgmma instructions
+# (C7510-C7529: "Potential Performance Loss"), a silent slowdown that small, unrelated edits of a
+# kernel can cause (docs/moe.md, "EPX's grouped FP8 GEMM").
+$(WGMMA_OBJ): $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(OBJ_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@ \
+	  2>$@.log; rc=$$?; cat $@.log >&2; \
+	  if [ $$rc -eq 0 ] && grep -q 'C75[12][0-9]' $@.log; then \
+	    rm -f $@; echo "$<: ptxas serialized wgmma instructions (above)" >&2; exit 1; fi; \
+	  exit $$rc
 
 -include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d) \
                 $(EXPERTS_BENCH_OBJ:.o=.d) $(LAYOUT_BENCH_OBJ:.o=.d) $(MOE_BENCH_OBJ:.o=.d) \
