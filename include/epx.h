@@ -1008,20 +1008,21 @@ typedef struct epx_moe_prefill_config {
                          batched backend's down projection (docs/moe.md) */
   int gemm_lanes;     /* streams the per-expert GEMMs are spread over (EPX_MOE_FFN_CUBLAS, and
                          the batched backend's chunks that fall back to them), 1..8; 0 = auto
-                         (4); not used by the EPX backend (info says 1).
+                         (4); not used by the EPX and EPX grouped backends (info says 1).
                          An expert's GEMM has a few hundred rows at prefill, too few tiles to
                          fill the GPU alone: lanes run several experts' GEMMs at once */
   int dispatch_dtype; /* what crosses NVLink: 0 = auto (FP8 where the weights are FP8, the FFN
-                         runs on cuBLAS and the groups' config.dtypes has FP8, else BF16),
+                         runs on cuBLAS or EPX_MOE_FFN_EPX_GROUPED and the groups'
+                         config.dtypes has FP8, else BF16),
                          EPX_DTYPE_BF16, or EPX_DTYPE_FP8_E4M3 (the layer quantizes each chunk's
                          tokens per 128 channels before its dispatch, the rule the expert side
                          would apply: the same codes and scales, half the bytes; needs FP8
-                         weights on cuBLAS and FP8 groups). Every rank must come out with the
-                         same (info.dispatch_dtype): auto follows the local weights and backend,
-                         so pass it explicitly where ranks could differ (e.g. cuBLAS installed on
-                         some hosts only); a mismatch is not detected. (With this field the
-                         struct grew from 0.1.0's 24 bytes, so a caller built against 0.1.0 is
-                         refused by its size.) */
+                         weights on cuBLAS or EPX_MOE_FFN_EPX_GROUPED and FP8 groups). Every rank
+                         must come out with the same (info.dispatch_dtype): auto follows the local
+                         weights and backend, so pass it explicitly where ranks could differ (e.g.
+                         cuBLAS installed on some hosts only); a mismatch is not detected. (With
+                         this field the struct grew from 0.1.0's 24 bytes, so a caller built against
+                         0.1.0 is refused by its size.) */
 } epx_moe_prefill_config_t;
 
 #define EPX_MOE_PREFILL_CONFIG_INIT \

@@ -216,6 +216,11 @@ static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int aske
                             "intermediate %d must be multiples of 128, local experts %d at most "
                             "%d",
                             fn, p->H, p->I, p->L, EPX_MAX_EXPERTS);
+    if (!epx__moe_gemm_fp8_driver_ok())
+      return epx__set_error(EPX_ERR_UNSUPPORTED,
+                            "%s: config->ffn_backend = EPX_MOE_FFN_EPX_GROUPED needs the driver's "
+                            "cuTensorMapEncodeTiled, which this driver does not give",
+                            fn);
     /* The FP8 cuBLAS plan's workspace, scales and FP8 wire, its GEMMs replaced (moe_ffn.c) */
     p->backend = EPX_MOE_FFN_CUBLAS;
     p->fp8_grouped = 1;

@@ -306,10 +306,15 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   BENCH_EPX(epx_combine_expand(c.g[2], c.hold_handle, &ca, stream));
   BENCH_CUDA(cudaStreamSynchronize(stream));
 
+  /* The cuBLAS reference row needs cuBLAS and, for FP8, cuBLASLt's block-scaled kernels, which
+   * EPX's FFN and EPX's grouped FP8 GEMM do not (their plans are made without them). */
+  const int reference_ok = info.ffn_backend != EPX_MOE_FFN_EPX && !c.plan->no_blas &&
+                           (info.ffn_backend != EPX_MOE_FFN_EPX_GROUPED ||
+                            (epx__moe_lt_supported(c.plan, 0) && epx__moe_lt_supported(c.plan, 1)));
   float med[NUM_VARIANTS], mn[NUM_VARIANTS], host[NUM_VARIANTS];
   for (int v = 0; v < NUM_VARIANTS; v++) {
     med[v] = mn[v] = host[v] = -1.f;
-    if (v == V_CUBLAS && info.ffn_backend == EPX_MOE_FFN_EPX) continue;
+    if (v == V_CUBLAS && !reference_ok) continue;
     if (time_variant(&c, v, stream, o, &med[v], &mn[v], &host[v])) return -1;
   }
   for (int i = 0; i < 3; i++) {

@@ -515,7 +515,8 @@ def _n_moe_prefill(ctx):
         c.raises(epx.errors.EpxInvalidArgument,
                  lambda: epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]),
                                         ffn_backend="epx_grouped"),
-                 "MoePrefill(ffn_backend='epx_grouped') with BF16 weights")
+                 "MoePrefill(ffn_backend='epx_grouped') with BF16 weights",
+                 contains=("EPX_MOE_FFN_EPX_GROUPED needs FP8 weights",))
         for backend, chosen in (("auto", "cublas_grouped"), ("cublas", "cublas")):
             layer = epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]), ffn_backend=backend)
             c.check(layer.ffn_backend == chosen, f"MoePrefill({backend}) chose {layer.ffn_backend}")

@@ -355,6 +355,8 @@ typedef struct epx__moe_gemm_fp8_args {
 } epx__moe_gemm_fp8_args_t;
 
 int epx__moe_gemm_fp8_supported(int n, int k, int num_experts);
+/* The driver gives cuTensorMapEncodeTiled (the launcher's tensor maps need it). */
+int epx__moe_gemm_fp8_driver_ok(void);
 epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t *args, cudaStream_t stream);
 
 /* The prefill layer's batched GEMM (EPX_MOE_FFN_CUBLAS_GROUPED, moe_gemm.c): one cuBLAS call

@@ -44,14 +44,11 @@ using epx::experts::cp_async_ca4_zfill;
 using epx::experts::cp_async_commit;
 using epx::experts::cp_async_wait;
 
-constexpr int kThreads = 256; /* two warpgroups */
-constexpr int kTileW = 128;   /* weight rows of a tile: one 128-row scale block */
-#ifndef EPX_GEMM_TILE_X
-#define EPX_GEMM_TILE_X 128
-#endif
-constexpr int kTileX = EPX_GEMM_TILE_X; /* rows of x of a tile, at most (a multiple of 32) */
+constexpr int kThreads = 256;  /* two warpgroups */
+constexpr int kTileW = 128;    /* weight rows of a tile: one 128-row scale block */
+constexpr int kTileX = 128;    /* rows of x of a tile, at most */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
-constexpr int kStages = kTileX > 128 ? 5 : 6;
+constexpr int kStages = 6;
 constexpr int kAhead = kStages - 1;         /* stages in flight beyond the one computed */
 constexpr int kWStage = kTileW * kRowBytes; /* 16 KB */
 constexpr int kXStage = kTileX * kRowBytes;
@@ -290,11 +287,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       case 3:
         run_tile<96>(a, is, ct, s0, acc, part);
         break;
-#if EPX_GEMM_TILE_X > 128
-      case 5:
-        run_tile<160>(a, is, ct, s0, acc, part);
-        break;
-#endif
       default:
         run_tile<128>(a, is, ct, s0, acc, part);
         break;
@@ -310,7 +302,8 @@ extern "C" int epx__moe_gemm_fp8_supported(int n, int k, int num_experts) {
          num_experts <= kMaxExperts;
 }
 
-/* cuTensorMapEncodeTiled, from the driver at run time (libepx does not link libcuda). */
+/* cuTensorMapEncodeTiled, from the driver at run time (libepx does not link libcuda). Two
+ * threads may both look it up the first time; they store the same pointer. */
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
   if (!fn) {
@@ -322,6 +315,10 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
       fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
   }
   return fn;
+}
+
+extern "C" int epx__moe_gemm_fp8_driver_ok(void) {
+  return tensor_map_encoder() != nullptr;
 }
 
 /* A [rows, k] byte matrix read in boxes of box_rows x 128 bytes, 128-byte swizzled (the layout
