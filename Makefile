@@ -159,15 +159,19 @@ $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(OBJ_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
-# The wgmma kernels fail to build where ptxas reports that it serialized their wgmma instructions
-# (C7510-C7529: "Potential Performance Loss"), a silent slowdown that small, unrelated edits of a
-# kernel can cause (docs/moe.md, "EPX's grouped FP8 GEMM").
+# The wgmma kernels: where ptxas reports that it serialized their wgmma instructions
+# (C7510-C7529, "Potential Performance Loss"), a silent slowdown that small, unrelated edits of a
+# kernel can cause (docs/moe.md, "EPX's grouped FP8 GEMM"), the build says so, and with
+# WGMMA_SERIALIZED=error (CI and scripts/gpu-check.sh, on the toolkit the kernels were tuned
+# with) fails. The default only warns: another toolkit's ptxas must not break a user's build.
+WGMMA_SERIALIZED ?= warn
 $(WGMMA_OBJ): $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(OBJ_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@ \
 	  2>$@.log; rc=$$?; cat $@.log >&2; \
 	  if [ $$rc -eq 0 ] && grep -q 'C75[12][0-9]' $@.log; then \
-	    rm -f $@; echo "$<: ptxas serialized wgmma instructions (above)" >&2; exit 1; fi; \
+	    echo "$<: WARNING: ptxas serialized wgmma instructions (above): slower kernels" >&2; \
+	    if [ "$(WGMMA_SERIALIZED)" = error ]; then rm -f $@; exit 1; fi; fi; \
 	  exit $$rc
 
 -include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d) \

@@ -73,7 +73,7 @@ fi
 if [ -n "${EXPERTS_COMPARE:-}" ] && [ -z "${BASELINE:-}" ]; then
   echo "EXPERTS_COMPARE=1 needs BASELINE=DIR: not compared"
 fi
-if ! make -j"$(nproc)" $targets >"$out/build.log" 2>&1; then
+if ! make -j"$(nproc)" $targets WGMMA_SERIALIZED=error >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
   echo "BUILD FAILED"
   exit 1
