@@ -35,6 +35,7 @@
 #include "kernels/ptx.cuh"
 #include "kernels/wait.cuh"
 #include "kernels/wgmma.cuh"
+#include "moe_tiles.h"
 
 namespace {
 
@@ -44,9 +45,9 @@ using epx::experts::cp_async_ca4_zfill;
 using epx::experts::cp_async_commit;
 using epx::experts::cp_async_wait;
 
-constexpr int kThreads = 256;  /* two warpgroups */
-constexpr int kTileW = 128;    /* weight rows of a tile: one 128-row scale block */
-constexpr int kTileX = 128;    /* rows of x of a tile, at most */
+constexpr int kThreads = 256;           /* two warpgroups */
+constexpr int kTileW = 128;             /* weight rows of a tile: one 128-row scale block */
+constexpr int kTileX = EPX__MOE_TILE_X; /* rows of x of a tile, at most (moe_tiles.h) */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
 constexpr int kStages = 6;
 constexpr int kAhead = kStages - 1;         /* stages in flight beyond the one computed */
@@ -79,22 +80,13 @@ __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *b
   tl.e = lo;
   tl.seg_begin = begin[lo];
   tl.seg_rows = begin[lo + 1] - begin[lo];
-  int per = (tl.seg_rows + kTileX - 1) / kTileX;
-  per = min(kTileX, ((tl.seg_rows + per - 1) / per + 7) / 8 * 8); /* rows of its token tiles */
+  const int per = epx__moe_x_tile_rows(tl.seg_rows); /* rows of its token tiles */
   const int x_tiles = (tl.seg_rows + per - 1) / per;
   const int local = t - prefix[lo];
   tl.n0 = (local / x_tiles) * kTileW;
   tl.row0 = (local % x_tiles) * per;
   tl.rows = min(per, tl.seg_rows - tl.row0);
   return tl;
-}
-
-/* Token tiles of a segment of s rows (find_tile's cut). */
-__device__ __forceinline__ int x_tiles_of(int s) {
-  if (s <= 0) return 0;
-  int per = (s + kTileX - 1) / kTileX;
-  per = min(kTileX, ((s + per - 1) / per + 7) / 8 * 8);
-  return (s + per - 1) / per;
 }
 
 template <int kN>
@@ -243,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int carry = 0;
     for (int j0 = 0; j0 < L; j0 += 32) {
       const int j = j0 + tid;
-      const int mine = j < L ? x_tiles_of(begin[j + 1] - begin[j]) * n_tiles : 0;
+      const int mine = j < L ? epx__moe_x_tiles(begin[j + 1] - begin[j]) * n_tiles : 0;
       int incl = mine;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {

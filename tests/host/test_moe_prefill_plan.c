@@ -3,7 +3,8 @@
  * (src/moe_prefill.c): the chunk split (every token in exactly one chunk, in order, sizes
  * within one of each other, the largest ceil(T / n)), the workspace layout (regions 256-byte
  * aligned, disjoint, each as large as its formula, FP8 regions only with FP8 weights), the
- * batched GEMM's block rows, and the refusals that need no GPU.
+ * batched GEMM's block rows, the grouped FP8 GEMM's token tiles (src/include/moe_tiles.h), and
+ * the refusals that need no GPU.
  */
 #include <stddef.h>
 #include <string.h>
@@ -11,6 +12,7 @@
 #include "common/runner.h"
 #include "epx.h"
 #include "moe_prefill.h"
+#include "moe_tiles.h"
 
 EPX_HOST_TEST(moe_prefill_chunks_cover_the_tokens, 10) {
   for (int T = 0; T <= 70; T++)
@@ -165,5 +167,27 @@ EPX_HOST_TEST(moe_prefill_batched_block_rows, 10) {
   EXPECT_EQ_INT(block_rows_of(count, 3, big, big), 0);
   for (int j = 0; j < 3; j++) count[j] = 30 + j; /* 93 real, 3 x 32 = 96 */
   EXPECT_EQ_INT(block_rows_of(count, 3, big, big), 32);
+  return TEST_PASS;
+}
+
+/* The grouped FP8 GEMM's token tiles of a segment of s rows, for every s a prefill chunk can
+ * give an expert here: ceil(s / 128) tiles (the fewest of at most 128 rows), each a multiple of
+ * 8 rows (wgmma's N steps) and at most 128, together exactly s rows, none empty, and none more
+ * than 8 rows past the even split (so no wgmma width is spent on nothing). */
+EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
+  EXPECT_EQ_INT(epx__moe_x_tiles(0), 0);
+  EXPECT_EQ_INT(epx__moe_x_tiles(-4), 0);
+  EXPECT_EQ_INT(epx__moe_x_tile_rows(257), 88); /* DeepSeek-V3 at 2 ranks: 3 tiles, wgmma N 96 */
+  EXPECT_EQ_INT(epx__moe_x_tiles(257), 3);
+  EXPECT_EQ_INT(epx__moe_x_tile_rows(512), 128);
+  for (int s = 1; s <= 20000; s++) {
+    const int per = epx__moe_x_tile_rows(s), n = epx__moe_x_tiles(s);
+    const int fewest = (s + EPX__MOE_TILE_X - 1) / EPX__MOE_TILE_X;
+    EXPECTF(per % 8 == 0 && per >= 8 && per <= EPX__MOE_TILE_X, "s %d: tile rows %d", s, per);
+    EXPECTF(n == fewest, "s %d: %d tiles, want %d", s, n, fewest);
+    EXPECTF((n - 1) * per < s && n * per >= s, "s %d: %d tiles of %d rows", s, n, per);
+    EXPECTF(per <= (s + n - 1) / n + 7, "s %d: %d rows a tile, even split %d", s, per,
+            (s + n - 1) / n);
+  }
   return TEST_PASS;
 }
