@@ -155,9 +155,10 @@ $(BUILD)/obj/%.o: %.c mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(EXTRA_INCLUDES) -MMD -MP -c $< -o $@
 
+NVCC_OBJ = $(NVCC) $(OBJ_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(OBJ_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@
+	$(NVCC_OBJ)
 
 # The wgmma kernels: where ptxas reports that it serialized their wgmma instructions
 # (C7510-C7529, "Potential Performance Loss"), a silent slowdown that small, unrelated edits of a
@@ -167,8 +168,7 @@ $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 WGMMA_SERIALIZED ?= warn
 $(WGMMA_OBJ): $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(OBJ_GENCODE) $(NVCCFLAGS) $(EXTRA_INCLUDES) -MMD -MP -MF $(@:.o=.d) -c $< -o $@ \
-	  2>$@.log; rc=$$?; cat $@.log >&2; \
+	$(NVCC_OBJ) 2>$@.log; rc=$$?; cat $@.log >&2; \
 	  if [ $$rc -eq 0 ] && grep -q 'C75[12][0-9]' $@.log; then \
 	    echo "$<: WARNING: ptxas serialized wgmma instructions (above): slower kernels" >&2; \
 	    if [ "$(WGMMA_SERIALIZED)" = error ]; then rm -f $@; exit 1; fi; fi; \

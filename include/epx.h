@@ -981,20 +981,19 @@ typedef enum epx_moe_ffn_backend {
   EPX_MOE_FFN_CUBLAS = 1, /* cuBLAS / cuBLASLt, one GEMM per (expert, projection) over the GEMM
                              lanes; refused at creation if it has no kernel */
   EPX_MOE_FFN_EPX = 2,    /* epx_experts_ffn (built for decode sizes) */
-  EPX_MOE_FFN_CUBLAS_GROUPED = 3 /* BF16 weights only: one cublasGemmBatchedEx per projection
+  EPX_MOE_FFN_CUBLAS_GROUPED = 3, /* BF16 weights only: one cublasGemmBatchedEx per projection
                                     for all of a chunk's experts, each on a block of the largest
                                     expert's rows: two host calls per chunk instead of two per
                                     expert; a chunk whose blocks would add over 50% padding
                                     runs one GEMM per expert (docs/moe.md). Refused at
                                     creation with FP8 weights */
-  ,
-  EPX_MOE_FFN_EPX_GROUPED = 4 /* FP8 weights only: EPX's grouped FP8 GEMM, one launch per
-                                 projection for all of a chunk's experts, each expert's rows
-                                 read from device memory (TMA and wgmma; Hopper). No per-expert
-                                 host calls, so no GEMM lanes; FP8 on the wire as with cuBLAS.
-                                 Refused at creation with BF16 weights or on a GPU other than
-                                 compute capability 9.0. Faster than cuBLASLt at Qwen3-30B-A3B's
-                                 expert shape, slower at DeepSeek-V3's (docs/moe.md) */
+  EPX_MOE_FFN_EPX_GROUPED = 4     /* FP8 weights only: EPX's grouped FP8 GEMM, one launch per
+                                     projection for all of a chunk's experts, each expert's rows
+                                     read from device memory (TMA and wgmma; Hopper). No per-expert
+                                     host calls, so no GEMM lanes; FP8 on the wire as with cuBLAS.
+                                     Refused at creation with BF16 weights or on a GPU other than
+                                     compute capability 9.0. Faster than cuBLASLt at Qwen3-30B-A3B's
+                                     expert shape, slower at DeepSeek-V3's (docs/moe.md) */
 } epx_moe_ffn_backend_t;
 
 typedef struct epx_moe_prefill_config {

@@ -81,7 +81,7 @@ __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *b
   tl.seg_begin = begin[lo];
   tl.seg_rows = begin[lo + 1] - begin[lo];
   const int per = epx__moe_x_tile_rows(tl.seg_rows); /* rows of its token tiles */
-  const int x_tiles = (tl.seg_rows + per - 1) / per;
+  const int x_tiles = (tl.seg_rows + per - 1) / per; /* epx__moe_x_tiles without a 2nd `per` */
   const int local = t - prefix[lo];
   tl.n0 = (local / x_tiles) * kTileW;
   tl.row0 = (local % x_tiles) * per;
@@ -267,8 +267,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int c = 0; c < my_tiles; c++) {
     const Tile ct = find_tile((int)blockIdx.x + c * (int)gridDim.x, prefix, begin, L);
     const int s0 = c * k_blocks;
-    /* On (rows + 31) / 32, not on n_of(rows): a switch on N itself made ptxas serialize the
-     * wgmmas (C7511, "insufficient register resources"; CUDA 13.0) */
+    /* On (rows + 31) / 32, not on the wgmma width itself: a switch on the width made ptxas
+     * serialize the wgmmas (C7511, "insufficient register resources"; CUDA 13.0) */
     switch ((ct.rows + 31) / 32) {
       case 1:
         run_tile<32>(a, is, ct, s0, acc, part);

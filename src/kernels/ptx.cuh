@@ -111,24 +111,22 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-/* Global -> shared: arm the barrier for `bytes` and start the copy; it completes the barrier. */
-__device__ __forceinline__ void bulk_load(void *smem, const void *gmem, uint32_t bytes,
-                                          uint64_t *bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_addr(smem)),
-      "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-
 /* Arm the barrier for `bytes` more bytes of asynchronous copies (one arrival). */
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
                "r"(bytes)
                : "memory");
+}
+
+/* Global -> shared: arm the barrier for `bytes` and start the copy; it completes the barrier. */
+__device__ __forceinline__ void bulk_load(void *smem, const void *gmem, uint32_t bytes,
+                                          uint64_t *bar) {
+  mbarrier_arrive_expect_tx(bar, bytes);
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
 }
 
 /* Global -> shared through a tensor map (2D, the box its encoding fixed) at coordinates
