@@ -331,13 +331,14 @@ epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch
  * x: FP8 E4M3 [rows, k]; x_scales: per-segment, row r of segment j and block b at
  * begin[j] * (k / 128) + b * S_j + (r - begin[j]) (epx__moe_rows_launch's layout); w_j at
  * w + j * w_stride bytes (w_stride = n k: the weights are one [L n, k] matrix), [n, k] FP8; its
- * scales at w_scales + j * ws_stride floats, [n / 128][ws_kb]; y [rows, n] float32 (y_fp32) or
- * BF16. n a multiple of 128, k of 128 (epx__moe_gemm_fp8_supported). num_ctas persistent CTAs (the
- * SMs the GEMM may use). */
+ * scales at w_scales + j * ws_stride floats, [n / 128][ws_kb] (ws_kb >= k / 128 and a multiple
+ * of 4, both scale arrays 16-byte aligned: they are copied in bulk); y [rows, n] float32 (y_fp32)
+ * or BF16. n a multiple of 128, k of 128 (epx__moe_gemm_fp8_supported). num_ctas persistent CTAs
+ * (the SMs the GEMM may use). */
 typedef struct epx__moe_gemm_fp8_args {
   /* Set by the launcher (TMA): the weights as one [L n, k] matrix in boxes of 128 rows; x
-   * [x_rows, k] in boxes of 32, 64, 96 and 128 rows (a tile loads the one its rows need). */
-  CUtensorMap tmap_w, tmap_x[4];
+   * [x_rows, k] in boxes of 128 rows (every tile loads 128, whatever its rows). */
+  CUtensorMap tmap_w, tmap_x;
   const void *w;
   size_t w_stride;
   const float *w_scales;

@@ -7,15 +7,21 @@
  * dozen tiles), split K to fill them, and cost the host ~10 us each (docs/moe.md).
  *
  * Tiles: 128 weight rows (two warpgroups, one m64 each: the weights are wgmma's A, "swap AB")
- * x up to 128 rows of x (wgmma's N: 32, 64, 96 or 128, the tile's rows rounded up to 32).
+ * x up to 128 rows of x, every tile at wgmma N 128 (the columns past its rows are computed and
+ * not stored: a switch over N made ptxas serialize this kernel's wgmmas).
  * An expert's segment of S rows is cut into ceil(S / 128) token tiles of equal size (a multiple
  * of 8), so a segment of 260 rows is three tiles of 88 rows, not 128 + 128 + 4.
  * Tile order: expert, then weight tile, then token tile, so the token tiles that share a weight
  * tile run at about the same time and the weights come from HBM once.
  *
- * Persistent CTAs (one per SM, the grid the caller asks for) stride over the tiles; the copy
- * pipeline runs on across tiles, so a CTA streams the next tile's first stages while it stores
- * the last one. Stages of 128 K-bytes: the tile's weight rows and x rows, both in the
+ * Warp-specialized: a producer warpgroup (one thread issues the copies) fills a 6-slot ring;
+ * the two consumer warpgroups never wait for each other (each warp waits for its stage's
+ * "full" mbarrier and frees the slot through an "empty" one), so one warpgroup's promotion
+ * runs while the other's wgmmas use the tensor cores. Persistent CTAs (one per SM, the grid the
+ * caller asks for) stride over the tiles; the ring runs on across tiles, so the producer
+ * streams the next tile's first stages while the consumers store the last one. (Clusters of
+ * two CTAs sharing x through a TMA multicast were measured no faster: docs/moe.md, "EPX's
+ * grouped FP8 GEMM".) Stages of 128 K-bytes: the tile's weight rows and x rows, both in the
  * 128-byte-swizzled K-major layout wgmma reads, the x rows' 128 scales of that block and the
  * weight tile's one. Per stage a warpgroup runs the four k32 steps into one partial sum (the
  * tensor cores' FP8 sum of 128 products, as DeepSeek-V3's recipe and cuBLASLt's block-scaled
@@ -40,26 +46,29 @@
 namespace {
 
 using namespace epx::wgmma;
-using epx::experts::cp_async_ca16_zfill;
-using epx::experts::cp_async_ca4_zfill;
-using epx::experts::cp_async_commit;
-using epx::experts::cp_async_wait;
-
-constexpr int kThreads = 256;           /* two warpgroups */
+constexpr int kConsumers = 256;            /* two warpgroups: the wgmma and the epilogue */
+constexpr int kThreads = kConsumers + 128; /* and a producer warpgroup (one thread copies) */
+/* Registers per thread after setmaxnreg (2 x 128 x 232 + 128 x 40 <= 65536). At 288 threads
+ * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use about 160
+ * and the producer about 24 (a review's SASS reading), so the increase is headroom. */
+constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 constexpr int kTileW = 128;             /* weight rows of a tile: one 128-row scale block */
 constexpr int kTileX = EPX__MOE_TILE_X; /* rows of x of a tile, at most (moe_tiles.h) */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
 constexpr int kStages = 6;
-constexpr int kAhead = kStages - 1;         /* stages in flight beyond the one computed */
 constexpr int kWStage = kTileW * kRowBytes; /* 16 KB */
-constexpr int kXStage = kTileX * kRowBytes;
-constexpr int kScaleStage = (kTileX + 4) * 4; /* the x rows' scales, then the weight tile's */
+constexpr int kXStage = kTileX * kRowBytes; /* 16 KB */
+/* A stage's scales: the x rows' (kTileX floats), then the 16 bytes of the weight tile's row of
+ * block scales that hold this block's. */
+constexpr int kScaleStage = kTileX * 4 + 16;
 constexpr int kMaxExperts = EPX_MAX_EXPERTS;
 constexpr int kSmemBytes = 1024 /* to align the base */ +
-                           kStages * (kWStage + kXStage + kScaleStage + 8 /* barrier */) +
-                           2 * (kMaxExperts + 1) * 4 /* tile prefix, segment begins */;
+                           kStages * (kWStage + kXStage + kScaleStage + 16 /* two barriers */) +
+                           2 * (kMaxExperts + 1) * 4 /* unit prefix, segment begins */;
 static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
-static_assert(kTileX == 128 && kTileW <= 256, "four x boxes (32 .. 128 rows; api.h's tmap_x)");
+static_assert(kTileX == 128, "every tile at wgmma N 128 (one x box: api.h's tmap_x[0])");
+/* A slot is free again once every consumer warp read it. */
+constexpr uint32_t kEmptyArrivals = kConsumers / 32;
 
 /* A tile: expert e's weight rows [n0, n0 + kTileW) on its segment rows [row0, row0 + rows). */
 struct Tile {
@@ -96,79 +105,77 @@ __device__ __forceinline__ void mma_stage(float *p, uint32_t a0, uint32_t b0) {
     Wgmma<kN>::run(p, smem_desc(a0 + ks * 32), smem_desc(b0 + ks * 32), ks > 0);
 }
 
-/* Wait for a stage's TMA boxes: bounded (4 s, then a trap: a copy that never lands is a fault
- * of the copy engine or of its tensor map, not a peer that may still come). */
-__device__ __forceinline__ void wait_full(uint64_t *bar, uint32_t parity) {
+/* Bounded barrier waits (4 s, then a trap): a copy that never lands, or a slot never freed,
+ * is a fault of the copy engine, a tensor map or this kernel, not a rank that may still come. */
+__device__ __forceinline__ void wait_phase(uint64_t *bar, uint32_t parity) {
   const epx::WaitResult r = epx::wait_until(
       4000000000ull, [&] { return epx::mbarrier_try_wait(bar, parity); }, epx::NeverAbandon{});
   if (r != epx::WaitResult::kReady) __trap();
 }
 
-/* The issuing side: this thread's copies of stage s of the CTA's stage sequence (its tiles one
- * after another, k_blocks stages each), kAhead stages ahead of the computing side. */
-struct Issuer {
-  unsigned char *w_s, *x_s;
-  float *sc_s;
-  uint64_t *full; /* [kStages]: a stage's two TMA boxes landed */
-  const int *prefix, *begin;
-  int num_stages, k_blocks, tid;
-  int tile = -1, kb; /* the tile being issued (index among the CTA's) and its next block */
-  Tile it;
-
-  __device__ __forceinline__ void issue(const epx__moe_gemm_fp8_args_t &a, int s) {
-    if (s < num_stages) {
-      if (kb == k_blocks) {
-        kb = 0;
-        tile++;
-        it = find_tile((int)blockIdx.x + tile * (int)gridDim.x, prefix, begin, a.num_experts);
-      }
-      const int slot = s % kStages, b = kb++;
-      if (tid == 0) { /* the weight tile's and the x rows' 128 K-bytes: two TMA boxes */
-        const int x_boxes = (it.rows + 31) / 32; /* the x box of the tile's wgmma width */
-        epx::mbarrier_arrive_expect_tx(&full[slot], kWStage + x_boxes * 32 * kRowBytes);
-        epx::tma_load_2d(w_s + slot * kWStage, &a.tmap_w, b * kRowBytes, it.e * a.n + it.n0,
-                         &full[slot]);
-        epx::tma_load_2d(x_s + slot * kXStage, &a.tmap_x[x_boxes - 1], b * kRowBytes,
-                         it.seg_begin + it.row0, &full[slot]);
-      }
-      float *sd = sc_s + slot * (kScaleStage / 4);
-      if (tid < kTileX / 4) { /* rows 4 tid .. 4 tid + 3 of the tile: whole groups (S % 4 == 0) */
-        const bool real = 4 * tid < it.rows;
-        const float *src = a.x_scales + (size_t)it.seg_begin * k_blocks + (size_t)b * it.seg_rows +
-                           it.row0 + 4 * tid;
-        cp_async_ca16_zfill(sd + 4 * tid, real ? (const void *)src : a.x_scales, real ? 16 : 0);
-      } else if (tid == kTileX / 4) {
-        cp_async_ca4_zfill(
-            sd + kTileX,
-            a.w_scales + (size_t)it.e * a.ws_stride + (size_t)(it.n0 / kTileW) * a.ws_kb + b, 4);
-      }
-    }
-    cp_async_commit(); /* always, so wait_group counts stages */
-  }
+/* The shared memory's regions. */
+struct Smem {
+  unsigned char *w, *x; /* [kStages][kWStage], [kStages][kXStage] */
+  float *sc;            /* [kStages][kScaleStage / 4] */
+  uint64_t *full;       /* [kStages]: a stage's copies landed */
+  uint64_t *empty;      /* [kStages]: every consumer warp is done with it */
 };
 
+/* The producer (one lane): every stage of the CTA's tiles, each into slot s % kStages once the
+ * consumers freed it: the weight box, the x rows' box (128 rows whatever the tile's: every
+ * tile runs at wgmma N 128), the x rows' scales and the weight tiles' row of block scales that
+ * holds this block's (16 bytes: ws_kb is a multiple of 4). */
+__device__ void produce(const epx__moe_gemm_fp8_args_t &a, const Smem &sm, const int *prefix,
+                        const int *begin, int my_tiles, int k_blocks) {
+  const int num_stages = my_tiles * k_blocks;
+  Tile it{};
+  int kb = k_blocks, tile = -1;
+  for (int s = 0; s < num_stages; s++) {
+    const int slot = s % kStages;
+    if (s >= kStages) wait_phase(&sm.empty[slot], ((s / kStages) - 1) & 1);
+    if (kb == k_blocks) {
+      kb = 0;
+      tile++;
+      it = find_tile((int)blockIdx.x + tile * (int)gridDim.x, prefix, begin, a.num_experts);
+    }
+    const int b = kb++;
+    const uint32_t scale_bytes = (uint32_t)it.rows * 4; /* rows: a multiple of 4 */
+    epx::mbarrier_arrive_expect_tx(&sm.full[slot], kWStage + kTileX * kRowBytes + scale_bytes + 16);
+    epx::tma_load_2d(sm.w + slot * kWStage, &a.tmap_w, b * kRowBytes, it.e * a.n + it.n0,
+                     &sm.full[slot]);
+    epx::tma_load_2d(sm.x + slot * kXStage, &a.tmap_x, b * kRowBytes, it.seg_begin + it.row0,
+                     &sm.full[slot]);
+    float *sd = sm.sc + slot * (kScaleStage / 4);
+    epx::bulk_copy(sd,
+                   a.x_scales + (size_t)it.seg_begin * k_blocks + (size_t)b * it.seg_rows + it.row0,
+                   scale_bytes, &sm.full[slot]);
+    epx::bulk_copy(
+        sd + kTileX,
+        a.w_scales + (size_t)it.e * a.ws_stride + (size_t)(it.n0 / kTileW) * a.ws_kb + (b & ~3), 16,
+        &sm.full[slot]);
+  }
+}
+
 /* One tile at wgmma width kN: its k_blocks stages from stage s0 of the CTA's sequence, then its
- * rows stored from the registers while the next tile's first stages stream in. */
+ * rows stored from the registers while the producer streams the next tile's first stages. */
 template <int kN>
-__device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, Issuer &is,
-                                         const Tile &ct, int s0, float *acc, float *part) {
+__device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, const Smem &sm,
+                                         const Tile &ct, int s0, int k_blocks, float *acc,
+                                         float *part) {
   constexpr int kJ = kN / 8; /* n8 column blocks */
   const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int i = 0; i < kN / 2; i++) acc[i] = 0.f;
-  for (int s = s0; s < s0 + is.k_blocks; s++) {
+  for (int s = s0; s < s0 + k_blocks; s++) {
     const int slot = s % kStages;
-    cp_async_wait<kAhead - 1>(); /* this thread's scale copies of stage s */
-    /* One lane per warp waits for the TMA boxes; the barrier passes that on to the others.
-     * (Every thread polling, or thread 0 alone, made ptxas serialize the wgmmas: C7511,
-     * "insufficient register resources", CUDA 13.0; check the build's ptxas output.) */
-    if (threadIdx.x % 32 == 0) wait_full(&is.full[slot], (s / kStages) & 1);
+    /* One lane per warp waits; __syncwarp passes that on. (Every thread polling made ptxas
+     * serialize the wgmmas: C7511, "insufficient register resources", CUDA 13.0; check the
+     * build's ptxas output after changing this loop.) */
+    if (lane == 0) wait_phase(&sm.full[slot], (s / kStages) & 1);
     __syncwarp();
-    __syncthreads(); /* stage s landed for every thread; slot (s - 1) % kStages is free */
-    is.issue(a, s + kAhead);
-    const uint32_t a0 = epx::smem_addr(is.w_s + slot * kWStage + wg * 64 * kRowBytes);
-    const uint32_t b0 = epx::smem_addr(is.x_s + slot * kXStage);
+    const uint32_t a0 = epx::smem_addr(sm.w + slot * kWStage + wg * 64 * kRowBytes);
+    const uint32_t b0 = epx::smem_addr(sm.x + slot * kXStage);
     fence_regs<kN / 2>(part);
     fence();
     mma_stage<kN>(part, a0, b0);
@@ -176,8 +183,8 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, Issu
     wait<0>();
     fence_regs<kN / 2>(part);
     /* acc += part x (weight block's scale x row's scale), per column (row of x) */
-    const float *sc = is.sc_s + slot * (kScaleStage / 4);
-    const float sw = sc[kTileX];
+    const float *sc = sm.sc + slot * (kScaleStage / 4);
+    const float sw = sc[kTileX + (s - s0) % 4];
 #pragma unroll
     for (int j = 0; j < kJ; j++) {
       const float2 sx = *(const float2 *)(sc + 8 * j + 2 * t);
@@ -187,6 +194,8 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, Issu
       acc[4 * j + 2] += part[4 * j + 2] * s0w;
       acc[4 * j + 3] += part[4 * j + 3] * s1w;
     }
+    __syncwarp(); /* this warp is done with the slot (its wgmmas waited for): free it */
+    if (lane == 0) epx::mbarrier_arrive(&sm.empty[slot]);
   }
   /* Row `col` of x gets weight rows n0 + row. */
   const size_t out_row0 = (size_t)(ct.seg_begin + ct.row0);
@@ -210,14 +219,15 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, Issu
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_fp8_kernel(const __grid_constant__ epx__moe_gemm_fp8_args_t a) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char *smem = smem_raw + ((1024u - (epx::smem_addr(smem_raw) & 1023u)) & 1023u);
-  Issuer is;
-  is.w_s = smem;                                   /* [stage][kWStage] */
-  is.x_s = is.w_s + kStages * kWStage;             /* [stage][kXStage] */
-  is.sc_s = (float *)(is.x_s + kStages * kXStage); /* [stage][kScaleStage / 4] */
-  is.full = (uint64_t *)((unsigned char *)is.sc_s + kStages * kScaleStage); /* [kStages] */
-  int *prefix = (int *)(is.full + kStages);                                 /* [L + 1] */
-  int *begin = prefix + kMaxExperts + 1;                                    /* [L + 1] */
+  unsigned char *base = smem_raw + ((1024u - (epx::smem_addr(smem_raw) & 1023u)) & 1023u);
+  Smem sm;
+  sm.w = base;
+  sm.x = sm.w + kStages * kWStage;
+  sm.sc = (float *)(sm.x + kStages * kXStage);
+  sm.full = (uint64_t *)((unsigned char *)sm.sc + kStages * kScaleStage);
+  sm.empty = sm.full + kStages;
+  int *prefix = (int *)(sm.empty + kStages); /* [L + 1] */
+  int *begin = prefix + kMaxExperts + 1;     /* [L + 1] */
 
   epx::grid_dependency_wait(); /* launched early: the rows and bounds come from before */
   epx::grid_dependents_may_launch();
@@ -227,7 +237,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   /* Every expert's segment bounds and first tile (warp 0 scans 32 experts per step). */
   for (int j = tid; j <= L; j += kThreads) begin[j] = a.begin[j];
   if (tid == 0) {
-    for (int i = 0; i < kStages; i++) epx::mbarrier_init(&is.full[i], 1);
+    for (int i = 0; i < kStages; i++) {
+      epx::mbarrier_init(&sm.full[i], 1);
+      epx::mbarrier_init(&sm.empty[i], kEmptyArrivals);
+    }
     epx::fence_mbarrier_init();
   }
   __syncthreads();
@@ -252,39 +265,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   if ((int)blockIdx.x >= total) return;
   const int my_tiles = (total - 1 - (int)blockIdx.x) / (int)gridDim.x + 1;
 
-  is.prefix = prefix;
-  is.begin = begin;
-  is.k_blocks = k_blocks;
-  is.num_stages = my_tiles * k_blocks;
-  is.tid = tid;
-  is.kb = k_blocks; /* the first issue looks its tile up */
-
-  float acc[kTileX / 2], part[kTileX / 2];
+  if (tid >= kConsumers) { /* the producer warpgroup */
+    epx::setmaxnreg_dec<kProducerRegs>();
+    if (tid == kConsumers) produce(a, sm, prefix, begin, my_tiles, k_blocks);
+  } else { /* the consumers wait for every stage the producer fills: no copy outlives the CTA */
+    epx::setmaxnreg_inc<kConsumerRegs>();
+    float acc[kTileX / 2], part[kTileX / 2];
 #pragma unroll
-  for (int i = 0; i < kTileX / 2; i++) part[i] = 0.f;
-#pragma unroll
-  for (int s = 0; s < kAhead; s++) is.issue(a, s);
-  for (int c = 0; c < my_tiles; c++) {
-    const Tile ct = find_tile((int)blockIdx.x + c * (int)gridDim.x, prefix, begin, L);
-    const int s0 = c * k_blocks;
-    /* On (rows + 31) / 32, not on the wgmma width itself: a switch on the width made ptxas
-     * serialize the wgmmas (C7511, "insufficient register resources"; CUDA 13.0) */
-    switch ((ct.rows + 31) / 32) {
-      case 1:
-        run_tile<32>(a, is, ct, s0, acc, part);
-        break;
-      case 2:
-        run_tile<64>(a, is, ct, s0, acc, part);
-        break;
-      case 3:
-        run_tile<96>(a, is, ct, s0, acc, part);
-        break;
-      default:
-        run_tile<128>(a, is, ct, s0, acc, part);
-        break;
+    for (int i = 0; i < kTileX / 2; i++) part[i] = 0.f;
+    for (int c = 0; c < my_tiles; c++) {
+      const Tile ct = find_tile((int)blockIdx.x + c * (int)gridDim.x, prefix, begin, L);
+      run_tile<kTileX>(a, sm, ct, c * k_blocks, k_blocks, acc, part);
     }
   }
-  cp_async_wait<0>(); /* no copy outlives the CTA */
 }
 
 }  // namespace
@@ -294,8 +287,7 @@ extern "C" int epx__moe_gemm_fp8_supported(int n, int k, int num_experts) {
          num_experts <= kMaxExperts;
 }
 
-/* cuTensorMapEncodeTiled, from the driver at run time (libepx does not link libcuda). Two
- * threads may both look it up the first time; they store the same pointer. */
+/* cuTensorMapEncodeTiled, from the driver at run time (libepx does not link libcuda). */
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
   if (!fn) {
@@ -345,12 +337,19 @@ extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t 
     return epx__set_error(EPX_ERR_INTERNAL,
                           "epx__moe_gemm_fp8_launch: n %d, k %d, %d experts, weight stride %zu",
                           a->n, a->k, a->num_experts, a->w_stride);
+  /* The scales arrive by bulk copies: 16-byte aligned sources, the weights' 4 blocks at a time */
+  if (a->ws_kb % 4 != 0 || a->ws_kb < a->k / kRowBytes || a->ws_stride % 4 != 0 ||
+      (uintptr_t)a->w_scales % 16 != 0 || (uintptr_t)a->x_scales % 16 != 0)
+    return epx__set_error(EPX_ERR_INTERNAL,
+                          "epx__moe_gemm_fp8_launch: scales at %p (stride %zu, %d blocks a row) "
+                          "and %p: need 16-byte alignment and rows of a multiple of 4 blocks",
+                          (const void *)a->w_scales, a->ws_stride, a->ws_kb,
+                          (const void *)a->x_scales);
   if (a->x_rows <= 0) return EPX_OK;
   epx__moe_gemm_fp8_args_t args = *a;
   EPX_CHECK(
       encode_rows(&args.tmap_w, a->w, a->k, (long long)a->num_experts * a->n, kTileW, "weights"));
-  for (int i = 0; i < kTileX / 32; i++) /* boxes of 32, 64, 96 and 128 rows */
-    EPX_CHECK(encode_rows(&args.tmap_x[i], a->x, a->k, a->x_rows, 32 * (i + 1), "rows"));
+  EPX_CHECK(encode_rows(&args.tmap_x, a->x, a->k, a->x_rows, kTileX, "rows"));
   return epx::launch_ex<moe_gemm_fp8_kernel>(a->early_launch, dim3(a->num_ctas), kThreads,
                                              kSmemBytes, stream, args);
 }

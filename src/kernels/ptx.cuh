@@ -118,15 +118,27 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t *bar, uint32_
                : "memory");
 }
 
-/* Global -> shared: arm the barrier for `bytes` and start the copy; it completes the barrier. */
-__device__ __forceinline__ void bulk_load(void *smem, const void *gmem, uint32_t bytes,
+/* One arrival on the barrier (no transaction bytes). */
+__device__ __forceinline__ void mbarrier_arrive(uint64_t *bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+/* Global -> shared bulk copy (16-byte aligned, a multiple of 16 bytes) that completes `bytes`
+ * of a barrier armed elsewhere (mbarrier_arrive_expect_tx). */
+__device__ __forceinline__ void bulk_copy(void *smem, const void *gmem, uint32_t bytes,
                                           uint64_t *bar) {
-  mbarrier_arrive_expect_tx(bar, bytes);
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
           "r"(smem_addr(smem)),
       "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+}
+
+/* Global -> shared: arm the barrier for `bytes` and start the copy; it completes the barrier. */
+__device__ __forceinline__ void bulk_load(void *smem, const void *gmem, uint32_t bytes,
+                                          uint64_t *bar) {
+  mbarrier_arrive_expect_tx(bar, bytes);
+  bulk_copy(smem, gmem, bytes, bar);
 }
 
 /* Global -> shared through a tensor map (2D, the box its encoding fixed) at coordinates
@@ -151,6 +163,17 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t *bar, uint32_t parity
       : "r"(smem_addr(bar)), "r"(parity)
       : "memory");
   return done != 0;
+}
+
+/* Move this warpgroup's registers per thread down or up to kRegs (every warp of the warpgroup
+ * runs it): a warp-specialized kernel gives its copy warps' registers to its math warps. */
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
 
 /* Shared -> global (any address this GPU maps, peers' included), as one bulk group. */

@@ -5,7 +5,7 @@
  *   moe_gemm_fp8_grouped_exact   codes -3..3 and power-of-two scales, so every product and sum
  *                                is exact in float32: the float32 output must equal the CPU's
  *                                bit for bit (BF16: its one rounding). Segments of 0 to 260
- *                                rows (token tiles of 4 to 128 rows, each wgmma width), k/128
+ *                                rows (token tiles of 4 to 128 rows; the x box past them), k/128
  *                                of 1 to 8, few CTAs (each walks many tiles, the copy pipeline
  *                                running across them) and one per SM; rows outside every
  *                                segment must stay untouched.
@@ -168,7 +168,8 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_exact, 300) {
   int sms = 0;
   EXPECT_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   static const int shapes[][2] = {{256, 128}, {384, 384}, {256, 1024}, {128, 512}};
-  /* 0 to 260 rows: token tiles of 4 .. 128 rows, so each wgmma width (32, 64, 96, 128) */
+  /* 0 to 260 rows: token tiles of 4 .. 128 rows (each read as a 128-row box: the rows past a
+   * tile are the next segment's or past the end, computed and never stored) */
   static const int seg[] = {0, 4, 36, 132, 260, 8, 128, 100, 0, 12, 68};
   const int L = (int)(sizeof seg / sizeof seg[0]);
   const int ctas[] = {3, sms};
