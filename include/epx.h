@@ -1002,8 +1002,9 @@ typedef struct epx_moe_prefill_config {
                          same value (each chunk is one dispatch and one combine, collective) */
   int ffn_backend;    /* epx_moe_ffn_backend_t; 0 = auto */
   int gemm_sms;       /* SMs the GEMMs are tuned for while communication runs beside them
-                         (cuBLAS's SM count target); 0 = auto: the GPU's SMs minus the group's
-                         config.num_sms; chain calls always target every SM, and so does the
+                         (cuBLAS's SM count target; EPX's grouped FP8 GEMM's CTAs); 0 = auto:
+                         the GPU's SMs minus the group's config.num_sms, every SM with EPX's
+                         grouped FP8 GEMM; chain calls always target every SM, and so does the
                          batched backend's down projection (docs/moe.md) */
   int gemm_lanes;     /* streams the per-expert GEMMs are spread over (EPX_MOE_FFN_CUBLAS, and
                          the batched backend's chunks that fall back to them), 1..8; 0 = auto

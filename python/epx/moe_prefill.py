@@ -23,8 +23,8 @@ class MoePrefill:
     weights, "cublas" for FP8), "cublas" (one GEMM per expert), "cublas_grouped" (BF16 weights:
     one cuBLAS batched GEMM per projection for all experts), "epx_grouped" (FP8 weights: EPX's
     grouped FP8 GEMM, one launch per projection for all experts; Hopper) or "epx"; gemm_sms: SMs
-    the overlapped GEMMs are tuned for (0: the GPU's minus the group's num_sms; the batched
-    down projection always uses every SM); gemm_lanes: streams the
+    the overlapped GEMMs are tuned for (0: the GPU's minus the group's num_sms, every SM with
+    "epx_grouped"; the batched down projection always uses every SM); gemm_lanes: streams the
     per-expert GEMMs run on at once (0: 4; cuBLAS backends); dispatch_dtype: what crosses NVLink,
     "auto" (FP8 with FP8 weights on cuBLAS or epx_grouped and groups with dtypes including "fp8"), "bf16" or
     "fp8"."""

@@ -169,11 +169,11 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
   for (int i = 0; i < kN / 2; i++) acc[i] = 0.f;
   for (int s = s0; s < s0 + k_blocks; s++) {
     const int slot = s % kStages;
-    /* One lane per warp waits; __syncwarp passes that on. (Every thread polling made ptxas
-     * serialize the wgmmas: C7511, "insufficient register resources", CUDA 13.0; check the
-     * build's ptxas output after changing this loop.) */
-    if (lane == 0) wait_phase(&sm.full[slot], (s / kStages) & 1);
-    __syncwarp();
+    /* Every lane waits (its own acquire of the copies: with lane 0 waiting and a __syncwarp,
+     * compute-sanitizer's racecheck reported the scale reads as racing the bulk copies).
+     * Check the build's ptxas output after changing this loop: in the kernel before this one,
+     * every thread polling made ptxas serialize the wgmmas (C7511, CUDA 13.0). */
+    wait_phase(&sm.full[slot], (s / kStages) & 1);
     const uint32_t a0 = epx::smem_addr(sm.w + slot * kWStage + wg * 64 * kRowBytes);
     const uint32_t b0 = epx::smem_addr(sm.x + slot * kXStage);
     fence_regs<kN / 2>(part);
