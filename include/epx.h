@@ -992,8 +992,10 @@ typedef enum epx_moe_ffn_backend {
                                      read from device memory (TMA and wgmma; Hopper). No per-expert
                                      host calls, so no GEMM lanes; FP8 on the wire as with cuBLAS.
                                      Refused at creation with BF16 weights or on a GPU other than
-                                     compute capability 9.0. Faster than cuBLASLt at Qwen3-30B-A3B's
-                                     expert shape, slower at DeepSeek-V3's (docs/moe.md) */
+                                     compute capability 9.0. Its GEMMs take every SM unless
+                                     gemm_sms says otherwise. Faster than cuBLASLt at
+                                     Qwen3-30B-A3B's expert shape, slower at DeepSeek-V3's
+                                     (docs/moe.md) */
 } epx_moe_ffn_backend_t;
 
 typedef struct epx_moe_prefill_config {
