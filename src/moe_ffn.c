@@ -29,6 +29,7 @@
 #include "experts.h"
 #include "kernels/api.h"
 #include "moe_prefill.h"
+#include "moe_tiles.h"
 
 void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane) {
   long long load[EPX__MOE_MAX_LANES] = {0};
@@ -117,6 +118,7 @@ static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const ep
                                          .begin = rows->begin_dev,
                                          .x_rows = rows->num_rows,
                                          .num_ctas = g->sm_target ? g->sm_target : p->device_sms,
+                                         .tile_x = epx__moe_pick_tile_x(rows->begin, p->L),
                                          .early_launch = 0};
     return epx__moe_gemm_fp8_launch(&ga, stream);
   }

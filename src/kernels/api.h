@@ -337,7 +337,7 @@ epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch
  * (the SMs the GEMM may use). */
 typedef struct epx__moe_gemm_fp8_args {
   /* Set by the launcher (TMA): the weights as one [L n, k] matrix in boxes of 128 rows; x
-   * [x_rows, k] in boxes of 128 rows (every tile loads 128, whatever its rows). */
+   * [x_rows, k] in boxes of tile_x rows (every tile loads tile_x, whatever its rows). */
   CUtensorMap tmap_w, tmap_x;
   const void *w;
   size_t w_stride;
@@ -352,6 +352,8 @@ typedef struct epx__moe_gemm_fp8_args {
   const int *begin; /* device [num_experts + 1] */
   int x_rows;       /* rows x has (reads past them are zeros); 0: nothing to do */
   int num_ctas;
+  int tile_x;       /* rows of x of a tile, at most, and the wgmma width every tile runs at:
+                       EPX__MOE_TILE_X or EPX__MOE_TILE_X_WIDE (moe_tiles.h) */
   int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
 } epx__moe_gemm_fp8_args_t;
 

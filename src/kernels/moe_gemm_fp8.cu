@@ -7,10 +7,11 @@
  * dozen tiles), split K to fill them, and cost the host ~10 us each (docs/moe.md).
  *
  * Tiles: 128 weight rows (two warpgroups, one m64 each: the weights are wgmma's A, "swap AB")
- * x up to 128 rows of x, every tile at wgmma N 128 (the columns past its rows are computed and
- * not stored: a switch over N made ptxas serialize this kernel's wgmmas).
- * An expert's segment of S rows is cut into ceil(S / 128) token tiles of equal size (a multiple
- * of 8), so a segment of 260 rows is three tiles of 88 rows, not 128 + 128 + 4.
+ * x up to kTileX rows of x, every tile of a launch at wgmma N kTileX, 128 or 160 (the caller
+ * picks: moe_tiles.h; the columns past a tile's rows are computed and not stored: a switch over
+ * N inside the kernel made ptxas serialize its wgmmas, so the width is a template argument).
+ * An expert's segment of S rows is cut into ceil(S / kTileX) token tiles of equal size (a
+ * multiple of 8), so a segment of 260 rows is three tiles of 88 rows at 128, not 128 + 128 + 4.
  * Tile order: expert, then weight tile, then token tile, so the token tiles that share a weight
  * tile run at about the same time and the weights come from HBM once.
  *
@@ -52,21 +53,28 @@ constexpr int kThreads = kConsumers + 128; /* and a producer warpgroup (one thre
  * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use about 160
  * and the producer about 24 (a review's SASS reading), so the increase is headroom. */
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;
-constexpr int kTileW = 128;             /* weight rows of a tile: one 128-row scale block */
-constexpr int kTileX = EPX__MOE_TILE_X; /* rows of x of a tile, at most (moe_tiles.h) */
+constexpr int kTileW = 128;    /* weight rows of a tile: one 128-row scale block */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
-constexpr int kStages = 6;
 constexpr int kWStage = kTileW * kRowBytes; /* 16 KB */
-constexpr int kXStage = kTileX * kRowBytes; /* 16 KB */
-/* A stage's scales: the x rows' (kTileX floats), then the 16 bytes of the weight tile's row of
- * block scales that hold this block's. */
-constexpr int kScaleStage = kTileX * 4 + 16;
 constexpr int kMaxExperts = EPX_MAX_EXPERTS;
-constexpr int kSmemBytes = 1024 /* to align the base */ +
-                           kStages * (kWStage + kXStage + kScaleStage + 16 /* two barriers */) +
-                           2 * (kMaxExperts + 1) * 4 /* tile prefix, segment begins */;
-static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
-static_assert(kTileX == 128, "every tile at wgmma N 128 (one x box: api.h's tmap_x)");
+
+/* A launch's tile width kTileX (moe_tiles.h: 128 or 160 rows of x, every tile at wgmma N
+ * kTileX) sets the ring's stage: the weight box, kTileX rows of x, the x rows' scales (kTileX
+ * floats) and the 16 bytes of the weight tile's row of block scales that hold this block's;
+ * and its depth: 6 stages of 32 KB, or 5 of 36 KB (6 do not fit), about as many bytes in
+ * flight. */
+template <int kTileX>
+struct Ring {
+  static constexpr int kStages = kTileX <= 128 ? 6 : 5;
+  static constexpr int kXStage = kTileX * kRowBytes;
+  static constexpr int kScaleStage = kTileX * 4 + 16;
+  static constexpr int kSmemBytes =
+      1024 /* to align the base */ +
+      kStages * (kWStage + kXStage + kScaleStage + 16 /* barriers */) +
+      2 * (kMaxExperts + 1) * 4 /* tile prefix, segment begins */;
+  static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
+  static_assert(kTileX % 8 == 0 && kTileX <= 256 && kScaleStage % 16 == 0, "a wgmma N, TMA box");
+};
 /* A slot is free again once every consumer warp read it. */
 constexpr uint32_t kEmptyArrivals = kConsumers / 32;
 
@@ -76,6 +84,7 @@ struct Tile {
 };
 
 /* Tile t of the grid's order (see the header); prefix[j]: the tiles before expert j's. */
+template <int kTileX>
 __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *begin, int L) {
   int lo = 0, hi = L; /* the last expert whose first tile is <= t (it has tiles: t < its end) */
   while (hi - lo > 1) {
@@ -89,7 +98,7 @@ __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *b
   tl.e = lo;
   tl.seg_begin = begin[lo];
   tl.seg_rows = begin[lo + 1] - begin[lo];
-  const int per = epx__moe_x_tile_rows(tl.seg_rows); /* rows of its token tiles */
+  const int per = epx__moe_x_tile_rows(tl.seg_rows, kTileX); /* rows of its token tiles */
   const int x_tiles = (tl.seg_rows + per - 1) / per; /* epx__moe_x_tiles without a 2nd `per` */
   const int local = t - prefix[lo];
   tl.n0 = (local / x_tiles) * kTileW;
@@ -115,37 +124,39 @@ __device__ __forceinline__ void wait_phase(uint64_t *bar, uint32_t parity) {
 
 /* The shared memory's regions. */
 struct Smem {
-  unsigned char *w, *x; /* [kStages][kWStage], [kStages][kXStage] */
-  float *sc;            /* [kStages][kScaleStage / 4] */
-  uint64_t *full;       /* [kStages]: a stage's copies landed */
-  uint64_t *empty;      /* [kStages]: every consumer warp is done with it */
+  unsigned char *w, *x; /* [Ring::kStages][kWStage], [Ring::kStages][Ring::kXStage] */
+  float *sc;            /* [Ring::kStages][Ring::kScaleStage / 4] */
+  uint64_t *full;       /* [Ring::kStages]: a stage's copies landed */
+  uint64_t *empty;      /* [Ring::kStages]: every consumer warp is done with it */
 };
 
-/* The producer (one lane): every stage of the CTA's tiles, each into slot s % kStages once the
- * consumers freed it: the weight box, the x rows' box (128 rows whatever the tile's: every
- * tile runs at wgmma N 128), the x rows' scales and the weight tiles' row of block scales that
- * holds this block's (16 bytes: ws_kb is a multiple of 4). */
+/* The producer (one lane): every stage of the CTA's tiles, each into slot s % depth once the
+ * consumers freed it: the weight box, the x rows' box (kTileX rows whatever the tile's: every
+ * tile runs at wgmma N kTileX), the x rows' scales and the weight tiles' row of block scales
+ * that holds this block's (16 bytes: ws_kb is a multiple of 4). */
+template <int kTileX>
 __device__ void produce(const epx__moe_gemm_fp8_args_t &a, const Smem &sm, const int *prefix,
                         const int *begin, int my_tiles, int k_blocks) {
   const int num_stages = my_tiles * k_blocks;
   Tile it{};
   int kb = k_blocks, tile = -1;
   for (int s = 0; s < num_stages; s++) {
+    constexpr int kStages = Ring<kTileX>::kStages;
     const int slot = s % kStages;
     if (s >= kStages) wait_phase(&sm.empty[slot], ((s / kStages) - 1) & 1);
     if (kb == k_blocks) {
       kb = 0;
       tile++;
-      it = find_tile((int)blockIdx.x + tile * (int)gridDim.x, prefix, begin, a.num_experts);
+      it = find_tile<kTileX>((int)blockIdx.x + tile * (int)gridDim.x, prefix, begin, a.num_experts);
     }
     const int b = kb++;
     const uint32_t scale_bytes = (uint32_t)it.rows * 4; /* rows: a multiple of 4 */
     epx::mbarrier_arrive_expect_tx(&sm.full[slot], kWStage + kTileX * kRowBytes + scale_bytes + 16);
     epx::tma_load_2d(sm.w + slot * kWStage, &a.tmap_w, b * kRowBytes, it.e * a.n + it.n0,
                      &sm.full[slot]);
-    epx::tma_load_2d(sm.x + slot * kXStage, &a.tmap_x, b * kRowBytes, it.seg_begin + it.row0,
-                     &sm.full[slot]);
-    float *sd = sm.sc + slot * (kScaleStage / 4);
+    epx::tma_load_2d(sm.x + slot * Ring<kTileX>::kXStage, &a.tmap_x, b * kRowBytes,
+                     it.seg_begin + it.row0, &sm.full[slot]);
+    float *sd = sm.sc + slot * (Ring<kTileX>::kScaleStage / 4);
     epx::bulk_copy(sd,
                    a.x_scales + (size_t)it.seg_begin * k_blocks + (size_t)b * it.seg_rows + it.row0,
                    scale_bytes, &sm.full[slot]);
@@ -156,8 +167,9 @@ __device__ void produce(const epx__moe_gemm_fp8_args_t &a, const Smem &sm, const
   }
 }
 
-/* One tile at wgmma width kN: its k_blocks stages from stage s0 of the CTA's sequence, then its
- * rows stored from the registers while the producer streams the next tile's first stages. */
+/* One tile at wgmma width kN (the launch's kTileX): its k_blocks stages from stage s0 of the
+ * CTA's sequence, then its rows stored from the registers while the producer streams the next
+ * tile's first stages. */
 template <int kN>
 __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, const Smem &sm,
                                          const Tile &ct, int s0, int k_blocks, float *acc,
@@ -168,6 +180,7 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
 #pragma unroll
   for (int i = 0; i < kN / 2; i++) acc[i] = 0.f;
   for (int s = s0; s < s0 + k_blocks; s++) {
+    constexpr int kStages = Ring<kN>::kStages;
     const int slot = s % kStages;
     /* Every lane waits, each its own acquire of the stage's copies (lane 0 waiting, then a
      * __syncwarp, measured 3% slower). Check the build's ptxas output after changing this loop:
@@ -175,7 +188,7 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
      * (C7511, CUDA 13.0). */
     wait_phase(&sm.full[slot], (s / kStages) & 1);
     const uint32_t a0 = epx::smem_addr(sm.w + slot * kWStage + wg * 64 * kRowBytes);
-    const uint32_t b0 = epx::smem_addr(sm.x + slot * kXStage);
+    const uint32_t b0 = epx::smem_addr(sm.x + slot * Ring<kN>::kXStage);
     fence_regs<kN / 2>(part);
     fence();
     mma_stage<kN>(part, a0, b0);
@@ -183,8 +196,8 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
     wait<0>();
     fence_regs<kN / 2>(part);
     /* acc += part x (weight block's scale x row's scale), per column (row of x) */
-    const float *sc = sm.sc + slot * (kScaleStage / 4);
-    const float sw = sc[kTileX + (s - s0) % 4];
+    const float *sc = sm.sc + slot * (Ring<kN>::kScaleStage / 4);
+    const float sw = sc[kN + (s - s0) % 4];
 #pragma unroll
     for (int j = 0; j < kJ; j++) {
       const float2 sx = *(const float2 *)(sc + 8 * j + 2 * t);
@@ -216,15 +229,18 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
   }
 }
 
+template <int kTileX>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_fp8_kernel(const __grid_constant__ epx__moe_gemm_fp8_args_t a) {
+  using R = Ring<kTileX>;
+  constexpr int kStages = R::kStages;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char *base = smem_raw + ((1024u - (epx::smem_addr(smem_raw) & 1023u)) & 1023u);
   Smem sm;
   sm.w = base;
   sm.x = sm.w + kStages * kWStage;
-  sm.sc = (float *)(sm.x + kStages * kXStage);
-  sm.full = (uint64_t *)((unsigned char *)sm.sc + kStages * kScaleStage);
+  sm.sc = (float *)(sm.x + kStages * R::kXStage);
+  sm.full = (uint64_t *)((unsigned char *)sm.sc + kStages * R::kScaleStage);
   sm.empty = sm.full + kStages;
   int *prefix = (int *)(sm.empty + kStages); /* [L + 1] */
   int *begin = prefix + kMaxExperts + 1;     /* [L + 1] */
@@ -248,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int carry = 0;
     for (int j0 = 0; j0 < L; j0 += 32) {
       const int j = j0 + tid;
-      const int mine = j < L ? epx__moe_x_tiles(begin[j + 1] - begin[j]) * n_tiles : 0;
+      const int mine = j < L ? epx__moe_x_tiles(begin[j + 1] - begin[j], kTileX) * n_tiles : 0;
       int incl = mine;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
@@ -267,14 +283,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid >= kConsumers) { /* the producer warpgroup */
     epx::setmaxnreg_dec<kProducerRegs>();
-    if (tid == kConsumers) produce(a, sm, prefix, begin, my_tiles, k_blocks);
+    if (tid == kConsumers) produce<kTileX>(a, sm, prefix, begin, my_tiles, k_blocks);
   } else { /* the consumers wait for every stage the producer fills: no copy outlives the CTA */
     epx::setmaxnreg_inc<kConsumerRegs>();
     float acc[kTileX / 2], part[kTileX / 2];
 #pragma unroll
     for (int i = 0; i < kTileX / 2; i++) part[i] = 0.f;
     for (int c = 0; c < my_tiles; c++) {
-      const Tile ct = find_tile((int)blockIdx.x + c * (int)gridDim.x, prefix, begin, L);
+      const Tile ct = find_tile<kTileX>((int)blockIdx.x + c * (int)gridDim.x, prefix, begin, L);
       run_tile<kTileX>(a, sm, ct, c * k_blocks, k_blocks, acc, part);
     }
   }
@@ -345,11 +361,18 @@ extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t 
                           "and %p: need 16-byte alignment and rows of a multiple of 4 blocks",
                           (const void *)a->w_scales, a->ws_stride, a->ws_kb,
                           (const void *)a->x_scales);
+  if (a->tile_x != EPX__MOE_TILE_X && a->tile_x != EPX__MOE_TILE_X_WIDE)
+    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_gemm_fp8_launch: tile width %d", a->tile_x);
   if (a->x_rows <= 0) return EPX_OK;
   epx__moe_gemm_fp8_args_t args = *a;
   EPX_CHECK(
       encode_rows(&args.tmap_w, a->w, a->k, (long long)a->num_experts * a->n, kTileW, "weights"));
-  EPX_CHECK(encode_rows(&args.tmap_x, a->x, a->k, a->x_rows, kTileX, "rows"));
-  return epx::launch_ex<moe_gemm_fp8_kernel>(a->early_launch, dim3(a->num_ctas), kThreads,
-                                             kSmemBytes, stream, args);
+  EPX_CHECK(encode_rows(&args.tmap_x, a->x, a->k, a->x_rows, a->tile_x, "rows"));
+  if (a->tile_x == EPX__MOE_TILE_X_WIDE)
+    return epx::launch_ex<moe_gemm_fp8_kernel<EPX__MOE_TILE_X_WIDE>>(
+        a->early_launch, dim3(a->num_ctas), kThreads, Ring<EPX__MOE_TILE_X_WIDE>::kSmemBytes,
+        stream, args);
+  return epx::launch_ex<moe_gemm_fp8_kernel<EPX__MOE_TILE_X>>(
+      a->early_launch, dim3(a->num_ctas), kThreads, Ring<EPX__MOE_TILE_X>::kSmemBytes, stream,
+      args);
 }

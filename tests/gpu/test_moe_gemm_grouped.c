@@ -5,12 +5,11 @@
  *   moe_gemm_fp8_grouped_exact   codes -3..3 and power-of-two scales, so every product and sum
  *                                is exact in float32: the float32 output must equal the CPU's
  *                                bit for bit (BF16: its one rounding). Segments of 0 to 260
- *                                rows (token tiles of 4 to 128 rows; the x box past them), k/128
- *                                of 1 to 8, few CTAs (each walks many tiles, the copy pipeline
- *                                running across them) and one per SM; rows outside every
- *                                segment must stay untouched.
- *   moe_gemm_fp8_grouped_range   codes over the whole E4M3 range: every output within 2^-6 of
- *                                its products' magnitude (a misread scale is off by 2x or
+ *                                rows at both tile widths (128 and 160; tiles of 4 to 160 rows,
+ *                                the x box past them), k/128 of 1 to 8, few CTAs (each walks many
+ * tiles, the copy pipeline running across them) and one per SM; rows outside every segment must
+ * stay untouched. moe_gemm_fp8_grouped_range   codes over the whole E4M3 range (width 128 at k 128,
+ * 160 else): every output within 2^-6 of its products' magnitude (a misread scale is off by 2x or
  *                                more); prints the worst error, the figure the layer's
  *                                tolerance (test_moe_prefill.c) allows for.
  */
@@ -21,6 +20,7 @@
 
 #include "gpu/gpu_util.h"
 #include "kernels/api.h"
+#include "moe_tiles.h"
 #include "ref/epx_ref.h"
 
 enum { MAX_SEG = 16 };
@@ -114,7 +114,7 @@ static void case_free(grouped_case_t *c) {
 
 /* The launch on case c; y filled with 0xff first (NaN in both output types). Returns the
  * output as floats [rows, n] (malloc'd) or NULL. */
-static float *run(grouped_case_t *c, int y_fp32, int num_ctas) {
+static float *run(grouped_case_t *c, int y_fp32, int num_ctas, int tile_x) {
   const size_t cells = (size_t)c->rows * c->n;
   if (cudaMemset(c->y, 0xff, cells * sizeof(float)) != cudaSuccess) return NULL;
   const epx__moe_gemm_fp8_args_t a = {.w = c->wd,
@@ -132,6 +132,7 @@ static float *run(grouped_case_t *c, int y_fp32, int num_ctas) {
                                       .begin = c->begin_d,
                                       .x_rows = c->begin[c->L],
                                       .num_ctas = num_ctas,
+                                      .tile_x = tile_x,
                                       .early_launch = 0};
   if (epx__moe_gemm_fp8_launch(&a, 0) != EPX_OK) {
     fprintf(stderr, "  launch: %s\n", epx_last_error());
@@ -168,48 +169,49 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_exact, 300) {
   int sms = 0;
   EXPECT_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   static const int shapes[][2] = {{256, 128}, {384, 384}, {256, 1024}, {128, 512}};
-  /* 0 to 260 rows: token tiles of 4 .. 128 rows (each read as a 128-row box: the rows past a
-   * tile are the next segment's or past the end, computed and never stored) */
-  static const int seg[] = {0, 4, 36, 132, 260, 8, 128, 100, 0, 12, 68};
+  /* 0 to 260 rows: token tiles of 4 .. 160 rows at both widths (each read as a box of the
+   * width: the rows past a tile are the next segment's or past the end, computed and never
+   * stored); 132 and 164 rows are two tiles at 128 and one and two at 160 */
+  static const int seg[] = {0, 4, 36, 132, 260, 8, 128, 100, 0, 12, 164, 68, 160};
   const int L = (int)(sizeof seg / sizeof seg[0]);
-  const int ctas[] = {3, sms};
+  const int ctas[] = {3, sms}, widths[] = {EPX__MOE_TILE_X, EPX__MOE_TILE_X_WIDE};
   int rc = TEST_PASS;
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0] && rc == TEST_PASS; s++) {
     grouped_case_t c;
     if (case_make(&c, shapes[s][0], shapes[s][1], seg, L, 1) != TEST_PASS) return TEST_FAIL;
-    for (int y_fp32 = 1; y_fp32 >= 0 && rc == TEST_PASS; y_fp32--)
-      for (int ci = 0; ci < 2 && rc == TEST_PASS; ci++) {
-        float *got = run(&c, y_fp32, ctas[ci]);
-        EXPECTF(got != NULL, "n %d k %d: the launch or its copy failed", c.n, c.k);
-        /* float32: exact; BF16: the one rounding of an exact value (2^-8 relative at most) */
-        const double tol = y_fp32 ? 0 : ldexp(1.0, -8);
-        for (int r = 0; r < c.rows && rc == TEST_PASS; r++) {
-          const int j = expert_of(&c, r);
-          for (int col = 0; col < c.n; col++) {
-            const float v = got[(size_t)r * c.n + col];
-            if (j < 0) { /* guard rows: never written, so still NaN */
-              if (!isnan(v)) {
-                fprintf(stderr, "  n %d k %d ctas %d: guard row %d col %d written (%g)\n", c.n, c.k,
-                        ctas[ci], r, col, v);
-                rc = TEST_FAIL;
-                break;
-              }
-              continue;
-            }
-            const double want = want_at(&c, j, r, col, NULL);
-            if (!(fabs((double)v - want) <= tol * fabs(want))) {
-              fprintf(stderr,
-                      "  n %d k %d %s ctas %d: expert %d (rows %d..%d) row %d col %d = %.9g, "
-                      "want %.9g exactly\n",
-                      c.n, c.k, y_fp32 ? "float32" : "BF16", ctas[ci], j, c.begin[j],
-                      c.begin[j + 1], r, col, v, want);
+    for (int run_i = 0; run_i < 8 && rc == TEST_PASS; run_i++) {
+      const int y_fp32 = run_i & 1, ci = (run_i >> 1) & 1, tile_x = widths[run_i >> 2];
+      float *got = run(&c, y_fp32, ctas[ci], tile_x);
+      EXPECTF(got != NULL, "n %d k %d: the launch or its copy failed", c.n, c.k);
+      /* float32: exact; BF16: the one rounding of an exact value (2^-8 relative at most) */
+      const double tol = y_fp32 ? 0 : ldexp(1.0, -8);
+      for (int r = 0; r < c.rows && rc == TEST_PASS; r++) {
+        const int j = expert_of(&c, r);
+        for (int col = 0; col < c.n; col++) {
+          const float v = got[(size_t)r * c.n + col];
+          if (j < 0) { /* guard rows: never written, so still NaN */
+            if (!isnan(v)) {
+              fprintf(stderr, "  n %d k %d ctas %d width %d: guard row %d col %d written (%g)\n",
+                      c.n, c.k, ctas[ci], tile_x, r, col, v);
               rc = TEST_FAIL;
               break;
             }
+            continue;
+          }
+          const double want = want_at(&c, j, r, col, NULL);
+          if (!(fabs((double)v - want) <= tol * fabs(want))) {
+            fprintf(stderr,
+                    "  n %d k %d %s ctas %d width %d: expert %d (rows %d..%d) row %d col %d = "
+                    "%.9g, want %.9g exactly\n",
+                    c.n, c.k, y_fp32 ? "float32" : "BF16", ctas[ci], tile_x, j, c.begin[j],
+                    c.begin[j + 1], r, col, v, want);
+            rc = TEST_FAIL;
+            break;
           }
         }
-        free(got);
       }
+      free(got);
+    }
     case_free(&c);
   }
   return rc;
@@ -222,7 +224,8 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_range, 300) {
   for (int k = 128; k <= 1024; k *= 2) {
     grouped_case_t c;
     if (case_make(&c, 512, k, seg, 3, 0) != TEST_PASS) return TEST_FAIL;
-    float *got = run(&c, 1, 7);
+    const int tile_x = k % 256 ? EPX__MOE_TILE_X : EPX__MOE_TILE_X_WIDE; /* 128, 160, 160, 160 */
+    float *got = run(&c, 1, 7, tile_x);
     EXPECTF(got != NULL, "k %d: the launch or its copy failed", k);
     double worst = 0;
     size_t bad = 0;
@@ -235,9 +238,9 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_range, 300) {
         if (mag > 0 && err / mag > worst) worst = err / mag;
       }
     printf(
-        "  whole-range codes, n 512, k %d, segments 64/132/8: worst |err| / sum |products| "
-        "= %.3g\n",
-        k, worst);
+        "  whole-range codes, n 512, k %d, segments 64/132/8, width %d: worst |err| / sum "
+        "|products| = %.3g\n",
+        k, tile_x, worst);
     free(got);
     case_free(&c);
     EXPECTF(bad == 0, "k %d: %zu outputs off by more than 2^-6 of their products' sum", k, bad);

@@ -171,23 +171,41 @@ EPX_HOST_TEST(moe_prefill_batched_block_rows, 10) {
 }
 
 /* The grouped FP8 GEMM's token tiles of a segment of s rows, for every s a prefill chunk can
- * give an expert here: ceil(s / 128) tiles (the fewest of at most 128 rows), each a multiple of
- * 8 rows (wgmma's N steps) and at most 128, together exactly s rows, none empty, and none more
- * than 8 rows past the even split (so no wgmma width is spent on nothing). */
+ * give an expert here, at both widths (cap 128 and 160): ceil(s / cap) tiles (the fewest of at
+ * most cap rows), each a multiple of 8 rows (wgmma's N steps) and at most cap, together exactly
+ * s rows, none empty, and none more than 8 rows past the even split; and the width a launch
+ * picks from its segments. */
 EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
-  EXPECT_EQ_INT(epx__moe_x_tiles(0), 0);
-  EXPECT_EQ_INT(epx__moe_x_tiles(-4), 0);
-  EXPECT_EQ_INT(epx__moe_x_tile_rows(257), 88); /* DeepSeek-V3 at 2 ranks: 3 tiles, wgmma N 96 */
-  EXPECT_EQ_INT(epx__moe_x_tiles(257), 3);
-  EXPECT_EQ_INT(epx__moe_x_tile_rows(512), 128);
-  for (int s = 1; s <= 20000; s++) {
-    const int per = epx__moe_x_tile_rows(s), n = epx__moe_x_tiles(s);
-    const int fewest = (s + EPX__MOE_TILE_X - 1) / EPX__MOE_TILE_X;
-    EXPECTF(per % 8 == 0 && per >= 8 && per <= EPX__MOE_TILE_X, "s %d: tile rows %d", s, per);
-    EXPECTF(n == fewest, "s %d: %d tiles, want %d", s, n, fewest);
-    EXPECTF((n - 1) * per < s && n * per >= s, "s %d: %d tiles of %d rows", s, n, per);
-    EXPECTF(per <= (s + n - 1) / n + 7, "s %d: %d rows a tile, even split %d", s, per,
-            (s + n - 1) / n);
-  }
+  static const int caps[] = {EPX__MOE_TILE_X, EPX__MOE_TILE_X_WIDE};
+  EXPECT_EQ_INT(epx__moe_x_tiles(0, EPX__MOE_TILE_X), 0);
+  EXPECT_EQ_INT(epx__moe_x_tiles(-4, EPX__MOE_TILE_X_WIDE), 0);
+  EXPECT_EQ_INT(epx__moe_x_tile_rows(257, EPX__MOE_TILE_X), 88); /* DeepSeek-V3, 2 ranks */
+  EXPECT_EQ_INT(epx__moe_x_tiles(257, EPX__MOE_TILE_X), 3);
+  EXPECT_EQ_INT(epx__moe_x_tile_rows(257, EPX__MOE_TILE_X_WIDE), 136);
+  EXPECT_EQ_INT(epx__moe_x_tiles(257, EPX__MOE_TILE_X_WIDE), 2);
+  EXPECT_EQ_INT(epx__moe_x_tile_rows(512, EPX__MOE_TILE_X), 128);
+  EXPECT_EQ_INT(epx__moe_x_tiles(140, EPX__MOE_TILE_X_WIDE), 1);
+  for (int ci = 0; ci < 2; ci++)
+    for (int s = 1; s <= 20000; s++) {
+      const int cap = caps[ci];
+      const int per = epx__moe_x_tile_rows(s, cap), n = epx__moe_x_tiles(s, cap);
+      const int fewest = (s + cap - 1) / cap;
+      EXPECTF(per % 8 == 0 && per >= 8 && per <= cap, "cap %d, s %d: tile rows %d", cap, s, per);
+      EXPECTF(n == fewest, "cap %d, s %d: %d tiles, want %d", cap, s, n, fewest);
+      EXPECTF((n - 1) * per < s && n * per >= s, "cap %d, s %d: %d tiles of %d rows", cap, s, n,
+              per);
+      EXPECTF(per <= (s + n - 1) / n + 7, "cap %d, s %d: %d rows a tile, even split %d", cap, s,
+              per, (s + n - 1) / n);
+    }
+  /* The width: the fewer columns computed in all (tiles x width); the narrow one on a tie. */
+  const int chunk[] = {0, 120, 264, 400, 540}; /* 120, 144, 136, 140: one tile each at 160 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(chunk, 4), EPX__MOE_TILE_X_WIDE); /* 640 against 896 */
+  const int whole[] = {0, 512, 1024}; /* 512 rows twice: 4 x 128 against 4 x 160 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 2), EPX__MOE_TILE_X);
+  const int some[] = {0, 256, 256, 416}; /* 256, none, 160: 256 + 256 against 320 + 160 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(some, 3), EPX__MOE_TILE_X_WIDE);
+  const int tie[] = {0, 160, 288, 416, 544}; /* 160, 128, 128, 128: 640 columns either way */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(tie, 4), EPX__MOE_TILE_X);
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 0), EPX__MOE_TILE_X); /* no experts */
   return TEST_PASS;
 }
