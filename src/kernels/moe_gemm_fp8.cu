@@ -15,7 +15,8 @@
  * Tile order: expert, then weight tile, then token tile, so the token tiles that share a weight
  * tile run at about the same time and the weights come from HBM once.
  *
- * Warp-specialized: a producer warpgroup (one thread issues the copies) fills a 6-slot ring;
+ * Warp-specialized: a producer warpgroup (one thread issues the copies) fills a ring of 6 slots
+ * (5 at width 160);
  * the two consumer warpgroups never wait for each other (each warp waits for its stage's
  * "full" mbarrier and frees the slot through an "empty" one), so one warpgroup's promotion
  * runs while the other's wgmmas use the tensor cores. Persistent CTAs (one per SM, the grid the
@@ -50,8 +51,8 @@ using namespace epx::wgmma;
 constexpr int kConsumers = 256;            /* two warpgroups: the wgmma and the epilogue */
 constexpr int kThreads = kConsumers + 128; /* and a producer warpgroup (one thread copies) */
 /* Registers per thread after setmaxnreg (2 x 128 x 232 + 128 x 40 <= 65536). At 288 threads
- * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use about 160
- * and the producer about 24 (a review's SASS reading), so the increase is headroom. */
+ * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use up to
+ * about 150 (width 128) and 185 (width 160), the producer about 24 (reviews' SASS readings). */
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 constexpr int kTileW = 128;    /* weight rows of a tile: one 128-row scale block */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */

@@ -5,13 +5,15 @@
  *   moe_gemm_fp8_grouped_exact   codes -3..3 and power-of-two scales, so every product and sum
  *                                is exact in float32: the float32 output must equal the CPU's
  *                                bit for bit (BF16: its one rounding). Segments of 0 to 260
- *                                rows at both tile widths (128 and 160; tiles of 4 to 160 rows,
- *                                the x box past them), k/128 of 1 to 8, few CTAs (each walks many
- * tiles, the copy pipeline running across them) and one per SM; rows outside every segment must
- * stay untouched. moe_gemm_fp8_grouped_range   codes over the whole E4M3 range (width 128 at k 128,
- * 160 else): every output within 2^-6 of its products' magnitude (a misread scale is off by 2x or
- *                                more); prints the worst error, the figure the layer's
- *                                tolerance (test_moe_prefill.c) allows for.
+ *                                rows at both tile widths (128 and 160; tiles of 4 to 160
+ *                                rows, the x box past them), k/128 of 1 to 8, few CTAs (each
+ *                                walks many tiles, the copy pipeline running across them) and
+ *                                one per SM; rows outside every segment must stay untouched.
+ *   moe_gemm_fp8_grouped_range   codes over the whole E4M3 range (width 128 at k 128, 160
+ *                                above): every output within 2^-6 of its products' magnitude
+ *                                (a misread scale is off by 2x or more); prints the worst
+ *                                error, the figure the layer's tolerance (test_moe_prefill.c)
+ *                                allows for.
  */
 #include <math.h>
 #include <stdio.h>

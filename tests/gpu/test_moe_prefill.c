@@ -129,11 +129,10 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
   EXPECT_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   epx_group_config_t resolved = EPX_GROUP_CONFIG_INIT;
   EXPECT_OK(epx_group_get_config(f->g[0], &resolved)); /* num_sms 0 in cfg: auto */
+  const int left =
+      sms - resolved.num_sms * (resolved.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING ? 2 : 1);
   EXPECT_EQ_INT(info.gemm_sms,
-                info.ffn_backend == EPX_MOE_FFN_EPX_GROUPED
-                    ? sms
-                    : sms - resolved.num_sms *
-                                (resolved.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING ? 2 : 1));
+                info.ffn_backend == EPX_MOE_FFN_EPX_GROUPED ? sms : (left < 1 ? 1 : left));
   /* auto sends FP8 exactly where the weights are FP8 and the FFN is cuBLAS or EPX's grouped
    * GEMM (both read the received FP8 rows as they are) */
   const int gemm_fp8 = c->fp8_weights && (info.ffn_backend == EPX_MOE_FFN_CUBLAS ||
