@@ -38,7 +38,6 @@
 #endif
 
 #include "kernels/api.h"
-#include "kernels/experts_common.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/ptx.cuh"
 #include "kernels/wait.cuh"
