@@ -976,8 +976,13 @@ typedef struct epx_moe_prefill *epx_moe_prefill_t;
 
 /* Which GEMMs run the experts' FFN. */
 typedef enum epx_moe_ffn_backend {
-  EPX_MOE_FFN_AUTO = 0,   /* BF16 weights: EPX_MOE_FFN_CUBLAS_GROUPED; FP8 weights: cuBLASLt
-                             where it has a kernel; else (or no cuBLAS) EPX */
+  EPX_MOE_FFN_AUTO = 0,   /* BF16 weights: EPX_MOE_FFN_CUBLAS_GROUPED; FP8 weights:
+                             EPX_MOE_FFN_EPX_GROUPED where it runs and an expert's gate/up GEMM
+                             in a chunk is small (under 1e10 operations on the rows a uniform
+                             routing of max_tokens_per_rank tokens gives it: Qwen3-30B-A3B's
+                             experts at 2-8 ranks and DeepSeek-V3's at 2), else cuBLASLt where it
+                             has a kernel; else (or no cuBLAS) EPX. The same on every rank of
+                             one machine type (docs/moe.md, "Which FFN AUTO runs") */
   EPX_MOE_FFN_CUBLAS = 1, /* cuBLAS / cuBLASLt, one GEMM per (expert, projection) over the GEMM
                              lanes; refused at creation if it has no kernel */
   EPX_MOE_FFN_EPX = 2,    /* epx_experts_ffn (built for decode sizes) */
@@ -994,8 +999,8 @@ typedef enum epx_moe_ffn_backend {
                                      Refused at creation with BF16 weights or on a GPU other than
                                      compute capability 9.0. Its GEMMs take every SM unless
                                      gemm_sms says otherwise. Faster than cuBLASLt at
-                                     Qwen3-30B-A3B's expert shape, slower at DeepSeek-V3's
-                                     (docs/moe.md) */
+                                     Qwen3-30B-A3B's expert shape, level with it at
+                                     DeepSeek-V3's at 2 ranks and slower at 4 (docs/moe.md) */
 } epx_moe_ffn_backend_t;
 
 typedef struct epx_moe_prefill_config {

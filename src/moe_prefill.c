@@ -196,31 +196,52 @@ static epx_status_t repack_scales(const float *src, int E, int n, int k, float *
   return EPX_OK;
 }
 
+int epx__moe_auto_grouped_fp8(long long max_tokens_per_rank, int ranks, int top_k, int experts,
+                              int chunks, int hidden, int intermediate) {
+  if (experts <= 0 || chunks <= 0) return 1;
+  const double rows = (double)max_tokens_per_rank * ranks * top_k / experts / chunks;
+  return 2.0 * rows * hidden * 2.0 * intermediate < EPX__MOE_GROUPED_FP8_MAX_FLOPS;
+}
+
+/* Whether EPX's grouped FP8 GEMM runs here (FP8 weights checked by the caller); the reason in
+ * epx_last_error otherwise. */
+static epx_status_t grouped_fp8_runs_here(const char *fn, epx_moe_prefill_t p) {
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major != 9 || minor != 0)
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "%s: EPX_MOE_FFN_EPX_GROUPED needs a GPU of compute capability 9.0 (its "
+                          "kernel is built for sm_90a); this one is %d.%d",
+                          fn, major, minor);
+  if (!epx__moe_gemm_fp8_supported(2 * p->I, p->H, p->L) ||
+      !epx__moe_gemm_fp8_supported(p->H, p->I, p->L))
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "%s: EPX_MOE_FFN_EPX_GROUPED: hidden %d and intermediate %d must be "
+                          "multiples of 128, local experts %d at most %d",
+                          fn, p->H, p->I, p->L, EPX_MAX_EXPERTS);
+  if (!epx__moe_gemm_fp8_driver_ok())
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "%s: EPX_MOE_FFN_EPX_GROUPED needs the driver's cuTensorMapEncodeTiled, "
+                          "which this driver does not give",
+                          fn);
+  return EPX_OK;
+}
+
 /* Which backend runs the FFN, and the gate/up output type of FP8 cuBLASLt. */
 static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int asked) {
-  if (asked == EPX_MOE_FFN_EPX_GROUPED) { /* FP8 weights (checked): EPX's grouped GEMM */
-    int dev = 0, major = 0, minor = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-    if (major != 9 || minor != 0)
-      return epx__set_error(EPX_ERR_UNSUPPORTED,
-                            "%s: config->ffn_backend = EPX_MOE_FFN_EPX_GROUPED needs a GPU of "
-                            "compute capability 9.0 (its kernel is built for sm_90a); this one "
-                            "is %d.%d",
-                            fn, major, minor);
-    if (!epx__moe_gemm_fp8_supported(2 * p->I, p->H, p->L) ||
-        !epx__moe_gemm_fp8_supported(p->H, p->I, p->L))
-      return epx__set_error(EPX_ERR_UNSUPPORTED,
-                            "%s: config->ffn_backend = EPX_MOE_FFN_EPX_GROUPED: hidden %d and "
-                            "intermediate %d must be multiples of 128, local experts %d at most "
-                            "%d",
-                            fn, p->H, p->I, p->L, EPX_MAX_EXPERTS);
-    if (!epx__moe_gemm_fp8_driver_ok())
-      return epx__set_error(EPX_ERR_UNSUPPORTED,
-                            "%s: config->ffn_backend = EPX_MOE_FFN_EPX_GROUPED needs the driver's "
-                            "cuTensorMapEncodeTiled, which this driver does not give",
-                            fn);
+  /* FP8 weights: EPX's grouped GEMM if asked for (refused where it cannot run), or by AUTO
+   * where an expert's GEMM in a chunk is small (epx__moe_auto_grouped_fp8) and it can run
+   * (cuBLASLt otherwise) */
+  const epx_group_config_t *gc = &p->groups[0]->config;
+  int grouped_fp8 = asked == EPX_MOE_FFN_EPX_GROUPED;
+  if (grouped_fp8) EPX_CHECK(grouped_fp8_runs_here(fn, p));
+  if (asked == EPX_MOE_FFN_AUTO && !p->no_blas && p->experts.weight_dtype == EPX_DTYPE_FP8_E4M3 &&
+      epx__moe_auto_grouped_fp8(gc->max_tokens_per_rank, p->R, p->K, gc->num_experts, p->num_chunks,
+                                p->H, p->I))
+    grouped_fp8 = grouped_fp8_runs_here(fn, p) == EPX_OK;
+  if (grouped_fp8) {
     /* The FP8 cuBLAS plan's workspace, scales and FP8 wire, its GEMMs replaced (moe_ffn.c) */
     p->backend = EPX_MOE_FFN_CUBLAS;
     p->fp8_grouped = 1;

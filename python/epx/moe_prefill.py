@@ -20,7 +20,9 @@ class MoePrefill:
     a list of one or two with identical configs (normal mode, BF16, expand_max_rows >= R x
     max_tokens_per_rank x min(K, E/R) + 3 E/R); experts: this rank's epx.Experts; num_chunks:
     chunks of an overlapped call (0: 2); ffn_backend: "auto" ("cublas_grouped" for BF16
-    weights, "cublas" for FP8), "cublas" (one GEMM per expert), "cublas_grouped" (BF16 weights:
+    weights; for FP8 "epx_grouped" where an expert's GEMM in a chunk is small, as at
+    Qwen3-30B-A3B's shape, else "cublas"; include/epx.h says the rule), "cublas" (one GEMM per
+    expert), "cublas_grouped" (BF16 weights:
     one cuBLAS batched GEMM per projection for all experts), "epx_grouped" (FP8 weights: EPX's
     grouped FP8 GEMM, one launch per projection for all experts; Hopper) or "epx"; gemm_sms: SMs
     the overlapped GEMMs are tuned for (0: the GPU's minus the group's num_sms, every SM with

@@ -58,6 +58,18 @@ void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane);
  * larger first; the largest is ceil(T / n). Pure. */
 void epx__moe_chunk(int T, int n, int c, int *first, int *count);
 
+/* EPX_MOE_FFN_AUTO with FP8 weights runs EPX's grouped FP8 GEMM when one expert's gate/up GEMM
+ * in a chunk, on the rows a uniform routing of max_tokens_per_rank tokens a rank gives it
+ * (max_tokens_per_rank x ranks x top_k / experts / chunks), is under this many floating-point
+ * operations; cuBLASLt, one call per expert, otherwise. Such a call costs the host ~11 us; a
+ * smaller GEMM leaves the GPU waiting for the host (docs/moe.md, "Which FFN AUTO runs":
+ * measured on 2 and 4 H200s, Qwen3-30B-A3B's experts at 1.6e9 and 3.2e9: the grouped GEMM's
+ * layer 1.5-1.8x faster; DeepSeek-V3's at 7.5e9: level; at 1.5e10: cuBLASLt's 1.22x faster).
+ * Pure: the plan's values, the same on every rank. */
+#define EPX__MOE_GROUPED_FP8_MAX_FLOPS 1e10
+int epx__moe_auto_grouped_fp8(long long max_tokens_per_rank, int ranks, int top_k, int experts,
+                              int chunks, int hidden, int intermediate);
+
 typedef struct {
   int valid, kind, bucket;
   cublasLtMatmulAlgo_t algo;

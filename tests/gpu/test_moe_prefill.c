@@ -147,14 +147,21 @@ static int fixture_make(epx_test_rank_t *t, const prefill_case_t *c, uint64_t *r
                     : 1);
   if (c->backend == EPX_MOE_FFN_CUBLAS_GROUPED || c->backend == EPX_MOE_FFN_EPX_GROUPED)
     EXPECT_EQ_INT(info.ffn_backend, c->backend);
-  /* AUTO must pick cuBLAS's batched GEMM for BF16 weights and cuBLASLt for FP8 on the lent
-   * machines (Hopper, CUDA 13): a silent fallback to EPX's FFN would pass every check below
-   * and leave the cuBLAS paths unrun. */
-  if (c->backend == EPX_MOE_FFN_AUTO)
-    EXPECTF(info.ffn_backend == (c->fp8_weights ? EPX_MOE_FFN_CUBLAS : EPX_MOE_FFN_CUBLAS_GROUPED),
-            "%s: EPX_MOE_FFN_AUTO chose backend %d: cuBLAS%s is missing or has no kernel for "
-            "these scale modes (epx_last_error after create: %s)",
-            c->name, info.ffn_backend, c->fp8_weights ? "Lt" : "", epx_last_error());
+  /* AUTO must pick cuBLAS's batched GEMM for BF16 weights, and for FP8 EPX's grouped GEMM
+   * where an expert's GEMM in a chunk is small (every case here), cuBLASLt otherwise, on the
+   * lent machines (Hopper, CUDA 13): a silent fallback would pass every check below and leave
+   * the chosen path unrun. */
+  if (c->backend == EPX_MOE_FFN_AUTO) {
+    const int small =
+        epx__moe_auto_grouped_fp8(f->w.M, R, f->w.K, f->w.E, info.num_chunks, f->w.H, c->I);
+    const int want = !c->fp8_weights ? EPX_MOE_FFN_CUBLAS_GROUPED
+                     : small         ? EPX_MOE_FFN_EPX_GROUPED
+                                     : EPX_MOE_FFN_CUBLAS;
+    EXPECTF(info.ffn_backend == want,
+            "%s: EPX_MOE_FFN_AUTO chose backend %d, not %d: its kernel does not run here or "
+            "cuBLAS(Lt) is missing (epx_last_error after create: %s)",
+            c->name, info.ffn_backend, want, epx_last_error());
+  }
   /* Every FP8 path sums on the tensor cores: cuBLASLt and EPX's grouped GEMM 128-deep blocks,
    * EPX's FFN (wgmma since 1445f11) 32-deep steps. EPX's FFN stayed inside the tighter bound at
    * 3fa71c4 (worst 0.38 of it, rms 0.005, 2 and 4 ranks), but fp8_one_expert_epx at one rank,
@@ -277,29 +284,30 @@ static int one_call(epx_test_rank_t *t, prefill_fixture_t *f, int overlap, const
   return TEST_PASS;
 }
 
-/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  backend (0 auto, 2 EPX, 3
- *  cuBLAS batched, 4 EPX grouped)  chunks
+/*  name {M  H  L  K  routing  T  empty_rank}  I  fp8 weights  backend (0 auto: at these sizes
+ *  cuBLAS batched for BF16 weights, EPX grouped for FP8; 1 cuBLAS(Lt), 2 EPX, 3 cuBLAS batched,
+ *  4 EPX grouped)  chunks
  *  GEMM lanes  dispatch dtype (0 auto) */
 static const prefill_case_t cases[] = {
     {"bf16_uniform", {64, 256, 8, 4, ROUTE_UNIFORM, -1, -1}, 256, 0, 0, 0, 0, 0, 0},
     {"bf16_duplicates_uneven", {48, 384, 4, 6, ROUTE_DUPLICATES, -1, -1}, 128, 0, 1, 3, 3, 0, 0},
     {"bf16_one_lane", {48, 256, 4, 4, ROUTE_UNIFORM, -1, -1}, 128, 0, 1, 0, 1, 0, 0},
-    {"fp8_bf16_wire", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, EPX_DTYPE_BF16, 0},
-    {"fp8_one_lane", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 1, 0, 0},
-    {"fp8_eight_lanes", {48, 256, 8, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 0, 0, 8, 0, 0},
+    {"fp8_bf16_wire", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 1, 0, 1, EPX_DTYPE_BF16, 0},
+    {"fp8_one_lane", {48, 256, 4, 4, ROUTE_HOLES, -1, -1}, 256, 1, 1, 0, 1, 0, 0},
+    {"fp8_eight_lanes", {48, 256, 8, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 1, 0, 8, 0, 0},
     {"fp8_holes", {64, 256, 8, 4, ROUTE_HOLES, -1, -1}, 256, 1, 0, 0, 0, 0, 0},
-    {"fp8_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 0, 0, 0, 0, 0},
-    {"fp8_one_expert_i256", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 256, 1, 0, 0, 0, 0, 0},
+    {"fp8_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 1, 0, 0, 0, 0},
+    {"fp8_one_expert_i256", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 256, 1, 1, 0, 0, 0, 0},
     {"fp8_uniform_i128", {32, 256, 4, 4, ROUTE_UNIFORM, 32, -1}, 128, 1, 0, 0, 0, 0, 0},
     {"bf16_one_expert", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 0, 0, 0, 0, 0, 0},
     {"fp8_one_expert_epx", {32, 256, 4, 4, ROUTE_ONE_EXPERT, 32, -1}, 128, 1, 2, 0, 0, 0, 0},
     {"fp8_epx_ffn_uniform", {64, 512, 8, 8, ROUTE_UNIFORM, -1, -1}, 256, 1, 2, 0, 0, 0, 0},
     {"bf16_all_empty", {32, 256, 4, 4, ROUTE_EMPTY, 32, -1}, 128, 0, 0, 0, 0, 0, 0},
-    {"fp8_empty_rank", {64, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 0, 0, 0, 0, 0},
+    {"fp8_empty_rank", {64, 256, 4, 4, ROUTE_UNIFORM, -1, 0}, 128, 1, 1, 0, 0, 0, 0},
     {"bf16_one_rank_experts", {32, 256, 4, 4, ROUTE_ONE_RANK, -1, -1}, 128, 0, 0, 0, 0, 0, 0},
-    {"fp8_fewer_tokens_than_chunks", {8, 256, 4, 4, ROUTE_UNIFORM, 3, -1}, 128, 1, 0, 4, 0, 0, 0},
+    {"fp8_fewer_tokens_than_chunks", {8, 256, 4, 4, ROUTE_UNIFORM, 3, -1}, 128, 1, 1, 4, 0, 0, 0},
     {"bf16_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, 32, -1}, 768, 0, 0, 0, 0, 0, 0},
-    {"fp8_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, 0, 0, 0, 0, 0},
+    {"fp8_qwen3_like", {32, 2048, 4, 8, ROUTE_UNIFORM, -1, -1}, 768, 1, 1, 0, 0, 0, 0},
     /* EPX_MOE_FFN_CUBLAS_GROUPED with few rows (a chunk runs batched or one GEMM per expert
      * as its padding comes out): holes, one expert only, a rank with no token, three chunks,
      * Qwen3's shape, more than 32 local experts (the pointer kernel's passes) and an odd

@@ -4,7 +4,7 @@
  * within one of each other, the largest ceil(T / n)), the workspace layout (regions 256-byte
  * aligned, disjoint, each as large as its formula, FP8 regions only with FP8 weights), the
  * batched GEMM's block rows, the grouped FP8 GEMM's token tiles (src/include/moe_tiles.h), and
- * the refusals that need no GPU.
+ * the refusals that need no GPU, and which FP8 backend AUTO picks.
  */
 #include <stddef.h>
 #include <string.h>
@@ -207,5 +207,29 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   const int tie[] = {0, 160, 288, 416, 544}; /* 160, 128, 128, 128: 640 columns either way */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(tie, 4), EPX__MOE_TILE_X);
   EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 0), EPX__MOE_TILE_X); /* no experts */
+  return TEST_PASS;
+}
+
+/* AUTO's FP8 choice at the shapes it was measured on (docs/moe.md, "Which FFN AUTO runs"):
+ * 4096 tokens a rank, two chunks. Qwen3-30B-A3B's experts at 2, 4 (and, not measured, 8) ranks
+ * and DeepSeek-V3's at 2 take EPX's grouped GEMM; DeepSeek-V3's at 4 (and 8) cuBLASLt. Rows an
+ * expert gets in a chunk: Qwen3 256, 512, 1024; DeepSeek 128, 256, 512. */
+EPX_HOST_TEST(moe_prefill_auto_fp8_backend, 10) {
+  static const struct {
+    int ranks, experts, hidden, intermediate, grouped;
+  } shapes[] = {{2, 128, 2048, 768, 1},  {4, 128, 2048, 768, 1},  {8, 128, 2048, 768, 1},
+                {2, 256, 7168, 2048, 1}, {4, 256, 7168, 2048, 0}, {8, 256, 7168, 2048, 0}};
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    const int got = epx__moe_auto_grouped_fp8(4096, shapes[i].ranks, 8, shapes[i].experts, 2,
+                                              shapes[i].hidden, shapes[i].intermediate);
+    EXPECTF(got == shapes[i].grouped, "%d ranks, %d experts of %d x %d: grouped %d, want %d",
+            shapes[i].ranks, shapes[i].experts, shapes[i].hidden, shapes[i].intermediate, got,
+            shapes[i].grouped);
+  }
+  /* fewer tokens or more chunks: smaller GEMMs, the grouped one; small test shapes too */
+  EXPECT(epx__moe_auto_grouped_fp8(1024, 4, 8, 256, 2, 7168, 2048) == 1);
+  EXPECT(epx__moe_auto_grouped_fp8(4096, 4, 8, 256, 4, 7168, 2048) == 1);
+  EXPECT(epx__moe_auto_grouped_fp8(64, 4, 4, 16, 2, 256, 256) == 1);
+  EXPECT(epx__moe_auto_grouped_fp8(0, 2, 8, 256, 2, 7168, 2048) == 1);
   return TEST_PASS;
 }
