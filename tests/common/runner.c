@@ -134,6 +134,16 @@ static int run_isolated(const test_entry_t *t, int num_ranks) {
   return wait_with_timeout(pid, t->timeout_s);
 }
 
+int epx_test_case_selected(const char *name) {
+  const char *words = getenv("EPX_TEST_CASES");
+  if (!words || !*words) return 1;
+  char buf[512];
+  snprintf(buf, sizeof buf, "%s", words);
+  for (char *save = NULL, *w = strtok_r(buf, ",", &save); w; w = strtok_r(NULL, ",", &save))
+    if (*w && strstr(name, w)) return 1;
+  return 0;
+}
+
 static uint64_t initial_seed(uint64_t given, int have_given) {
   if (have_given) return given;
   const char *env = getenv("EPX_TEST_SEED");

@@ -43,6 +43,11 @@ void epx_test_register_dying_peer(const char *name, epx_gpu_test_fn fn, int time
 void epx_test_die(void) __attribute__((noreturn));
 /* Seed of the current test (host tests too). */
 uint64_t epx_test_seed(void);
+/* Whether a test with a table of cases runs the case `name`: every case unless EPX_TEST_CASES
+ * is set, then those whose name contains one of its comma-separated words. A case skipped
+ * draws nothing from the test's generator, so the cases after it get other data than in a
+ * whole run with the same seed. */
+int epx_test_case_selected(const char *name);
 
 #define EPX_HOST_TEST(name, timeout_s)                             \
   static int name(void);                                           \

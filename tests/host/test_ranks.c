@@ -9,9 +9,13 @@
  *                                           is one still running a grace period after a failure;
  *                                           a rank killed by SIGKILL fails the run unless it is
  *                                           the last one and its death is planned
+ *   test_cases_selected_by_env              EPX_TEST_CASES (the runner's case filter): unset or
+ *                                           empty runs every case; else a case runs if its
+ *                                           name contains one of the comma-separated words
  */
 #include <poll.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -117,5 +121,27 @@ EPX_HOST_TEST(ranks_relay_one_id_and_fold_exit_codes, 60) {
       if (check_reports(fds[0]) != TEST_PASS) return TEST_FAIL;
     }
   close(fds[0]), close(fds[1]);
+  return TEST_PASS;
+}
+
+EPX_HOST_TEST(test_cases_selected_by_env, 10) {
+  const char *was = getenv("EPX_TEST_CASES");
+  char *saved = was ? strdup(was) : NULL;
+  unsetenv("EPX_TEST_CASES");
+  EXPECT(epx_test_case_selected("fp8_holes"));
+  setenv("EPX_TEST_CASES", "", 1);
+  EXPECT(epx_test_case_selected("fp8_holes"));
+  setenv("EPX_TEST_CASES", "egrp,holes", 1);
+  const int holes = epx_test_case_selected("fp8_holes");
+  const int egrp = epx_test_case_selected("fp8_egrp_one_expert");
+  const int other = epx_test_case_selected("bf16_uniform");
+  setenv("EPX_TEST_CASES", ",,", 1);
+  const int commas = epx_test_case_selected("bf16_uniform");
+  if (saved)
+    setenv("EPX_TEST_CASES", saved, 1);
+  else
+    unsetenv("EPX_TEST_CASES");
+  free(saved);
+  EXPECT(holes && egrp && !other && !commas);
   return TEST_PASS;
 }
