@@ -958,10 +958,11 @@ epx_status_t epx_moe_decode(epx_group_t group, const epx_experts_t *experts,
 /* ---------------------------------------------------------------------------------------------
  * MoE layer at prefill (docs/moe.md, "MoE layer at prefill"): router output to layer output in
  * normal mode, on the expert-major layout: epx_dispatch_expand (sync_counts = 1: the host learns
- * each local expert's row count, which the GEMMs need), the local experts' SwiGLU FFN with
- * cuBLAS GEMMs per expert (BF16 weights: cublasGemmEx; FP8 block-scaled weights: cuBLASLt's
- * 128x128 / 1x128 block scaling, or EPX's own epx_experts_ffn where cuBLASLt has no kernel for
- * it), and epx_combine_expand (weighted):
+ * each local expert's row count), the local experts' SwiGLU FFN (BF16 weights: cuBLAS, one
+ * batched GEMM per projection or one GEMM per expert; FP8 block-scaled weights: EPX's grouped
+ * FP8 GEMM, one launch per projection for every expert, or cuBLASLt's 128x128 / 1x128 block
+ * scaling per expert, or EPX's own epx_experts_ffn: config.ffn_backend), and
+ * epx_combine_expand (weighted):
  *   out[t] = sum over t's valid top-k slots k of w[t][k] * FFN_{e_k}(x[t])
  * Overlap: the tokens are cut into chunks pipelined over two groups, so that chunk c+1's
  * dispatch and chunk c-1's combine (config.num_sms blocks) run while chunk c's GEMMs use the
@@ -978,11 +979,14 @@ typedef struct epx_moe_prefill *epx_moe_prefill_t;
 typedef enum epx_moe_ffn_backend {
   EPX_MOE_FFN_AUTO = 0,   /* BF16 weights: EPX_MOE_FFN_CUBLAS_GROUPED; FP8 weights:
                              EPX_MOE_FFN_EPX_GROUPED where it runs and an expert's gate/up GEMM
-                             in a chunk is small (under 1e10 operations on the rows a uniform
-                             routing of max_tokens_per_rank tokens gives it: Qwen3-30B-A3B's
-                             experts at 2-8 ranks and DeepSeek-V3's at 2), else cuBLASLt where it
-                             has a kernel; else (or no cuBLAS) EPX. The same on every rank of
-                             one machine type (docs/moe.md, "Which FFN AUTO runs") */
+                             in a chunk is small: under 1e10 operations on the rows a uniform
+                             routing of max_tokens_per_rank tokens a rank, cut into num_chunks,
+                             gives it (the rule assumes calls of about max_tokens_per_rank
+                             tokens; at 4096 tokens a rank and two chunks that is Qwen3-30B-A3B's
+                             experts at 2-8 ranks and DeepSeek-V3's at 2); else cuBLASLt where it
+                             has a kernel; else (or no cuBLAS at all) EPX. The same on every rank
+                             of one machine type; where a choice fell back, epx_last_error says
+                             why (docs/moe.md, "Which FFN AUTO runs") */
   EPX_MOE_FFN_CUBLAS = 1, /* cuBLAS / cuBLASLt, one GEMM per (expert, projection) over the GEMM
                              lanes; refused at creation if it has no kernel */
   EPX_MOE_FFN_EPX = 2,    /* epx_experts_ffn (built for decode sizes) */

@@ -233,7 +233,9 @@ static epx_status_t grouped_fp8_runs_here(const char *fn, epx_moe_prefill_t p) {
 static epx_status_t choose_backend(const char *fn, epx_moe_prefill_t p, int asked) {
   /* FP8 weights: EPX's grouped GEMM if asked for (refused where it cannot run), or by AUTO
    * where an expert's GEMM in a chunk is small (epx__moe_auto_grouped_fp8) and it can run
-   * (cuBLASLt otherwise) */
+   * (cuBLASLt otherwise, the reason left in epx_last_error as plan_build's no-cuBLAS fallback
+   * leaves its own). Without cuBLAS AUTO keeps EPX's FFN, as before the grouped GEMM existed:
+   * that path is not run on the lent machines. */
   const epx_group_config_t *gc = &p->groups[0]->config;
   int grouped_fp8 = asked == EPX_MOE_FFN_EPX_GROUPED;
   if (grouped_fp8) EPX_CHECK(grouped_fp8_runs_here(fn, p));

@@ -21,8 +21,8 @@ class MoePrefill:
     max_tokens_per_rank x min(K, E/R) + 3 E/R); experts: this rank's epx.Experts; num_chunks:
     chunks of an overlapped call (0: 2); ffn_backend: "auto" ("cublas_grouped" for BF16
     weights; for FP8 "epx_grouped" where an expert's GEMM in a chunk is small, as at
-    Qwen3-30B-A3B's shape, else "cublas"; include/epx.h says the rule), "cublas" (one GEMM per
-    expert), "cublas_grouped" (BF16 weights:
+    Qwen3-30B-A3B's shape with 4096 tokens a rank, else "cublas", else "epx"; include/epx.h
+    says the rule), "cublas" (one GEMM per expert), "cublas_grouped" (BF16 weights:
     one cuBLAS batched GEMM per projection for all experts), "epx_grouped" (FP8 weights: EPX's
     grouped FP8 GEMM, one launch per projection for all experts; Hopper) or "epx"; gemm_sms: SMs
     the overlapped GEMMs are tuned for (0: the GPU's minus the group's num_sms, every SM with

@@ -64,8 +64,10 @@ void epx__moe_chunk(int T, int n, int c, int *first, int *count);
  * operations; cuBLASLt, one call per expert, otherwise. Such a call costs the host ~11 us; a
  * smaller GEMM leaves the GPU waiting for the host (docs/moe.md, "Which FFN AUTO runs":
  * measured on 2 and 4 H200s, Qwen3-30B-A3B's experts at 1.6e9 and 3.2e9: the grouped GEMM's
- * layer 1.5-1.8x faster; DeepSeek-V3's at 7.5e9: level; at 1.5e10: cuBLASLt's 1.22x faster).
- * Pure: the plan's values, the same on every rank. */
+ * layer 1.5-1.8x faster; DeepSeek-V3's at 7.5e9: level; at 1.5e10: cuBLASLt's 1.22x faster;
+ * all at 4096 tokens a rank and two chunks, so a plan whose calls carry far more or fewer
+ * tokens than max_tokens_per_rank, or with more chunks, is extrapolated). Pure: the plan's
+ * values, the same on every rank. Not applied without cuBLAS (AUTO keeps EPX's FFN there). */
 #define EPX__MOE_GROUPED_FP8_MAX_FLOPS 1e10
 int epx__moe_auto_grouped_fp8(long long max_tokens_per_rank, int ranks, int top_k, int experts,
                               int chunks, int hidden, int intermediate);

@@ -8,8 +8,9 @@
  *
  *   moe_prefill_matches_reference  each case: a chain call, two overlapped calls (both groups,
  *                                  each used twice), every output value checked; BF16 weights
- *                                  (cuBLAS) and FP8 weights (cuBLASLt where it has the kernel,
- *                                  and EPX's FFN by config); routings uniform, holes, duplicates,
+ *                                  (cuBLAS) and FP8 weights (cuBLASLt by name, EPX's grouped FP8
+ *                                  GEMM by name and through AUTO, whose choice is asserted, and
+ *                                  EPX's FFN by config); routings uniform, holes, duplicates,
  *                                  all to one expert, all empty, a rank with no token, uneven
  *                                  counts, fewer tokens than chunks, a Qwen3-like shape;
  *                                  and BF16 on cuBLAS's batched GEMM
