@@ -17,7 +17,7 @@
  *                                  (EPX_MOE_FFN_CUBLAS_GROUPED; the
  *                                  chunks it batched counted per case)
  *   moe_prefill_ranks_at_different_times  ranks r x 150 ms apart, four chunks: right outputs,
- *                                  no error, overlapped and chained
+ *                                  no error, overlapped and chained; BF16 and FP8 weights
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
  *                                  queued, then a call that is right
  *
@@ -417,24 +417,29 @@ EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
  * overlapped and chained. */
 EPX_GPU_TEST(moe_prefill_ranks_at_different_times, 300) {
   uint64_t rng = t->seed;
-  const prefill_case_t c = {"skewed", {48, 256, 4, 4, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 4, 0, 0,
-                            0};
-  prefill_fixture_t f;
-  prefill_oracle_t o;
-  if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
-  if (oracle_make(&f, t->rank, &o) != TEST_PASS) return TEST_FAIL;
+  /* BF16 weights (cuBLAS's batched GEMM) and FP8 (AUTO: EPX's grouped FP8 GEMM here) */
+  static const prefill_case_t skewed[] = {
+      {"skewed", {48, 256, 4, 4, ROUTE_DUPLICATES, -1, -1}, 128, 0, 0, 4, 0, 0, 0},
+      {"skewed_fp8", {48, 256, 4, 4, ROUTE_DUPLICATES, -1, -1}, 128, 1, 0, 4, 0, 0, 0}};
   int wrong = 0;
-  for (int overlap = 1; overlap >= 0; overlap--) {
-    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
-    usleep((useconds_t)t->rank * 150000u);
-    char label[96];
-    snprintf(label, sizeof label, "skewed (%d ranks, %s)", t->num_ranks,
-             overlap ? "overlap" : "chain");
-    if (one_call(t, &f, overlap, label) != TEST_PASS) return TEST_FAIL;
-    if (check_out(&f, &o, t->rank, label) != TEST_PASS) wrong++;
+  for (size_t i = 0; i < sizeof skewed / sizeof skewed[0]; i++) {
+    const prefill_case_t *c = &skewed[i];
+    prefill_fixture_t f;
+    prefill_oracle_t o;
+    if (fixture_make(t, c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+    if (oracle_make(&f, t->rank, &o) != TEST_PASS) return TEST_FAIL;
+    for (int overlap = 1; overlap >= 0; overlap--) {
+      if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+      usleep((useconds_t)t->rank * 150000u);
+      char label[96];
+      snprintf(label, sizeof label, "%s (%d ranks, %s)", c->name, t->num_ranks,
+               overlap ? "overlap" : "chain");
+      if (one_call(t, &f, overlap, label) != TEST_PASS) return TEST_FAIL;
+      if (check_out(&f, &o, t->rank, label) != TEST_PASS) wrong++;
+    }
+    oracle_free(&o);
+    if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
   }
-  oracle_free(&o);
-  if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
   EXPECTF(wrong == 0, "rank %d: %d calls with a wrong output (above)", t->rank, wrong);
   return TEST_PASS;
 }
