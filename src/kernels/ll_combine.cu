@@ -27,6 +27,7 @@
 #include "kernels/api.h"
 #include "kernels/launch.cuh"
 #include "kernels/ll_common.cuh"
+#include "kernels/segment.cuh"
 #include "kernels/trace.cuh"
 
 namespace epx::ll {
@@ -152,19 +153,6 @@ __device__ __forceinline__ void block_prefix(const int *v, int n, int *prefix, i
   __syncthreads();
 }
 
-/* The segment lo of row g: prefix[lo] <= g < prefix[lo + 1], lo < n. */
-__device__ __forceinline__ int segment_of(const int *prefix, int n, int g) {
-  int lo = 0, hi = n;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (prefix[mid] <= g)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 /* Route DIRECT: every row this rank received goes back to its token's slot on the source. Rows
  * are numbered over the (local expert, source) segments; block b takes rows b, b + G, ..., each
  * warp two (row, chunk) units per step with all their loads in flight. s_prefix first holds the
@@ -196,7 +184,7 @@ __device__ __forceinline__ void combine_send_direct(const epx__kernel_ctx_t &ctx
       c0[q] = (u % nch) * kChunk + lane * 8;
       valid[q] = g < total;
       if (!valid[q]) continue;
-      const int seg = segment_of(s_prefix, L * R, g);
+      const int seg = epx::segment_of_shared(s_prefix, L * R, g);
       const int j = seg / R;
       seg_s[q] = seg % R;
       const size_t seg_row = kPacked ? (size_t)begin[seg] : (size_t)seg_s[q] * M;

@@ -40,6 +40,7 @@
 #include "kernels/api.h"
 #include "kernels/launch.cuh"
 #include "kernels/ptx.cuh"
+#include "kernels/segment.cuh"
 #include "kernels/wait.cuh"
 #include "kernels/wgmma.cuh"
 #include "moe_tiles.h"
@@ -86,14 +87,8 @@ struct Tile {
 /* Tile t of the grid's order (see the header); prefix[j]: the tiles before expert j's. */
 template <int kTileX>
 __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *begin, int L) {
-  int lo = 0, hi = L; /* the last expert whose first tile is <= t (it has tiles: t < its end) */
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (prefix[mid] <= t)
-      lo = mid;
-    else
-      hi = mid;
-  }
+  /* the last expert whose first tile is <= t (it has tiles: t < its end) */
+  const int lo = epx::segment_of_shared(prefix, L, t);
   Tile tl;
   tl.e = lo;
   tl.seg_begin = begin[lo];
