@@ -30,6 +30,7 @@
  * kernels promote), then adds it, times weight scale x row scale, into its float32 totals.
  */
 #include <cuda.h>
+#include <limits.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
@@ -162,16 +163,47 @@ __device__ void produce(const epx__moe_gemm_fp8_args_t &a, const Smem &sm, const
   }
 }
 
+__device__ __forceinline__ float to_out(float v, float *) {
+  return v;
+}
+__device__ __forceinline__ __nv_bfloat16 to_out(float v, __nv_bfloat16 *) {
+  return __float2bfloat16_rn(v);
+}
+
+/* A tile's outputs from the registers: this thread's element (j, q) is x row
+ * 8 j + 2 (lane % 4) + (q & 1) of the tile and weight row n0 + 64 wg + 16 (warp % 4) + lane / 4
+ * + 8 (q >> 1), at y[row of x][weight row]. One 64-bit base address a thread and 32-bit offsets
+ * from it (8 j + 1 < kTileX rows of n: epx__moe_gemm_fp8_supported bounds n). Stores with 64-bit
+ * arithmetic per element and a branch around each took ~5,000 cycles a tile, a fifth of a tile at
+ * K 2048 (a probe's reading; docs/moe.md, "Where the grouped GEMM's cycles go"). */
+template <int kN, typename OutT>
+__device__ __forceinline__ void store_tile(OutT *y, int n, const Tile &ct, const float *acc) {
+  constexpr int kJ = kN / 8;
+  const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  OutT *base =
+      y + (size_t)(ct.seg_begin + ct.row0 + 2 * t) * (size_t)n + (ct.n0 + wg * 64 + 16 * warp4 + g);
+  const int left = ct.rows - 2 * t; /* this thread's x rows in the tile: 8 j + (q & 1) < left */
+#pragma unroll
+  for (int j = 0; j < kJ; j++) {
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const int col = 8 * j + (q & 1);
+      if (col < left) base[col * n + 8 * (q >> 1)] = to_out(acc[4 * j + q], base);
+    }
+  }
+}
+
 /* One tile at wgmma width kN (the launch's kTileX): its k_blocks stages from stage s0 of the
  * CTA's sequence, then its rows stored from the registers while the producer streams the next
  * tile's first stages. */
 template <int kN>
 __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, const Smem &sm,
-                                         const Tile &ct, int s0, int k_blocks, float *acc,
-                                         float *part) {
+                                         const int *prefix, const int *begin, int tile, int s0,
+                                         int k_blocks, float *acc, float *part) {
   constexpr int kJ = kN / 8; /* n8 column blocks */
-  const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, t = lane % 4;
+  Tile ct;
 #pragma unroll
   for (int i = 0; i < kN / 2; i++) acc[i] = 0.f;
   for (int s = s0; s < s0 + k_blocks; s++) {
@@ -188,6 +220,8 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
     fence();
     mma_stage<kN>(part, a0, b0);
     commit();
+    /* where the tile's rows go, looked up while its first stage's wgmmas run (~1,000 cycles) */
+    if (s == s0) ct = find_tile<kN>(tile, prefix, begin, a.num_experts);
     wait<0>();
     fence_regs<kN / 2>(part);
     /* acc += part x (weight block's scale x row's scale), per column (row of x) */
@@ -205,23 +239,10 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
     __syncwarp(); /* this warp is done with the slot (its wgmmas waited for): free it */
     if (lane == 0) epx::mbarrier_arrive(&sm.empty[slot]);
   }
-  /* Row `col` of x gets weight rows n0 + row. */
-  const size_t out_row0 = (size_t)(ct.seg_begin + ct.row0);
-  const int wrow = ct.n0 + wg * 64 + 16 * warp4 + g;
-#pragma unroll
-  for (int j = 0; j < kJ; j++) {
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-      const int col = 8 * j + 2 * t + (q & 1), row = wrow + 8 * (q >> 1);
-      if (col < ct.rows) {
-        const size_t at = (out_row0 + col) * (size_t)a.n + row;
-        if (a.y_fp32)
-          ((float *)a.y)[at] = acc[4 * j + q];
-        else
-          ((__nv_bfloat16 *)a.y)[at] = __float2bfloat16_rn(acc[4 * j + q]);
-      }
-    }
-  }
+  if (a.y_fp32)
+    store_tile<kN>((float *)a.y, a.n, ct, acc);
+  else
+    store_tile<kN>((__nv_bfloat16 *)a.y, a.n, ct, acc);
 }
 
 template <int kTileX>
@@ -284,18 +305,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[kTileX / 2], part[kTileX / 2];
 #pragma unroll
     for (int i = 0; i < kTileX / 2; i++) part[i] = 0.f;
-    for (int c = 0; c < my_tiles; c++) {
-      const Tile ct = find_tile<kTileX>((int)blockIdx.x + c * (int)gridDim.x, prefix, begin, L);
-      run_tile<kTileX>(a, sm, ct, c * k_blocks, k_blocks, acc, part);
-    }
+    for (int c = 0; c < my_tiles; c++)
+      run_tile<kTileX>(a, sm, prefix, begin, (int)blockIdx.x + c * (int)gridDim.x, c * k_blocks,
+                       k_blocks, acc, part);
   }
 }
 
 }  // namespace
 
 extern "C" int epx__moe_gemm_fp8_supported(int n, int k, int num_experts) {
+  /* n: store_tile's 32-bit offsets reach (kTileX + 8) rows of n */
   return n > 0 && k > 0 && n % kTileW == 0 && k % kRowBytes == 0 && num_experts > 0 &&
-         num_experts <= kMaxExperts;
+         num_experts <= kMaxExperts && n <= INT_MAX / (EPX__MOE_TILE_X_WIDE + 8);
 }
 
 /* cuTensorMapEncodeTiled, from the driver at run time (libepx does not link libcuda). */
