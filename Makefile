@@ -11,6 +11,8 @@
 #   make moe-prefill-bench-bin  build/bin/epx_moe_prefill_bench, the MoE layer at prefill vs its
 #                   parts and plain cuBLAS (docs/moe.md, "MoE layer at prefill")
 #                   (docs/bench.md)
+#   make moe-gemm-bench-bin  build/bin/epx_moe_gemm_bench, the prefill layer's grouped FP8 GEMM
+#                   alone on one GPU, in time and SM cycles (docs/bench.md)
 #   make format     clang-format the sources in place (make format-check: only check)
 #   make install    PREFIX=/usr/local: header, libraries, pkg-config file
 # Knobs: CUDA_HOME, NCCL_HOME, PYTHON (the one whose nvidia-nccl-cu13 wheel to use), NVCC_GENCODE
@@ -119,6 +121,13 @@ MOE_PREFILL_BENCH_LINK := $(MOE_PREFILL_BENCH_OBJ) $(BUILD)/obj/tests/common/ran
                   $(BUILD)/obj/bench/experts/bench_kernels.o $(BUILD)/obj/bench/check.o \
                   $(patsubst %.c,$(BUILD)/obj/%.o,$(KTIME_C))
 
+# epx_moe_gemm_bench (`make moe-gemm-bench-bin`): the prefill layer's grouped FP8 GEMM alone on
+# one GPU (bench/moe_gemm/), in time and in SM cycles; the fills of bench/experts/.
+MOE_GEMM_BENCH_C := $(wildcard bench/moe_gemm/*.c)
+MOE_GEMM_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(MOE_GEMM_BENCH_C))
+MOE_GEMM_BENCH_LINK := $(MOE_GEMM_BENCH_OBJ) $(BUILD)/obj/bench/experts/bench_kernels.o \
+                  $(BUILD)/obj/bench/check.o
+
 SHARED_LIB := $(BUILD)/lib/libepx.so
 STATIC_LIB := $(BUILD)/lib/libepx.a
 TEST_BIN := $(BUILD)/bin/epx_test
@@ -128,7 +137,8 @@ EXPERTS_BENCH_BIN := $(BUILD)/bin/epx_experts_bench
 LAYOUT_BENCH_BIN := $(BUILD)/bin/epx_layout_bench
 MOE_BENCH_BIN := $(BUILD)/bin/epx_moe_bench
 MOE_PREFILL_BENCH_BIN := $(BUILD)/bin/epx_moe_prefill_bench
-.PHONY: all lib test test-python bench soak-bin experts-bench-bin layout-bench-bin moe-bench-bin moe-prefill-bench-bin format format-check install clean header-check
+MOE_GEMM_BENCH_BIN := $(BUILD)/bin/epx_moe_gemm_bench
+.PHONY: all lib test test-python bench soak-bin experts-bench-bin layout-bench-bin moe-bench-bin moe-prefill-bench-bin moe-gemm-bench-bin format format-check install clean header-check
 all: lib
 lib: $(SHARED_LIB) $(STATIC_LIB)
 
@@ -137,7 +147,8 @@ lib: $(SHARED_LIB) $(STATIC_LIB)
 # toolkit's include/ (CUDA 12.x+) or extras/CUPTI/include (older layouts); libcupti itself is
 # never linked: bench/cupti_lib.c dlopens it, looking first where $(CUDA_HOME) has it.
 EXTRA_INCLUDES :=
-$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ) $(MOE_BENCH_OBJ) $(MOE_PREFILL_BENCH_OBJ): EXTRA_INCLUDES := -Itests -Ibench \
+$(TEST_OBJ) $(BENCH_OBJ) $(SOAK_OBJ) $(LAYOUT_BENCH_OBJ) $(MOE_BENCH_OBJ) $(MOE_PREFILL_BENCH_OBJ) \
+  $(MOE_GEMM_BENCH_OBJ): EXTRA_INCLUDES := -Itests -Ibench \
   $(addprefix -I,$(wildcard $(CUDA_HOME)/extras/CUPTI/include))
 $(EXPERTS_BENCH_OBJ): EXTRA_INCLUDES := -Ibench
 $(BUILD)/obj/bench/cupti_lib.o: CFLAGS += -DEPX_BENCH_CUDA_HOME='"$(CUDA_HOME)"'
@@ -176,7 +187,7 @@ $(WGMMA_OBJ): $(BUILD)/obj/%.o: %.cu mk/toolchain.mk $(TOOLCHAIN_STAMP)
 
 -include $(sort $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(SOAK_OBJ:.o=.d) \
                 $(EXPERTS_BENCH_OBJ:.o=.d) $(LAYOUT_BENCH_OBJ:.o=.d) $(MOE_BENCH_OBJ:.o=.d) \
-                $(MOE_PREFILL_BENCH_OBJ:.o=.d))
+                $(MOE_PREFILL_BENCH_OBJ:.o=.d) $(MOE_GEMM_BENCH_OBJ:.o=.d))
 
 # Only epx_* symbols leave the shared library (src/epx.map).
 $(SHARED_LIB): $(LIB_OBJ) src/epx.map
@@ -213,6 +224,10 @@ moe-prefill-bench-bin: $(MOE_PREFILL_BENCH_BIN)
 $(MOE_PREFILL_BENCH_BIN): $(MOE_PREFILL_BENCH_LINK) $(STATIC_LIB)
 	@mkdir -p $(dir $@)
 	$(CXX) -o $@ $(MOE_PREFILL_BENCH_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
+moe-gemm-bench-bin: $(MOE_GEMM_BENCH_BIN)
+$(MOE_GEMM_BENCH_BIN): $(MOE_GEMM_BENCH_LINK) $(STATIC_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $(MOE_GEMM_BENCH_LINK) $(STATIC_LIB) $(SAN) $(LDLIBS)
 layout-bench-bin: $(LAYOUT_BENCH_BIN)
 $(LAYOUT_BENCH_BIN): $(LAYOUT_BENCH_LINK) $(STATIC_LIB)
 	@mkdir -p $(dir $@)

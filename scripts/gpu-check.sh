@@ -25,8 +25,8 @@
 #        build/bin/epx_moe_prefill_bench (the prefill MoE layer vs its parts and plain cuBLAS,
 #        every visible GPU; MOE_PREFILL_BENCH_ARGS, default "--tokens 4096 --gemm-lanes 1,4 --grouped --timeline
 #        OUT/prefill-timeline", the timelines tarred to prefill-timeline.tgz; its table too);
-#        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench; their
-#        last lines in the summary; they need one GPU, not a group);
+#        ONE_GPU_BENCH=1: the one-GPU benchmarks too (epx_experts_bench, epx_layout_bench,
+#        epx_moe_gemm_bench; their last lines in the summary; they need one GPU, not a group);
 #        EXPAND_SWEEP="EPX_EXPAND_PUBLISH_BATCH=1 EPX_EXPAND_FAN_OUT_BLOCKS=48,EPX_X=1": after the
 #        bench, the normal rows once per word (its comma-separated VAR=value settings in the
 #        environment), their expert-major rows in the summary (docs/moe.md, "Fan-out DURING");
@@ -57,7 +57,8 @@ export EPX_COMMIT="$commit"
 t0=$(date +%s)
 [ -z "${SKIP_CLEAN:-}" ] && make clean >/dev/null
 targets="lib build/bin/epx_test build/bin/epx_bench build/bin/epx_soak build/bin/epx_experts_bench \
-  build/bin/epx_layout_bench build/bin/epx_moe_bench build/bin/epx_moe_prefill_bench"
+  build/bin/epx_layout_bench build/bin/epx_moe_bench build/bin/epx_moe_prefill_bench \
+  build/bin/epx_moe_gemm_bench"
 baseline_pid=
 if [ -n "${BASELINE:-}" ]; then
   base_targets=
@@ -163,8 +164,10 @@ one_gpu_lines=
 if [ -n "${ONE_GPU_BENCH:-}" ]; then
   timeout 300 build/bin/epx_experts_bench --iters 20 >"$out/experts-bench.log" 2>&1
   timeout 120 build/bin/epx_layout_bench >"$out/layout-bench.log" 2>&1
+  timeout 300 build/bin/epx_moe_gemm_bench >"$out/moe-gemm-bench.log" 2>&1
   one_gpu_lines="$(tail -22 "$out/experts-bench.log")
-$(tail -16 "$out/layout-bench.log")"
+$(tail -16 "$out/layout-bench.log")
+$(tail -18 "$out/moe-gemm-bench.log")"
 fi
 
 moe_lines=

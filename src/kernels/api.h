@@ -356,6 +356,9 @@ typedef struct epx__moe_gemm_fp8_args {
   int tile_x;       /* rows of x of a tile, at most, and the wgmma width every tile runs at:
                        EPX__MOE_TILE_X or EPX__MOE_TILE_X_WIDE (moe_tiles.h) */
   int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
+  /* NULL, or device [4]: CTA 0's clock64 and %globaltimer (ns) where its work starts and ends,
+   * from which a benchmark reads the SM clock the launch ran at (epx_moe_gemm_bench) */
+  unsigned long long *clock_probe;
 } epx__moe_gemm_fp8_args_t;
 
 int epx__moe_gemm_fp8_supported(int n, int k, int num_experts);

@@ -263,6 +263,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   epx::grid_dependency_wait(); /* launched early: the rows and bounds come from before */
   epx::grid_dependents_may_launch();
+  const bool probe = a.clock_probe != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
+  if (probe) a.clock_probe[0] = clock64(), a.clock_probe[1] = epx::globaltimer_ns();
   const int tid = threadIdx.x, L = a.num_experts;
   const int n_tiles = a.n / kTileW, k_blocks = a.k / kRowBytes;
 
@@ -308,6 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int c = 0; c < my_tiles; c++)
       run_tile<kTileX>(a, sm, prefix, begin, (int)blockIdx.x + c * (int)gridDim.x, c * k_blocks,
                        k_blocks, acc, part);
+    if (probe) a.clock_probe[2] = clock64(), a.clock_probe[3] = epx::globaltimer_ns();
   }
 }
 

@@ -1,0 +1,272 @@
+/*
+ * moe_gemm_bench.c - epx_moe_gemm_bench: the prefill layer's grouped FP8 GEMM
+ * (epx__moe_gemm_fp8_launch, src/kernels/moe_gemm_fp8.cu) alone on one GPU, in time and in SM
+ * cycles (docs/bench.md, "The grouped FP8 GEMM alone").
+ *
+ *   build/bin/epx_moe_gemm_bench [--shape deepseek|qwen3|all] [--ranks 2,4] [--tokens 4096]
+ *                                [--chunks 1,2] [--tile 0,128,160] [--iters 20] [--seed N]
+ *
+ * Why cycles: under load the GPU's power management moves the SM clock (1.4-2.0 GHz on H200
+ * within one process, measured), so two kernels timed one after the other can differ by 20%
+ * with the same work per cycle. The kernel stamps CTA 0's clock64 and %globaltimer where its
+ * work starts and ends (the launch's clock_probe); each launch's clock is their ratio, and
+ * "kcyc" is its time times that clock.
+ *
+ * A point is one projection of one rank's chunk in the layer of epx_moe_prefill_bench: the
+ * E / R experts a rank of R holds, each with S = tokens x R x top_k / (E x chunks) rows (what a
+ * uniform routing gives it), rows of x in one expert-major array. Projections: gate/up (n 2I,
+ * k H, float32 out, as the layer's FP8 path writes it) and down (n H, k I, BF16 out). --tile 0
+ * runs the width the layer picks for these segments (moe_tiles.h). Random FP8 codes, scales
+ * 1/64; one CTA per SM. Each launch is timed with CUDA events; printed: the medians of time,
+ * clock and cycles over --iters launches, and FLOPs per cycle per SM against 8192 (H100 and
+ * H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "epx.h"
+#include "experts/bench_kernels.h"
+#include "kernels/api.h"
+#include "moe_tiles.h"
+
+enum { MAX_LIST = 8, MAX_ITERS = 1000 };
+static const double kPeakFlopPerCycleSm = 8192.0;
+
+typedef struct {
+  const char *name;
+  int hidden, intermediate, experts, top_k;
+} shape_t;
+
+static const shape_t kShapes[] = {{"deepseek", 7168, 2048, 256, 8}, {"qwen3", 2048, 768, 128, 8}};
+
+typedef struct {
+  int shapes[2], num_shapes;
+  int ranks[MAX_LIST], num_ranks;
+  int chunks[MAX_LIST], num_chunks;
+  int tiles[MAX_LIST], num_tiles;
+  int tokens, iters;
+  uint64_t seed;
+} options_t;
+
+/* One projection's operands on the device. */
+typedef struct {
+  int n, k, L, S, y_fp32;
+  void *w, *x, *y;
+  float *ws, *xs;
+  int *begin;
+  int kb4; /* the weight scales' blocks a row, k / 128 rounded up to 4 */
+} operands_t;
+
+static void operands_free(operands_t *o) {
+  cudaFree(o->w), cudaFree(o->x), cudaFree(o->y), cudaFree(o->ws), cudaFree(o->xs);
+  cudaFree(o->begin);
+  memset(o, 0, sizeof *o);
+}
+
+static int operands_make(operands_t *o, int n, int k, int L, int S, int y_fp32, uint64_t seed) {
+  memset(o, 0, sizeof *o);
+  o->n = n, o->k = k, o->L = L, o->S = S, o->y_fp32 = y_fp32, o->kb4 = (k / 128 + 3) / 4 * 4;
+  const size_t rows = (size_t)L * S, nw = (size_t)L * n * k, nx = rows * k;
+  const size_t nws = (size_t)L * (n / 128) * o->kb4, nxs = rows * (k / 128);
+  int *begin = malloc(sizeof(int) * (size_t)(L + 1));
+  if (!begin) return -1;
+  for (int j = 0; j <= L; j++) begin[j] = j * S;
+  int rc = -1;
+  do {
+    if (cudaMalloc(&o->w, nw) != cudaSuccess || cudaMalloc(&o->x, nx) != cudaSuccess ||
+        cudaMalloc(&o->y, rows * n * (y_fp32 ? 4 : 2)) != cudaSuccess ||
+        cudaMalloc((void **)&o->ws, nws * sizeof(float)) != cudaSuccess ||
+        cudaMalloc((void **)&o->xs, nxs * sizeof(float)) != cudaSuccess ||
+        cudaMalloc((void **)&o->begin, sizeof(int) * (size_t)(L + 1)) != cudaSuccess) {
+      fprintf(stderr, "%s: out of device memory for n %d k %d, %d experts of %d rows\n",
+              bench_program, n, k, L, S);
+      break;
+    }
+    if (bench_fill_fp8(o->w, nw, seed) != cudaSuccess ||
+        bench_fill_fp8(o->x, nx, seed + 1) != cudaSuccess ||
+        bench_fill_f32(o->ws, nws, 1.f / 64, 1.f / 64, seed) != cudaSuccess ||
+        bench_fill_f32(o->xs, nxs, 1.f / 64, 1.f / 64, seed) != cudaSuccess ||
+        cudaMemcpy(o->begin, begin, sizeof(int) * (size_t)(L + 1), cudaMemcpyHostToDevice) !=
+            cudaSuccess) {
+      fprintf(stderr, "%s: filling the operands failed: %s\n", bench_program,
+              cudaGetErrorString(cudaGetLastError()));
+      break;
+    }
+    rc = 0;
+  } while (0);
+  free(begin);
+  if (rc) operands_free(o);
+  return rc;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof(double), cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Times --iters launches of the GEMM on o at tile width tile_x; prints one row. */
+static int run_point(const options_t *opt, const char *label, const operands_t *o, int tile_x,
+                     int sms, cudaStream_t stream, unsigned long long *probe_d) {
+  int *begin_h = malloc(sizeof(int) * (size_t)(o->L + 1));
+  if (!begin_h) return -1;
+  for (int j = 0; j <= o->L; j++) begin_h[j] = j * o->S;
+  const int width = tile_x ? tile_x : epx__moe_pick_tile_x(begin_h, o->L);
+  free(begin_h);
+  const epx__moe_gemm_fp8_args_t a = {.w = o->w,
+                                      .w_stride = (size_t)o->n * o->k,
+                                      .w_scales = o->ws,
+                                      .ws_stride = (size_t)(o->n / 128) * o->kb4,
+                                      .ws_kb = o->kb4,
+                                      .x = o->x,
+                                      .x_scales = o->xs,
+                                      .y = o->y,
+                                      .y_fp32 = o->y_fp32,
+                                      .n = o->n,
+                                      .k = o->k,
+                                      .num_experts = o->L,
+                                      .begin = o->begin,
+                                      .x_rows = o->L * o->S,
+                                      .num_ctas = sms,
+                                      .tile_x = width,
+                                      .early_launch = 0,
+                                      .clock_probe = probe_d};
+  cudaEvent_t e0, e1;
+  BENCH_CUDA(cudaEventCreate(&e0));
+  BENCH_CUDA(cudaEventCreate(&e1));
+  BENCH_EPX(epx__moe_gemm_fp8_launch(&a, stream)); /* warm-up */
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  double us[MAX_ITERS], ghz[MAX_ITERS], kcyc[MAX_ITERS];
+  for (int i = 0; i < opt->iters; i++) {
+    unsigned long long p[4];
+    BENCH_CUDA(cudaEventRecord(e0, stream));
+    BENCH_EPX(epx__moe_gemm_fp8_launch(&a, stream));
+    BENCH_CUDA(cudaEventRecord(e1, stream));
+    BENCH_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    BENCH_CUDA(cudaMemcpy(p, probe_d, sizeof p, cudaMemcpyDeviceToHost));
+    us[i] = ms * 1e3;
+    ghz[i] = p[3] > p[1] ? (double)(p[2] - p[0]) / (double)(p[3] - p[1]) : 0.0;
+    kcyc[i] = us[i] * ghz[i];
+  }
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  const double flops = 2.0 * o->n * o->k * (double)o->L * o->S;
+  double min_us = us[0];
+  for (int i = 1; i < opt->iters; i++) min_us = us[i] < min_us ? us[i] : min_us;
+  const double med_us = median(us, opt->iters), med_ghz = median(ghz, opt->iters);
+  const double med_kcyc = median(kcyc, opt->iters);
+  const double per_cycle_sm = flops / (med_kcyc * 1e3 * sms);
+  printf("%-17s %5d %5d %4d %4d %4d %8.1f %8.1f %5.2f %8.0f %7.0f %6.0f %5.1f%%\n", label, o->n,
+         o->k, o->L, o->S, width, med_us, min_us, med_ghz, med_kcyc, flops / med_us * 1e-6,
+         per_cycle_sm, 100.0 * per_cycle_sm / kPeakFlopPerCycleSm);
+  return 0;
+}
+
+static int run(const options_t *opt) {
+  int dev = 0, sms = 0, major = 0, minor = 0;
+  BENCH_CUDA(cudaGetDevice(&dev));
+  BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  BENCH_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  BENCH_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major != 9 || minor != 0 || !epx__moe_gemm_fp8_driver_ok()) {
+    fprintf(stderr,
+            "%s: the grouped FP8 GEMM needs compute capability 9.0 and the driver's "
+            "tensor-map encoder (this GPU: %d.%d)\n",
+            bench_program, major, minor);
+    return -1;
+  }
+  cudaStream_t stream;
+  unsigned long long *probe_d = NULL;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  BENCH_CUDA(cudaMalloc((void **)&probe_d, 4 * sizeof(unsigned long long)));
+  printf("# epx_moe_gemm_bench: %d SMs, %d tokens a rank, medians of %d launches\n", sms,
+         opt->tokens, opt->iters);
+  printf("%-17s %5s %5s %4s %4s %4s %8s %8s %5s %8s %7s %6s %6s\n", "point", "n", "k", "L", "S",
+         "tile", "us", "min", "GHz", "kcyc", "TFLOPS", "f/c/SM", "peak");
+  int rc = 0;
+  for (int i = 0; i < opt->num_shapes && !rc; i++) {
+    const shape_t *sh = &kShapes[opt->shapes[i]];
+    for (int r = 0; r < opt->num_ranks && !rc; r++)
+      for (int c = 0; c < opt->num_chunks && !rc; c++) {
+        const int R = opt->ranks[r], C = opt->chunks[c], L = sh->experts / R;
+        const long long rows =
+            (long long)opt->tokens * R * sh->top_k / ((long long)sh->experts * C);
+        if (sh->experts % R != 0 || rows < 1 || rows > (1 << 20)) {
+          fprintf(stderr, "%s: %s at %d ranks, %d chunks: %lld rows an expert; skipped\n",
+                  bench_program, sh->name, R, C, rows);
+          continue;
+        }
+        for (int p = 0; p < 2 && !rc; p++) { /* gate/up, down */
+          operands_t o;
+          const int n = p == 0 ? 2 * sh->intermediate : sh->hidden;
+          const int k = p == 0 ? sh->hidden : sh->intermediate;
+          if (operands_make(&o, n, k, L, (int)rows, p == 0, opt->seed + 7 * (uint64_t)p)) {
+            rc = -1;
+            break;
+          }
+          char label[64];
+          snprintf(label, sizeof label, "%s %s R%d c%d", sh->name, p == 0 ? "gu" : "dn", R, C);
+          for (int t = 0; t < opt->num_tiles && !rc; t++)
+            rc = run_point(opt, label, &o, opt->tiles[t], sms, stream, probe_d);
+          operands_free(&o);
+        }
+      }
+  }
+  cudaFree(probe_d);
+  cudaStreamDestroy(stream);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  bench_program = "epx_moe_gemm_bench";
+  options_t o = {{0, 1}, 2, {2, 4}, 2, {1, 2}, 2, {0}, 1, 4096, 20, 1};
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    int bad = !v;
+    if (v && !strcmp(a, "--shape")) {
+      if (!strcmp(v, "all"))
+        o.num_shapes = 2, o.shapes[0] = 0, o.shapes[1] = 1;
+      else if (!strcmp(v, "deepseek") || !strcmp(v, "qwen3"))
+        o.num_shapes = 1, o.shapes[0] = !strcmp(v, "qwen3");
+      else
+        bad = 1;
+    } else if (v && !strcmp(a, "--ranks")) {
+      bad = bench_parse_list(a, v, 1, 256, MAX_LIST, o.ranks, &o.num_ranks) != 0;
+    } else if (v && !strcmp(a, "--chunks")) {
+      bad = bench_parse_list(a, v, 1, 64, MAX_LIST, o.chunks, &o.num_chunks) != 0;
+    } else if (v && !strcmp(a, "--tile")) {
+      bad = bench_parse_list(a, v, 0, EPX__MOE_TILE_X_WIDE, MAX_LIST, o.tiles, &o.num_tiles) != 0;
+      for (int t = 0; t < o.num_tiles && !bad; t++)
+        bad =
+            o.tiles[t] != 0 && o.tiles[t] != EPX__MOE_TILE_X && o.tiles[t] != EPX__MOE_TILE_X_WIDE;
+    } else if (v && !strcmp(a, "--tokens")) {
+      bad = bench_parse_int(a, v, 1, 1 << 20, &o.tokens) != 0;
+    } else if (v && !strcmp(a, "--iters")) {
+      bad = bench_parse_int(a, v, 1, MAX_ITERS, &o.iters) != 0;
+    } else if (v && !strcmp(a, "--seed")) {
+      int s = 0;
+      bad = bench_parse_int(a, v, 0, 1 << 30, &s) != 0;
+      o.seed = (uint64_t)s;
+    } else {
+      bad = 1;
+    }
+    if (bad) {
+      fprintf(stderr,
+              "usage: %s [--shape deepseek|qwen3|all] [--ranks 2,4] [--tokens 4096] "
+              "[--chunks 1,2] [--tile 0,128,160 (0: the layer's pick)] [--iters 20] "
+              "[--seed N]\n",
+              argv[0]);
+      return 2;
+    }
+    i++;
+  }
+  return run(&o) ? 1 : 0;
+}
