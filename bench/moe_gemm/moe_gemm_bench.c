@@ -3,8 +3,8 @@
  * (epx__moe_gemm_fp8_launch, src/kernels/moe_gemm_fp8.cu) alone on one GPU, in time and in SM
  * cycles (docs/bench.md, "The grouped FP8 GEMM alone").
  *
- *   build/bin/epx_moe_gemm_bench [--shape deepseek|qwen3|all] [--ranks 2,4] [--tokens 4096]
- *                                [--chunks 1,2] [--tile 0,128,160] [--iters 20] [--seed N]
+ *   build/bin/epx_moe_gemm_bench [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096]
+ *                                [--chunks 1,2] [--tile 0] [--iters 20] [--seed 1]
  *
  * Why cycles: under load the GPU's power management moves the SM clock (1.4-2.0 GHz on H200
  * within one process, measured), so two kernels timed one after the other can differ by 20%
@@ -14,12 +14,13 @@
  *
  * A point is one projection of one rank's chunk in the layer of epx_moe_prefill_bench: the
  * E / R experts a rank of R holds, each with S = tokens x R x top_k / (E x chunks) rows (what a
- * uniform routing gives it), rows of x in one expert-major array. Projections: gate/up (n 2I,
- * k H, float32 out, as the layer's FP8 path writes it) and down (n H, k I, BF16 out). --tile 0
- * runs the width the layer picks for these segments (moe_tiles.h). Random FP8 codes, scales
- * 1/64; one CTA per SM. Each launch is timed with CUDA events; printed: the medians of time,
- * clock and cycles over --iters launches, and FLOPs per cycle per SM against 8192 (H100 and
- * H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
+ * uniform routing gives it, rounded up to 4 as the layer pads segments), rows of x in one
+ * expert-major array. Projections: gate/up (n 2I, k H, float32 out, as the layer's FP8 path
+ * writes it) and down (n H, k I, BF16 out). --tile: a list of widths, 0 (the one the layer
+ * picks for these segments, moe_tiles.h), 128 or 160. Random FP8 codes, scales 1/64; one CTA
+ * per SM. One warm-up launch, then each launch timed with CUDA events; printed: the medians of
+ * time, clock and cycles over --iters launches, and FLOPs per cycle per SM against 8192 (H100
+ * and H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -85,14 +86,17 @@ static int operands_make(operands_t *o, int n, int k, int L, int S, int y_fp32, 
               bench_program, n, k, L, S);
       break;
     }
-    if (bench_fill_fp8(o->w, nw, seed) != cudaSuccess ||
-        bench_fill_fp8(o->x, nx, seed + 1) != cudaSuccess ||
-        bench_fill_f32(o->ws, nws, 1.f / 64, 1.f / 64, seed) != cudaSuccess ||
-        bench_fill_f32(o->xs, nxs, 1.f / 64, 1.f / 64, seed) != cudaSuccess ||
-        cudaMemcpy(o->begin, begin, sizeof(int) * (size_t)(L + 1), cudaMemcpyHostToDevice) !=
-            cudaSuccess) {
+    cudaError_t e = bench_fill_fp8(o->w, nw, seed);
+    if (e == cudaSuccess) e = bench_fill_fp8(o->x, nx, seed + 1);
+    if (e == cudaSuccess) e = bench_fill_f32(o->ws, nws, 1.f / 64, 1.f / 64, seed);
+    if (e == cudaSuccess) e = bench_fill_f32(o->xs, nxs, 1.f / 64, 1.f / 64, seed);
+    if (e == cudaSuccess)
+      e = cudaMemcpy(o->begin, begin, sizeof(int) * (size_t)(L + 1), cudaMemcpyHostToDevice);
+    /* the fills ran on the legacy stream, the GEMM runs on a non-blocking one */
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
       fprintf(stderr, "%s: filling the operands failed: %s\n", bench_program,
-              cudaGetErrorString(cudaGetLastError()));
+              cudaGetErrorString(e));
       break;
     }
     rc = 0;
@@ -146,6 +150,7 @@ static int run_point(const options_t *opt, const char *label, const operands_t *
   double us[MAX_ITERS], ghz[MAX_ITERS], kcyc[MAX_ITERS];
   for (int i = 0; i < opt->iters; i++) {
     unsigned long long p[4];
+    BENCH_CUDA(cudaMemsetAsync(probe_d, 0, sizeof p, stream)); /* no stale stamps */
     BENCH_CUDA(cudaEventRecord(e0, stream));
     BENCH_EPX(epx__moe_gemm_fp8_launch(&a, stream));
     BENCH_CUDA(cudaEventRecord(e1, stream));
@@ -153,8 +158,12 @@ static int run_point(const options_t *opt, const char *label, const operands_t *
     float ms = 0;
     BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     BENCH_CUDA(cudaMemcpy(p, probe_d, sizeof p, cudaMemcpyDeviceToHost));
+    if (p[3] <= p[1] || p[2] <= p[0]) {
+      fprintf(stderr, "%s: %s: the kernel left no clock stamps\n", bench_program, label);
+      return -1;
+    }
     us[i] = ms * 1e3;
-    ghz[i] = p[3] > p[1] ? (double)(p[2] - p[0]) / (double)(p[3] - p[1]) : 0.0;
+    ghz[i] = (double)(p[2] - p[0]) / (double)(p[3] - p[1]);
     kcyc[i] = us[i] * ghz[i];
   }
   cudaEventDestroy(e0), cudaEventDestroy(e1);
@@ -191,14 +200,18 @@ static int run(const options_t *opt) {
          opt->tokens, opt->iters);
   printf("%-17s %5s %5s %4s %4s %4s %8s %8s %5s %8s %7s %6s %6s\n", "point", "n", "k", "L", "S",
          "tile", "us", "min", "GHz", "kcyc", "TFLOPS", "f/c/SM", "peak");
+  fflush(stdout); /* before any error line */
   int rc = 0;
   for (int i = 0; i < opt->num_shapes && !rc; i++) {
     const shape_t *sh = &kShapes[opt->shapes[i]];
     for (int r = 0; r < opt->num_ranks && !rc; r++)
       for (int c = 0; c < opt->num_chunks && !rc; c++) {
         const int R = opt->ranks[r], C = opt->chunks[c], L = sh->experts / R;
-        const long long rows =
+        /* rounded up to 4 rows: the kernel copies a segment's row scales 16 bytes at a time
+         * (the layer pads its segments alike) */
+        const long long share =
             (long long)opt->tokens * R * sh->top_k / ((long long)sh->experts * C);
+        const long long rows = (share + 3) / 4 * 4;
         if (sh->experts % R != 0 || rows < 1 || rows > (1 << 20)) {
           fprintf(stderr, "%s: %s at %d ranks, %d chunks: %lld rows an expert; skipped\n",
                   bench_program, sh->name, R, C, rows);
@@ -260,9 +273,9 @@ int main(int argc, char **argv) {
     }
     if (bad) {
       fprintf(stderr,
-              "usage: %s [--shape deepseek|qwen3|all] [--ranks 2,4] [--tokens 4096] "
-              "[--chunks 1,2] [--tile 0,128,160 (0: the layer's pick)] [--iters 20] "
-              "[--seed N]\n",
+              "usage: %s [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096] "
+              "[--chunks 1,2] [--tile 0 (a list of 0: the layer's pick, 128, 160)] [--iters 20] "
+              "[--seed 1]\n",
               argv[0]);
       return 2;
     }

@@ -183,7 +183,9 @@ __device__ __forceinline__ void store_tile(OutT *y, int n, const Tile &ct, const
   const int g = lane / 4, t = lane % 4;
   OutT *base =
       y + (size_t)(ct.seg_begin + ct.row0 + 2 * t) * (size_t)n + (ct.n0 + wg * 64 + 16 * warp4 + g);
-  const int left = ct.rows - 2 * t; /* this thread's x rows in the tile: 8 j + (q & 1) < left */
+  /* this thread's x rows in the tile: 8 j + (q & 1) < left (in a tile of fewer than 8 rows, a
+   * thread with none has a base past its rows and stores nothing) */
+  const int left = ct.rows - 2 * t;
 #pragma unroll
   for (int j = 0; j < kJ; j++) {
 #pragma unroll
