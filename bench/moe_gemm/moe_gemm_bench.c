@@ -58,7 +58,8 @@ typedef struct {
   void *w, *x, *y;
   float *ws, *xs;
   int *begin;
-  int kb4; /* the weight scales' blocks a row, k / 128 rounded up to 4 */
+  int kb4;         /* the weight scales' blocks a row, k / 128 rounded up to 4 */
+  int layer_width; /* the tile width the layer picks for these segments (moe_tiles.h) */
 } operands_t;
 
 static void operands_free(operands_t *o) {
@@ -75,6 +76,7 @@ static int operands_make(operands_t *o, int n, int k, int L, int S, int y_fp32, 
   int *begin = malloc(sizeof(int) * (size_t)(L + 1));
   if (!begin) return -1;
   for (int j = 0; j <= L; j++) begin[j] = j * S;
+  o->layer_width = epx__moe_pick_tile_x(begin, L);
   int rc = -1;
   do {
     if (cudaMalloc(&o->w, nw) != cudaSuccess || cudaMalloc(&o->x, nx) != cudaSuccess ||
@@ -116,14 +118,10 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* Times --iters launches of the GEMM on o at tile width tile_x; prints one row. */
+/* Times --iters launches of the GEMM on o at tile width tile_x (0: the layer's); prints one row. */
 static int run_point(const options_t *opt, const char *label, const operands_t *o, int tile_x,
                      int sms, cudaStream_t stream, unsigned long long *probe_d) {
-  int *begin_h = malloc(sizeof(int) * (size_t)(o->L + 1));
-  if (!begin_h) return -1;
-  for (int j = 0; j <= o->L; j++) begin_h[j] = j * o->S;
-  const int width = tile_x ? tile_x : epx__moe_pick_tile_x(begin_h, o->L);
-  free(begin_h);
+  const int width = tile_x ? tile_x : o->layer_width;
   const epx__moe_gemm_fp8_args_t a = {.w = o->w,
                                       .w_stride = (size_t)o->n * o->k,
                                       .w_scales = o->ws,
