@@ -103,6 +103,7 @@ typedef struct {
 static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const epx__moe_rows_t *rows,
                             const int *lane, char *blas_ws, cudaStream_t stream) {
   if (g->fp8 && p->fp8_grouped) { /* every expert in one launch, bounds read on the device */
+    const int tile_x = epx__moe_pick_tile_x(rows->begin, p->L);
     const epx__moe_gemm_fp8_args_t ga = {.w = g->w,
                                          .w_stride = g->w_stride,
                                          .w_scales = g->w_scales,
@@ -118,7 +119,8 @@ static epx_status_t project(epx_moe_prefill_t p, const projection_t *g, const ep
                                          .begin = rows->begin_dev,
                                          .x_rows = rows->num_rows,
                                          .num_ctas = g->sm_target ? g->sm_target : p->device_sms,
-                                         .tile_x = epx__moe_pick_tile_x(rows->begin, p->L),
+                                         .tile_x = tile_x,
+                                         .tile_w = epx__moe_pick_tile_w(g->n, tile_x),
                                          .early_launch = 0};
     return epx__moe_gemm_fp8_launch(&ga, stream);
   }

@@ -4,7 +4,7 @@
  * cycles (docs/bench.md, "The grouped FP8 GEMM alone").
  *
  *   build/bin/epx_moe_gemm_bench [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096]
- *                                [--chunks 1,2] [--tile 0] [--iters 20] [--seed 1]
+ *                                [--chunks 1,2] [--tile 0] [--tile-w 0] [--iters 20] [--seed 1]
  *
  * Why cycles: under load the GPU's power management moves the SM clock (1.4-2.0 GHz on H200
  * within one process, measured), so two kernels timed one after the other can differ by 20%
@@ -17,7 +17,9 @@
  * uniform routing gives it, rounded up to 4 as the layer pads segments), rows of x in one
  * expert-major array. Projections: gate/up (n 2I, k H, float32 out, as the layer's FP8 path
  * writes it) and down (n H, k I, BF16 out). --tile: a list of widths, 0 (the one the layer
- * picks for these segments, moe_tiles.h), 128 or 160. Random FP8 codes, scales 1/64; one CTA
+ * picks for these segments, moe_tiles.h), 128 or 160; --tile-w: a list of tile heights, 0 (the
+ * layer's pick for n and the width), 128 or 256 weight rows (256 only at width 128 and n a
+ * multiple of 256: other points are skipped with a note). Random FP8 codes, scales 1/64; one CTA
  * per SM. One warm-up launch, then each launch timed with CUDA events; printed: the medians of
  * time, clock and cycles over --iters launches, and FLOPs per cycle per SM against 8192 (H100
  * and H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
@@ -48,6 +50,7 @@ typedef struct {
   int ranks[MAX_LIST], num_ranks;
   int chunks[MAX_LIST], num_chunks;
   int tiles[MAX_LIST], num_tiles;
+  int tile_ws[MAX_LIST], num_tile_ws;
   int tokens, iters;
   uint64_t seed;
 } options_t;
@@ -118,10 +121,16 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* Times --iters launches of the GEMM on o at tile width tile_x (0: the layer's); prints one row. */
+/* Times --iters launches of the GEMM on o at tile width tile_x and height tile_w (0: the
+ * layer's); prints one row (a note where that tile does not fit). */
 static int run_point(const options_t *opt, const char *label, const operands_t *o, int tile_x,
-                     int sms, cudaStream_t stream, unsigned long long *probe_d) {
+                     int tile_w, int sms, cudaStream_t stream, unsigned long long *probe_d) {
   const int width = tile_x ? tile_x : o->layer_width;
+  if (!tile_w) tile_w = epx__moe_pick_tile_w(o->n, width);
+  if (!epx__moe_tile_w_fits(tile_w, o->n, width)) {
+    printf("# %s: no tile of %d x %d weight rows at n %d (skipped)\n", label, width, tile_w, o->n);
+    return 0;
+  }
   const epx__moe_gemm_fp8_args_t a = {.w = o->w,
                                       .w_stride = (size_t)o->n * o->k,
                                       .w_scales = o->ws,
@@ -138,6 +147,7 @@ static int run_point(const options_t *opt, const char *label, const operands_t *
                                       .x_rows = o->L * o->S,
                                       .num_ctas = sms,
                                       .tile_x = width,
+                                      .tile_w = tile_w,
                                       .early_launch = 0,
                                       .clock_probe = probe_d};
   cudaEvent_t e0, e1;
@@ -171,8 +181,8 @@ static int run_point(const options_t *opt, const char *label, const operands_t *
   const double med_us = median(us, opt->iters), med_ghz = median(ghz, opt->iters);
   const double med_kcyc = median(kcyc, opt->iters);
   const double per_cycle_sm = flops / (med_kcyc * 1e3 * sms);
-  printf("%-17s %5d %5d %4d %4d %4d %8.1f %8.1f %5.2f %8.0f %7.0f %6.0f %5.1f%%\n", label, o->n,
-         o->k, o->L, o->S, width, med_us, min_us, med_ghz, med_kcyc, flops / med_us * 1e-6,
+  printf("%-17s %5d %5d %4d %4d %4d %4d %8.1f %8.1f %5.2f %8.0f %7.0f %6.0f %5.1f%%\n", label, o->n,
+         o->k, o->L, o->S, width, tile_w, med_us, min_us, med_ghz, med_kcyc, flops / med_us * 1e-6,
          per_cycle_sm, 100.0 * per_cycle_sm / kPeakFlopPerCycleSm);
   return 0;
 }
@@ -196,8 +206,8 @@ static int run(const options_t *opt) {
   BENCH_CUDA(cudaMalloc((void **)&probe_d, 4 * sizeof(unsigned long long)));
   printf("# epx_moe_gemm_bench: %d SMs, %d tokens a rank, medians of %d launches\n", sms,
          opt->tokens, opt->iters);
-  printf("%-17s %5s %5s %4s %4s %4s %8s %8s %5s %8s %7s %6s %6s\n", "point", "n", "k", "L", "S",
-         "tile", "us", "min", "GHz", "kcyc", "TFLOPS", "f/c/SM", "peak");
+  printf("%-17s %5s %5s %4s %4s %4s %4s %8s %8s %5s %8s %7s %6s %6s\n", "point", "n", "k", "L", "S",
+         "tile", "tw", "us", "min", "GHz", "kcyc", "TFLOPS", "f/c/SM", "peak");
   fflush(stdout); /* before any error line */
   int rc = 0;
   for (int i = 0; i < opt->num_shapes && !rc; i++) {
@@ -226,7 +236,8 @@ static int run(const options_t *opt) {
           char label[64];
           snprintf(label, sizeof label, "%s %s R%d c%d", sh->name, p == 0 ? "gu" : "dn", R, C);
           for (int t = 0; t < opt->num_tiles && !rc; t++)
-            rc = run_point(opt, label, &o, opt->tiles[t], sms, stream, probe_d);
+            for (int w = 0; w < opt->num_tile_ws && !rc; w++)
+              rc = run_point(opt, label, &o, opt->tiles[t], opt->tile_ws[w], sms, stream, probe_d);
           operands_free(&o);
         }
       }
@@ -238,7 +249,7 @@ static int run(const options_t *opt) {
 
 int main(int argc, char **argv) {
   bench_program = "epx_moe_gemm_bench";
-  options_t o = {{0, 1}, 2, {2, 4}, 2, {1, 2}, 2, {0}, 1, 4096, 20, 1};
+  options_t o = {{0, 1}, 2, {2, 4}, 2, {1, 2}, 2, {0}, 1, {0}, 1, 4096, 20, 1};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     int bad = !v;
@@ -258,6 +269,12 @@ int main(int argc, char **argv) {
       for (int t = 0; t < o.num_tiles && !bad; t++)
         bad =
             o.tiles[t] != 0 && o.tiles[t] != EPX__MOE_TILE_X && o.tiles[t] != EPX__MOE_TILE_X_WIDE;
+    } else if (v && !strcmp(a, "--tile-w")) {
+      bad =
+          bench_parse_list(a, v, 0, EPX__MOE_TILE_W_TALL, MAX_LIST, o.tile_ws, &o.num_tile_ws) != 0;
+      for (int t = 0; t < o.num_tile_ws && !bad; t++)
+        bad = o.tile_ws[t] != 0 && o.tile_ws[t] != EPX__MOE_TILE_W &&
+              o.tile_ws[t] != EPX__MOE_TILE_W_TALL;
     } else if (v && !strcmp(a, "--tokens")) {
       bad = bench_parse_int(a, v, 1, 1 << 20, &o.tokens) != 0;
     } else if (v && !strcmp(a, "--iters")) {
@@ -272,8 +289,8 @@ int main(int argc, char **argv) {
     if (bad) {
       fprintf(stderr,
               "usage: %s [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096] "
-              "[--chunks 1,2] [--tile 0 (a list of 0: the layer's pick, 128, 160)] [--iters 20] "
-              "[--seed 1]\n",
+              "[--chunks 1,2] [--tile 0 (a list of 0: the layer's pick, 128, 160)] "
+              "[--tile-w 0 (a list of 0: the layer's pick, 128, 256)] [--iters 20] [--seed 1]\n",
               argv[0]);
       return 2;
     }

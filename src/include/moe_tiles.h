@@ -1,10 +1,10 @@
 /*
  * moe_tiles.h - how EPX's grouped FP8 GEMM (src/kernels/moe_gemm_fp8.cu) cuts an expert's
- * segment of s rows into token tiles, and which tile width a launch runs at. A launch runs every
- * tile at one wgmma width `cap` (EPX__MOE_TILE_X or EPX__MOE_TILE_X_WIDE rows); a segment is cut
- * into ceil(s / cap) tiles of equal size, a multiple of 8 rows (wgmma's N steps) and at most
- * cap, the last one shorter where s is not a multiple of that size. Shared by the kernel, the
- * layer's FFN (src/moe_ffn.c, which picks the width from the host's counts) and their host test
+ * segment of s rows into token tiles, and which tile width and height a launch runs at. A launch
+ * runs every tile at one wgmma width `cap` (EPX__MOE_TILE_X or EPX__MOE_TILE_X_WIDE rows); a
+ * segment is cut into ceil(s / cap) tiles of equal size, a multiple of 8 rows (wgmma's N steps) and
+ * at most cap, the last one shorter where s is not a multiple of that size. Shared by the kernel,
+ * the layer's FFN (src/moe_ffn.c, which picks the width from the host's counts) and their host test
  * (tests/host/test_moe_prefill_plan.c). Pure.
  */
 #ifndef EPX_SRC_MOE_TILES_H_
@@ -18,6 +18,15 @@
 
 #define EPX__MOE_TILE_X 128      /* rows of x of a tile, at most: the narrow width */
 #define EPX__MOE_TILE_X_WIDE 160 /* the wide one (a bigger shared-memory ring stage) */
+
+#define EPX__MOE_TILE_W 128      /* weight rows of a tile: one block of 128 (the block scales') */
+#define EPX__MOE_TILE_W_TALL 256 /* two blocks: only at the narrow width, n a multiple of 256 */
+
+/* Whether a launch may run tiles of tile_w weight rows at width tile_x on n weight rows. */
+static inline EPX__HOST_DEVICE int epx__moe_tile_w_fits(int tile_w, int n, int tile_x) {
+  if (tile_w == EPX__MOE_TILE_W) return n % EPX__MOE_TILE_W == 0;
+  return tile_w == EPX__MOE_TILE_W_TALL && tile_x == EPX__MOE_TILE_X && n % tile_w == 0;
+}
 
 /* Rows of each token tile of a segment of s > 0 rows, tiles of at most cap rows. */
 static inline EPX__HOST_DEVICE int epx__moe_x_tile_rows(int s, int cap) {
@@ -46,6 +55,15 @@ static inline int epx__moe_pick_tile_x(const int *begin, int L) {
     wide += (long long)epx__moe_x_tiles(s, EPX__MOE_TILE_X_WIDE) * EPX__MOE_TILE_X_WIDE;
   }
   return wide < narrow ? EPX__MOE_TILE_X_WIDE : EPX__MOE_TILE_X;
+}
+
+/* The tile height a launch at width tile_x runs: the tall tile wherever it fits (two weight
+ * blocks a tile: 1-6% fewer cycles than one at every point of epx_moe_gemm_bench, 1x H200,
+ * docs/moe.md "The tall tile"). The width is picked first: where the wide width computes fewer
+ * columns, that saves more than the tall tile would. */
+static inline int epx__moe_pick_tile_w(int n, int tile_x) {
+  return epx__moe_tile_w_fits(EPX__MOE_TILE_W_TALL, n, tile_x) ? EPX__MOE_TILE_W_TALL
+                                                               : EPX__MOE_TILE_W;
 }
 
 #endif /* EPX_SRC_MOE_TILES_H_ */

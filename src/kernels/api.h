@@ -337,7 +337,7 @@ epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch
  * (epx__moe_gemm_fp8_supported). num_ctas persistent CTAs
  * (the SMs the GEMM may use). */
 typedef struct epx__moe_gemm_fp8_args {
-  /* Set by the launcher (TMA): the weights as one [L n, k] matrix in boxes of 128 rows; x
+  /* Set by the launcher (TMA): the weights as one [L n, k] matrix in boxes of tile_w rows; x
    * [x_rows, k] in boxes of tile_x rows (every tile loads tile_x, whatever its rows). */
   CUtensorMap tmap_w, tmap_x;
   const void *w;
@@ -355,6 +355,8 @@ typedef struct epx__moe_gemm_fp8_args {
   int num_ctas;
   int tile_x;       /* rows of x of a tile, at most, and the wgmma width every tile runs at:
                        EPX__MOE_TILE_X or EPX__MOE_TILE_X_WIDE (moe_tiles.h) */
+  int tile_w;       /* weight rows of a tile: EPX__MOE_TILE_W (also for 0) or, with tile_x
+                       EPX__MOE_TILE_X and n a multiple of it, EPX__MOE_TILE_W_TALL (moe_tiles.h) */
   int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
   /* NULL, or device [4]: CTA 0's clock64 and %globaltimer (ns) where its work starts and ends,
    * from which a benchmark reads the SM clock the launch ran at (epx_moe_gemm_bench) */

@@ -9,7 +9,9 @@
  * Tiles: 128 weight rows (two warpgroups, one m64 each: the weights are wgmma's A, "swap AB")
  * x up to kTileX rows of x, every tile of a launch at wgmma N kTileX, 128 or 160 (the caller
  * picks: moe_tiles.h; the columns past a tile's rows are computed and not stored: a switch over
- * N inside the kernel made ptxas serialize its wgmmas, so the width is a template argument).
+ * N inside the kernel made ptxas serialize its wgmmas, so the width is a template argument);
+ * or, at width 128, the tall tile of 256 weight rows (kHalves 2: each warpgroup one m64 in
+ * each of the two weight blocks), which the caller picks where n allows it.
  * An expert's segment of S rows is cut into ceil(S / kTileX) token tiles of equal size (a
  * multiple of 8), so a segment of 260 rows is three tiles of 88 rows at 128, not 128 + 128 + 4.
  * Tile order: expert, then weight tile, then token tile, so the token tiles that share a weight
@@ -55,38 +57,42 @@ constexpr int kThreads = kConsumers + 128; /* and a producer warpgroup (one thre
  * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use up to
  * about 150 (width 128) and 185 (width 160), the producer about 24 (reviews' SASS readings). */
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;
-constexpr int kTileW = 128;    /* weight rows of a tile: one 128-row scale block */
+constexpr int kWBlock = 128;   /* weight rows of a scale block: one m64 of each warpgroup */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
-constexpr int kWStage = kTileW * kRowBytes; /* 16 KB */
 constexpr int kMaxExperts = EPX_MAX_EXPERTS;
 
-/* A launch's tile width kTileX (moe_tiles.h: 128 or 160 rows of x, every tile at wgmma N
- * kTileX) sets the ring's stage: the weight box, kTileX rows of x, the x rows' scales (kTileX
- * floats) and the 16 bytes of the weight tile's row of block scales that hold this block's;
- * and its depth: 6 stages of 32 KB, or 5 of 36 KB (6 do not fit), about as many bytes in
- * flight. */
-template <int kTileX>
+/* A launch's tile shape (moe_tiles.h): kTileX rows of x (128 or 160, every tile at wgmma N
+ * kTileX) by kHalves scale blocks of 128 weight rows (1, or 2 for the tall tile, where each
+ * warpgroup runs an m64 in both blocks: as many wgmmas a stage for half the barriers, and a
+ * quarter fewer bytes copied a product). It sets the ring's stage: the weight box, kTileX rows
+ * of x, the x rows' scales (kTileX floats) and, per weight block, the 16 bytes of its row of
+ * block scales that hold this K block's; and its depth: 6 stages of 32 KB, 5 of 36 KB or 4 of
+ * 48 KB (no more fit), about as many bytes in flight. */
+template <int kTileX, int kHalves>
 struct Ring {
-  static constexpr int kStages = kTileX <= 128 ? 6 : 5;
+  static constexpr int kTileW = kWBlock * kHalves; /* weight rows of a tile */
+  static constexpr int kWStage = kTileW * kRowBytes;
+  static constexpr int kStages = kHalves == 2 ? 4 : kTileX <= 128 ? 6 : 5;
   static constexpr int kXStage = kTileX * kRowBytes;
-  static constexpr int kScaleStage = kTileX * 4 + 16;
+  static constexpr int kScaleStage = kTileX * 4 + 16 * kHalves;
   static constexpr int kSmemBytes =
       1024 /* to align the base */ +
       kStages * (kWStage + kXStage + kScaleStage + 16 /* barriers */) +
       2 * (kMaxExperts + 1) * 4 /* tile prefix, segment begins */;
   static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
   static_assert(kTileX % 8 == 0 && kTileX <= 256 && kScaleStage % 16 == 0, "a wgmma N, TMA box");
+  static_assert(kHalves == 1 || (kHalves == 2 && kTileX == 128), "registers: acc + part fit");
 };
 /* A slot is free again once every consumer warp read it. */
 constexpr uint32_t kEmptyArrivals = kConsumers / 32;
 
-/* A tile: expert e's weight rows [n0, n0 + kTileW) on its segment rows [row0, row0 + rows). */
+/* A tile: expert e's weight rows [n0, n0 + the tile's) on its segment rows [row0, row0 + rows). */
 struct Tile {
   int e, n0, row0, rows, seg_rows, seg_begin;
 };
 
 /* Tile t of the grid's order (see the header); prefix[j]: the tiles before expert j's. */
-template <int kTileX>
+template <int kTileX, int kTileW>
 __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *begin, int L) {
   /* the last expert whose first tile is <= t (it has tiles: t < its end) */
   const int lo = epx::segment_of_shared(prefix, L, t);
@@ -128,38 +134,43 @@ struct Smem {
 
 /* The producer (one lane): every stage of the CTA's tiles, each into slot s % depth once the
  * consumers freed it: the weight box, the x rows' box (kTileX rows whatever the tile's: every
- * tile runs at wgmma N kTileX), the x rows' scales and the weight tiles' row of block scales
- * that holds this block's (16 bytes: ws_kb is a multiple of 4). */
-template <int kTileX>
+ * tile runs at wgmma N kTileX), the x rows' scales and, per weight block, its row of block
+ * scales that holds this K block's (16 bytes: ws_kb is a multiple of 4). */
+template <int kTileX, int kHalves>
 __device__ void produce(const epx__moe_gemm_fp8_args_t &a, const Smem &sm, const int *prefix,
                         const int *begin, int my_tiles, int k_blocks) {
+  using R = Ring<kTileX, kHalves>;
   const int num_stages = my_tiles * k_blocks;
   Tile it{};
   int kb = k_blocks, tile = -1;
   for (int s = 0; s < num_stages; s++) {
-    constexpr int kStages = Ring<kTileX>::kStages;
+    constexpr int kStages = R::kStages;
     const int slot = s % kStages;
     if (s >= kStages) wait_phase(&sm.empty[slot], ((s / kStages) - 1) & 1);
     if (kb == k_blocks) {
       kb = 0;
       tile++;
-      it = find_tile<kTileX>((int)blockIdx.x + tile * (int)gridDim.x, prefix, begin, a.num_experts);
+      it = find_tile<kTileX, R::kTileW>((int)blockIdx.x + tile * (int)gridDim.x, prefix, begin,
+                                        a.num_experts);
     }
     const int b = kb++;
     const uint32_t scale_bytes = (uint32_t)it.rows * 4; /* rows: a multiple of 4 */
-    epx::mbarrier_arrive_expect_tx(&sm.full[slot], kWStage + kTileX * kRowBytes + scale_bytes + 16);
-    epx::tma_load_2d(sm.w + slot * kWStage, &a.tmap_w, b * kRowBytes, it.e * a.n + it.n0,
+    epx::mbarrier_arrive_expect_tx(&sm.full[slot],
+                                   R::kWStage + R::kXStage + scale_bytes + 16 * kHalves);
+    epx::tma_load_2d(sm.w + slot * R::kWStage, &a.tmap_w, b * kRowBytes, it.e * a.n + it.n0,
                      &sm.full[slot]);
-    epx::tma_load_2d(sm.x + slot * Ring<kTileX>::kXStage, &a.tmap_x, b * kRowBytes,
-                     it.seg_begin + it.row0, &sm.full[slot]);
-    float *sd = sm.sc + slot * (Ring<kTileX>::kScaleStage / 4);
+    epx::tma_load_2d(sm.x + slot * R::kXStage, &a.tmap_x, b * kRowBytes, it.seg_begin + it.row0,
+                     &sm.full[slot]);
+    float *sd = sm.sc + slot * (R::kScaleStage / 4);
     epx::bulk_copy(sd,
                    a.x_scales + (size_t)it.seg_begin * k_blocks + (size_t)b * it.seg_rows + it.row0,
                    scale_bytes, &sm.full[slot]);
-    epx::bulk_copy(
-        sd + kTileX,
-        a.w_scales + (size_t)it.e * a.ws_stride + (size_t)(it.n0 / kTileW) * a.ws_kb + (b & ~3), 16,
-        &sm.full[slot]);
+#pragma unroll
+    for (int h = 0; h < kHalves; h++)
+      epx::bulk_copy(sd + kTileX + 4 * h,
+                     a.w_scales + (size_t)it.e * a.ws_stride +
+                         (size_t)(it.n0 / kWBlock + h) * a.ws_kb + (b & ~3),
+                     16, &sm.full[slot]);
   }
 }
 
@@ -198,65 +209,78 @@ __device__ __forceinline__ void store_tile(OutT *y, int n, const Tile &ct, const
 
 /* One tile at wgmma width kN (the launch's kTileX): its k_blocks stages from stage s0 of the
  * CTA's sequence, then its rows stored from the registers while the producer streams the next
- * tile's first stages. */
-template <int kN>
+ * tile's first stages. With two weight blocks (kHalves 2) a warpgroup runs its m64 of the first
+ * block, promotes it, then its m64 of the second, through the one partial sum (two would not
+ * fit beside the 128 totals). */
+template <int kN, int kHalves>
 __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, const Smem &sm,
                                          const int *prefix, const int *begin, int tile, int s0,
                                          int k_blocks, float *acc, float *part) {
+  using R = Ring<kN, kHalves>;
   constexpr int kJ = kN / 8; /* n8 column blocks */
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, t = lane % 4;
   Tile ct;
 #pragma unroll
-  for (int i = 0; i < kN / 2; i++) acc[i] = 0.f;
+  for (int i = 0; i < kHalves * kN / 2; i++) acc[i] = 0.f;
   for (int s = s0; s < s0 + k_blocks; s++) {
-    constexpr int kStages = Ring<kN>::kStages;
+    constexpr int kStages = R::kStages;
     const int slot = s % kStages;
     /* Every lane waits, each its own acquire of the stage's copies (lane 0 waiting, then a
      * __syncwarp, measured 3% slower). Check the build's ptxas output after changing this loop:
      * in the kernel before this one, every thread polling made ptxas serialize the wgmmas
      * (C7511, CUDA 13.0). */
     wait_phase(&sm.full[slot], (s / kStages) & 1);
-    const uint32_t a0 = epx::smem_addr(sm.w + slot * kWStage + wg * 64 * kRowBytes);
-    const uint32_t b0 = epx::smem_addr(sm.x + slot * Ring<kN>::kXStage);
-    fence_regs<kN / 2>(part);
-    fence();
-    mma_stage<kN>(part, a0, b0);
-    commit();
-    /* where the tile's rows go, looked up while its first stage's wgmmas run (~1,000 cycles) */
-    if (s == s0) ct = find_tile<kN>(tile, prefix, begin, a.num_experts);
-    wait<0>();
-    fence_regs<kN / 2>(part);
-    /* acc += part x (weight block's scale x row's scale), per column (row of x) */
-    const float *sc = sm.sc + slot * (Ring<kN>::kScaleStage / 4);
-    const float sw = sc[kN + (s - s0) % 4];
+    const uint32_t b0 = epx::smem_addr(sm.x + slot * R::kXStage);
+    const float *sc = sm.sc + slot * (R::kScaleStage / 4);
 #pragma unroll
-    for (int j = 0; j < kJ; j++) {
-      const float2 sx = *(const float2 *)(sc + 8 * j + 2 * t);
-      const float s0w = sw * sx.x, s1w = sw * sx.y;
-      acc[4 * j + 0] += part[4 * j + 0] * s0w;
-      acc[4 * j + 1] += part[4 * j + 1] * s1w;
-      acc[4 * j + 2] += part[4 * j + 2] * s0w;
-      acc[4 * j + 3] += part[4 * j + 3] * s1w;
+    for (int h = 0; h < kHalves; h++) {
+      const uint32_t a0 =
+          epx::smem_addr(sm.w + slot * R::kWStage + (h * kWBlock + wg * 64) * kRowBytes);
+      fence_regs<kN / 2>(part);
+      fence();
+      mma_stage<kN>(part, a0, b0);
+      commit();
+      /* where the tile's rows go, looked up while its first stage's wgmmas run (~1,000 cycles) */
+      if (h == 0 && s == s0) ct = find_tile<kN, R::kTileW>(tile, prefix, begin, a.num_experts);
+      wait<0>();
+      fence_regs<kN / 2>(part);
+      /* acc += part x (weight block's scale x row's scale), per column (row of x) */
+      const float sw = sc[kN + 4 * h + (s - s0) % 4];
+      float *acc_h = acc + h * (kN / 2);
+#pragma unroll
+      for (int j = 0; j < kJ; j++) {
+        const float2 sx = *(const float2 *)(sc + 8 * j + 2 * t);
+        const float s0w = sw * sx.x, s1w = sw * sx.y;
+        acc_h[4 * j + 0] += part[4 * j + 0] * s0w;
+        acc_h[4 * j + 1] += part[4 * j + 1] * s1w;
+        acc_h[4 * j + 2] += part[4 * j + 2] * s0w;
+        acc_h[4 * j + 3] += part[4 * j + 3] * s1w;
+      }
     }
     __syncwarp(); /* this warp is done with the slot (its wgmmas waited for): free it */
     if (lane == 0) epx::mbarrier_arrive(&sm.empty[slot]);
   }
-  if (a.y_fp32)
-    store_tile<kN>((float *)a.y, a.n, ct, acc);
-  else
-    store_tile<kN>((__nv_bfloat16 *)a.y, a.n, ct, acc);
+#pragma unroll
+  for (int h = 0; h < kHalves; h++) {
+    Tile ch = ct;
+    ch.n0 += h * kWBlock;
+    if (a.y_fp32)
+      store_tile<kN>((float *)a.y, a.n, ch, acc + h * (kN / 2));
+    else
+      store_tile<kN>((__nv_bfloat16 *)a.y, a.n, ch, acc + h * (kN / 2));
+  }
 }
 
-template <int kTileX>
+template <int kTileX, int kHalves>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_fp8_kernel(const __grid_constant__ epx__moe_gemm_fp8_args_t a) {
-  using R = Ring<kTileX>;
+  using R = Ring<kTileX, kHalves>;
   constexpr int kStages = R::kStages;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char *base = smem_raw + ((1024u - (epx::smem_addr(smem_raw) & 1023u)) & 1023u);
   Smem sm;
   sm.w = base;
-  sm.x = sm.w + kStages * kWStage;
+  sm.x = sm.w + kStages * R::kWStage;
   sm.sc = (float *)(sm.x + kStages * R::kXStage);
   sm.full = (uint64_t *)((unsigned char *)sm.sc + kStages * R::kScaleStage);
   sm.empty = sm.full + kStages;
@@ -268,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool probe = a.clock_probe != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
   if (probe) a.clock_probe[0] = clock64(), a.clock_probe[1] = epx::globaltimer_ns();
   const int tid = threadIdx.x, L = a.num_experts;
-  const int n_tiles = a.n / kTileW, k_blocks = a.k / kRowBytes;
+  const int n_tiles = a.n / R::kTileW, k_blocks = a.k / kRowBytes;
 
   /* Every expert's segment bounds and first tile (warp 0 scans 32 experts per step). */
   for (int j = tid; j <= L; j += kThreads) begin[j] = a.begin[j];
@@ -303,15 +327,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid >= kConsumers) { /* the producer warpgroup */
     epx::setmaxnreg_dec<kProducerRegs>();
-    if (tid == kConsumers) produce<kTileX>(a, sm, prefix, begin, my_tiles, k_blocks);
+    if (tid == kConsumers) produce<kTileX, kHalves>(a, sm, prefix, begin, my_tiles, k_blocks);
   } else { /* the consumers wait for every stage the producer fills: no copy outlives the CTA */
     epx::setmaxnreg_inc<kConsumerRegs>();
-    float acc[kTileX / 2], part[kTileX / 2];
+    float acc[kHalves * kTileX / 2], part[kTileX / 2];
 #pragma unroll
     for (int i = 0; i < kTileX / 2; i++) part[i] = 0.f;
     for (int c = 0; c < my_tiles; c++)
-      run_tile<kTileX>(a, sm, prefix, begin, (int)blockIdx.x + c * (int)gridDim.x, c * k_blocks,
-                       k_blocks, acc, part);
+      run_tile<kTileX, kHalves>(a, sm, prefix, begin, (int)blockIdx.x + c * (int)gridDim.x,
+                                c * k_blocks, k_blocks, acc, part);
     if (probe) a.clock_probe[2] = clock64(), a.clock_probe[3] = epx::globaltimer_ns();
   }
 }
@@ -320,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 extern "C" int epx__moe_gemm_fp8_supported(int n, int k, int num_experts) {
   /* n: store_tile's 32-bit offsets reach (kTileX + 8) rows of n */
-  return n > 0 && k > 0 && n % kTileW == 0 && k % kRowBytes == 0 && num_experts > 0 &&
+  return n > 0 && k > 0 && n % kWBlock == 0 && k % kRowBytes == 0 && num_experts > 0 &&
          num_experts <= kMaxExperts && n <= INT_MAX / (EPX__MOE_TILE_X_WIDE + 8);
 }
 
@@ -367,6 +391,13 @@ static epx_status_t encode_rows(CUtensorMap *map, const void *base, int k, long 
   return EPX_OK;
 }
 
+template <int kTileX, int kHalves>
+static epx_status_t launch(const epx__moe_gemm_fp8_args_t &args, cudaStream_t stream) {
+  return epx::launch_ex<moe_gemm_fp8_kernel<kTileX, kHalves>>(
+      args.early_launch, dim3(args.num_ctas), kThreads, Ring<kTileX, kHalves>::kSmemBytes, stream,
+      args);
+}
+
 extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t *a,
                                                  cudaStream_t stream) {
   if (!epx__moe_gemm_fp8_supported(a->n, a->k, a->num_experts) ||
@@ -382,18 +413,18 @@ extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t 
                           "and %p: need 16-byte alignment and rows of a multiple of 4 blocks",
                           (const void *)a->w_scales, a->ws_stride, a->ws_kb,
                           (const void *)a->x_scales);
-  if (a->tile_x != EPX__MOE_TILE_X && a->tile_x != EPX__MOE_TILE_X_WIDE)
-    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_gemm_fp8_launch: tile width %d", a->tile_x);
+  const int tile_w = a->tile_w ? a->tile_w : EPX__MOE_TILE_W;
+  if ((a->tile_x != EPX__MOE_TILE_X && a->tile_x != EPX__MOE_TILE_X_WIDE) ||
+      !epx__moe_tile_w_fits(tile_w, a->n, a->tile_x))
+    return epx__set_error(EPX_ERR_INTERNAL,
+                          "epx__moe_gemm_fp8_launch: tile %d rows of x by %d weight rows (n %d)",
+                          a->tile_x, tile_w, a->n);
   if (a->x_rows <= 0) return EPX_OK;
   epx__moe_gemm_fp8_args_t args = *a;
   EPX_CHECK(
-      encode_rows(&args.tmap_w, a->w, a->k, (long long)a->num_experts * a->n, kTileW, "weights"));
+      encode_rows(&args.tmap_w, a->w, a->k, (long long)a->num_experts * a->n, tile_w, "weights"));
   EPX_CHECK(encode_rows(&args.tmap_x, a->x, a->k, a->x_rows, a->tile_x, "rows"));
-  if (a->tile_x == EPX__MOE_TILE_X_WIDE)
-    return epx::launch_ex<moe_gemm_fp8_kernel<EPX__MOE_TILE_X_WIDE>>(
-        a->early_launch, dim3(a->num_ctas), kThreads, Ring<EPX__MOE_TILE_X_WIDE>::kSmemBytes,
-        stream, args);
-  return epx::launch_ex<moe_gemm_fp8_kernel<EPX__MOE_TILE_X>>(
-      a->early_launch, dim3(a->num_ctas), kThreads, Ring<EPX__MOE_TILE_X>::kSmemBytes, stream,
-      args);
+  if (tile_w == EPX__MOE_TILE_W_TALL) return launch<EPX__MOE_TILE_X, 2>(args, stream);
+  if (a->tile_x == EPX__MOE_TILE_X_WIDE) return launch<EPX__MOE_TILE_X_WIDE, 1>(args, stream);
+  return launch<EPX__MOE_TILE_X, 1>(args, stream);
 }

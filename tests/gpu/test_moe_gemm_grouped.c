@@ -6,11 +6,14 @@
  *                                is exact in float32: the float32 output must equal the CPU's
  *                                bit for bit (BF16: its one rounding). Segments of 0 to 260
  *                                rows at both tile widths (128 and 160; tiles of 4 to 160
- *                                rows, the x box past them), k/128 of 1 to 8, few CTAs (each
- *                                walks many tiles, the copy pipeline running across them) and
- *                                one per SM; rows outside every segment must stay untouched.
- *   moe_gemm_fp8_grouped_range   codes over the whole E4M3 range (width 128 at k 128, 160
- *                                above): every output within 2^-6 of its products' magnitude
+ *                                rows, the x box past them) and, where n is a multiple of 256,
+ *                                the tall tile (128 x 256 weight rows: two weight blocks, each
+ *                                with its own scales), k/128 of 1 to 8, few CTAs (each walks
+ *                                many tiles, the copy pipeline running across them) and one
+ *                                per SM; rows outside every segment must stay untouched.
+ *   moe_gemm_fp8_grouped_range   codes over the whole E4M3 range (k 128: 128 x 128, k 512:
+ *                                128 x 256, 160 x 128 at k 256 and 1024): every output within
+ *                                2^-6 of its products' magnitude
  *                                (a misread scale is off by 2x or more); prints the worst
  *                                error, the figure the layer's tolerance (test_moe_prefill.c)
  *                                allows for.
@@ -116,7 +119,7 @@ static void case_free(grouped_case_t *c) {
 
 /* The launch on case c; y filled with 0xff first (NaN in both output types). Returns the
  * output as floats [rows, n] (malloc'd) or NULL. */
-static float *run(grouped_case_t *c, int y_fp32, int num_ctas, int tile_x) {
+static float *run(grouped_case_t *c, int y_fp32, int num_ctas, int tile_x, int tile_w) {
   const size_t cells = (size_t)c->rows * c->n;
   if (cudaMemset(c->y, 0xff, cells * sizeof(float)) != cudaSuccess) return NULL;
   const epx__moe_gemm_fp8_args_t a = {.w = c->wd,
@@ -135,6 +138,7 @@ static float *run(grouped_case_t *c, int y_fp32, int num_ctas, int tile_x) {
                                       .x_rows = c->begin[c->L],
                                       .num_ctas = num_ctas,
                                       .tile_x = tile_x,
+                                      .tile_w = tile_w,
                                       .early_launch = 0};
   if (epx__moe_gemm_fp8_launch(&a, 0) != EPX_OK) {
     fprintf(stderr, "  launch: %s\n", epx_last_error());
@@ -176,14 +180,20 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_exact, 300) {
    * stored); 132 and 164 rows are two tiles at 128 and one and two at 160 */
   static const int seg[] = {0, 4, 36, 132, 260, 8, 128, 100, 0, 12, 164, 68, 160};
   const int L = (int)(sizeof seg / sizeof seg[0]);
-  const int ctas[] = {3, sms}, widths[] = {EPX__MOE_TILE_X, EPX__MOE_TILE_X_WIDE};
+  /* tile shapes (rows of x, weight rows): both widths, and the tall tile where n allows it */
+  static const int tiles[][2] = {{EPX__MOE_TILE_X, EPX__MOE_TILE_W},
+                                 {EPX__MOE_TILE_X_WIDE, EPX__MOE_TILE_W},
+                                 {EPX__MOE_TILE_X, EPX__MOE_TILE_W_TALL}};
+  const int ctas[] = {3, sms};
   int rc = TEST_PASS;
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0] && rc == TEST_PASS; s++) {
     grouped_case_t c;
     if (case_make(&c, shapes[s][0], shapes[s][1], seg, L, 1) != TEST_PASS) return TEST_FAIL;
-    for (int run_i = 0; run_i < 8 && rc == TEST_PASS; run_i++) {
-      const int y_fp32 = run_i & 1, ci = (run_i >> 1) & 1, tile_x = widths[run_i >> 2];
-      float *got = run(&c, y_fp32, ctas[ci], tile_x);
+    for (int run_i = 0; run_i < 12 && rc == TEST_PASS; run_i++) {
+      const int y_fp32 = run_i & 1, ci = (run_i >> 1) & 1;
+      const int tile_x = tiles[run_i >> 2][0], tile_w = tiles[run_i >> 2][1];
+      if (!epx__moe_tile_w_fits(tile_w, c.n, tile_x)) continue; /* n 384 and 128: not tall */
+      float *got = run(&c, y_fp32, ctas[ci], tile_x, tile_w);
       EXPECTF(got != NULL, "n %d k %d: the launch or its copy failed", c.n, c.k);
       /* float32: exact; BF16: the one rounding of an exact value (2^-8 relative at most) */
       const double tol = y_fp32 ? 0 : ldexp(1.0, -8);
@@ -193,8 +203,9 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_exact, 300) {
           const float v = got[(size_t)r * c.n + col];
           if (j < 0) { /* guard rows: never written, so still NaN */
             if (!isnan(v)) {
-              fprintf(stderr, "  n %d k %d ctas %d width %d: guard row %d col %d written (%g)\n",
-                      c.n, c.k, ctas[ci], tile_x, r, col, v);
+              fprintf(stderr,
+                      "  n %d k %d ctas %d tile %d x %d: guard row %d col %d written (%g)\n", c.n,
+                      c.k, ctas[ci], tile_x, tile_w, r, col, v);
               rc = TEST_FAIL;
               break;
             }
@@ -203,9 +214,9 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_exact, 300) {
           const double want = want_at(&c, j, r, col, NULL);
           if (!(fabs((double)v - want) <= tol * fabs(want))) {
             fprintf(stderr,
-                    "  n %d k %d %s ctas %d width %d: expert %d (rows %d..%d) row %d col %d = "
-                    "%.9g, want %.9g exactly\n",
-                    c.n, c.k, y_fp32 ? "float32" : "BF16", ctas[ci], tile_x, j, c.begin[j],
+                    "  n %d k %d %s ctas %d tile %d x %d: expert %d (rows %d..%d) row %d col %d "
+                    "= %.9g, want %.9g exactly\n",
+                    c.n, c.k, y_fp32 ? "float32" : "BF16", ctas[ci], tile_x, tile_w, j, c.begin[j],
                     c.begin[j + 1], r, col, v, want);
             rc = TEST_FAIL;
             break;
@@ -226,8 +237,10 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_range, 300) {
   for (int k = 128; k <= 1024; k *= 2) {
     grouped_case_t c;
     if (case_make(&c, 512, k, seg, 3, 0) != TEST_PASS) return TEST_FAIL;
-    const int tile_x = k % 256 ? EPX__MOE_TILE_X : EPX__MOE_TILE_X_WIDE; /* 128, 160, 160, 160 */
-    float *got = run(&c, 1, 7, tile_x);
+    /* k 128: 128 x 128, 256 and 1024: 160 x 128, 512: the tall 128 x 256 */
+    const int tile_x = k == 128 || k == 512 ? EPX__MOE_TILE_X : EPX__MOE_TILE_X_WIDE;
+    const int tile_w = k == 512 ? EPX__MOE_TILE_W_TALL : EPX__MOE_TILE_W;
+    float *got = run(&c, 1, 7, tile_x, tile_w);
     EXPECTF(got != NULL, "k %d: the launch or its copy failed", k);
     double worst = 0;
     size_t bad = 0;
@@ -240,9 +253,9 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_range, 300) {
         if (mag > 0 && err / mag > worst) worst = err / mag;
       }
     printf(
-        "  whole-range codes, n 512, k %d, segments 64/132/8, width %d: worst |err| / sum "
+        "  whole-range codes, n 512, k %d, segments 64/132/8, tile %d x %d: worst |err| / sum "
         "|products| = %.3g\n",
-        k, tile_x, worst);
+        k, tile_x, tile_w, worst);
     free(got);
     case_free(&c);
     EXPECTF(bad == 0, "k %d: %zu outputs off by more than 2^-6 of their products' sum", k, bad);

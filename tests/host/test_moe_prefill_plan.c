@@ -174,7 +174,7 @@ EPX_HOST_TEST(moe_prefill_batched_block_rows, 10) {
  * give an expert here, at both widths (cap 128 and 160): ceil(s / cap) tiles (the fewest of at
  * most cap rows), each a multiple of 8 rows (wgmma's N steps) and at most cap, together exactly
  * s rows, none empty, and none more than 8 rows past the even split; and the width a launch
- * picks from its segments. */
+ * picks from its segments, and the height from n and the width. */
 EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   static const int caps[] = {EPX__MOE_TILE_X, EPX__MOE_TILE_X_WIDE};
   EXPECT_EQ_INT(epx__moe_x_tiles(0, EPX__MOE_TILE_X), 0);
@@ -207,6 +207,15 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   const int tie[] = {0, 160, 288, 416, 544}; /* 160, 128, 128, 128: 640 columns either way */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(tie, 4), EPX__MOE_TILE_X);
   EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 0), EPX__MOE_TILE_X); /* no experts */
+  /* The height: two weight blocks where n holds whole pairs of them, at the narrow width only */
+  EXPECT_EQ_INT(epx__moe_pick_tile_w(4096, EPX__MOE_TILE_X), EPX__MOE_TILE_W_TALL);
+  EXPECT_EQ_INT(epx__moe_pick_tile_w(1536, EPX__MOE_TILE_X), EPX__MOE_TILE_W_TALL);
+  EXPECT_EQ_INT(epx__moe_pick_tile_w(384, EPX__MOE_TILE_X), EPX__MOE_TILE_W);
+  EXPECT_EQ_INT(epx__moe_pick_tile_w(4096, EPX__MOE_TILE_X_WIDE), EPX__MOE_TILE_W);
+  EXPECT_EQ_INT(epx__moe_tile_w_fits(EPX__MOE_TILE_W, 384, EPX__MOE_TILE_X_WIDE), 1);
+  EXPECT_EQ_INT(epx__moe_tile_w_fits(EPX__MOE_TILE_W, 200, EPX__MOE_TILE_X), 0);
+  EXPECT_EQ_INT(epx__moe_tile_w_fits(EPX__MOE_TILE_W_TALL, 384, EPX__MOE_TILE_X), 0);
+  EXPECT_EQ_INT(epx__moe_tile_w_fits(192, 384, EPX__MOE_TILE_X), 0);
   return TEST_PASS;
 }
 
