@@ -22,15 +22,16 @@
  * stage's products of weight block scale and x row scale once the copies land ("ready"
  * mbarrier; 6-10% fewer cycles at gate/up, measured: the promotions then load and multiply-add
  * only); the two consumer warpgroups never wait for each other (each warp waits for its stage's
- * "full" and "ready" mbarriers and frees the slot through an "empty" one). Persistent CTAs (one per SM, the grid the
- * caller asks for) stride over the tiles; the ring runs on across tiles, so the producer
- * streams the next tile's first stages while the consumers store the last one. (Clusters of
- * two CTAs sharing x through a TMA multicast were measured no faster: docs/moe.md, "EPX's
+ * "full" and "ready" mbarriers and frees the slot through an "empty" one). Persistent CTAs (one per
+ * SM, the grid the caller asks for) stride over the tiles; the ring runs on across tiles, so the
+ * producer streams the next tile's first stages while the consumers store the last one. (Clusters
+ * of two CTAs sharing x through a TMA multicast were measured no faster: docs/moe.md, "EPX's
  * grouped FP8 GEMM".) Stages of 128 K-bytes: the tile's weight rows and x rows, both in the
- * 128-byte-swizzled K-major layout wgmma reads, the x rows' 128 scales of that block and the
- * weight tile's one. Per stage a warpgroup runs the four k32 steps into one partial sum (the
- * tensor cores' FP8 sum of 128 products, as DeepSeek-V3's recipe and cuBLASLt's block-scaled
- * kernels promote), then adds it, times weight scale x row scale, into its float32 totals.
+ * 128-byte-swizzled K-major layout wgmma reads, the x rows' 128 scales of that block and each
+ * weight block's one. Per stage and weight block a warpgroup runs the four k32 steps into one
+ * partial sum (the tensor cores' FP8 sum of 128 products, as DeepSeek-V3's recipe and
+ * cuBLASLt's block-scaled kernels promote), then adds it, times the scaler's weight scale x row
+ * scale, into its float32 totals.
  */
 #include <cuda.h>
 #include <limits.h>
