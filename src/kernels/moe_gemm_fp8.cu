@@ -57,7 +57,8 @@ constexpr int kConsumers = 256;            /* two warpgroups: the wgmma and the 
 constexpr int kThreads = kConsumers + 128; /* and a producer warpgroup (one thread copies) */
 /* Registers per thread after setmaxnreg (2 x 128 x 232 + 128 x 40 <= 65536). At 288 threads
  * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use up to
- * about 150 (width 128) and 185 (width 160), the producer about 24 (reviews' SASS readings). */
+ * about 150 (width 128) and 185 (width 160), the producer about 24 (reviews' SASS readings); the
+ * tall tile's 229, with one 8-byte spill a tile, outside the stage loop (2aa6c34's SASS). */
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 constexpr int kWBlock = 128;   /* weight rows of a scale block: one m64 of each warpgroup */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
@@ -131,7 +132,7 @@ __device__ __forceinline__ void wait_phase(uint64_t *bar, uint32_t parity) {
 struct Smem {
   unsigned char *w, *x; /* [Ring::kStages][kWStage], [Ring::kStages][Ring::kXStage] */
   float *sc;            /* [Ring::kStages][Ring::kScaleStage / 4] */
-  float *comb;          /* [Ring::kStages][kHalves][kTileX]: weight block's x row's scale */
+  float *comb;          /* [Ring::kStages][kHalves][kTileX]: weight block's scale x row's */
   uint64_t *full;       /* [Ring::kStages]: a stage's copies landed */
   uint64_t *ready;      /* [Ring::kStages]: and its scales' products are written */
   uint64_t *empty;      /* [Ring::kStages]: every consumer warp is done with it */
