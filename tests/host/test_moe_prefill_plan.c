@@ -3,14 +3,16 @@
  * (src/moe_prefill.c): the chunk split (every token in exactly one chunk, in order, sizes
  * within one of each other, the largest ceil(T / n)), the workspace layout (regions 256-byte
  * aligned, disjoint, each as large as its formula, FP8 regions only with FP8 weights), the
- * batched GEMM's block rows, the grouped FP8 GEMM's token tiles (src/include/moe_tiles.h), and
- * the refusals that need no GPU, and which FP8 backend AUTO picks.
+ * batched GEMM's block rows, the grouped FP8 GEMM's token tiles (src/include/moe_tiles.h) and
+ * its launcher's refusals of tile shapes it has no kernel for, the refusals that need no GPU,
+ * and which FP8 backend AUTO picks.
  */
 #include <stddef.h>
 #include <string.h>
 
 #include "common/runner.h"
 #include "epx.h"
+#include "kernels/api.h"
 #include "moe_prefill.h"
 #include "moe_tiles.h"
 
@@ -216,6 +218,39 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   EXPECT_EQ_INT(epx__moe_tile_w_fits(EPX__MOE_TILE_W, 200, EPX__MOE_TILE_X), 0);
   EXPECT_EQ_INT(epx__moe_tile_w_fits(EPX__MOE_TILE_W_TALL, 384, EPX__MOE_TILE_X), 0);
   EXPECT_EQ_INT(epx__moe_tile_w_fits(192, 384, EPX__MOE_TILE_X), 0);
+  return TEST_PASS;
+}
+
+/* The grouped FP8 GEMM's launcher refuses a tile shape it has no kernel for, before it touches
+ * the GPU (an internal error: the layer picks through moe_tiles.h); shapes it has, with no rows,
+ * return at once. */
+EPX_HOST_TEST(moe_gemm_fp8_launch_refuses_bad_tiles, 10) {
+  epx__moe_gemm_fp8_args_t a;
+  memset(&a, 0, sizeof a);
+  a.n = 512, a.k = 256, a.num_experts = 2, a.w_stride = 512 * 256, a.ws_kb = 4, a.ws_stride = 16;
+  a.num_ctas = 1, a.x_rows = 0;
+  static const int good[][2] = {{EPX__MOE_TILE_X, 0},
+                                {EPX__MOE_TILE_X, EPX__MOE_TILE_W},
+                                {EPX__MOE_TILE_X_WIDE, EPX__MOE_TILE_W},
+                                {EPX__MOE_TILE_X, EPX__MOE_TILE_W_TALL}};
+  for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+    a.tile_x = good[i][0], a.tile_w = good[i][1];
+    EXPECT_OK(epx__moe_gemm_fp8_launch(&a, NULL));
+  }
+  static const int bad[][2] = {{96, EPX__MOE_TILE_W},
+                               {EPX__MOE_TILE_X_WIDE, EPX__MOE_TILE_W_TALL},
+                               {EPX__MOE_TILE_X, 192},
+                               {EPX__MOE_TILE_X, 512}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    a.tile_x = bad[i][0], a.tile_w = bad[i][1];
+    EXPECT_STATUS(epx__moe_gemm_fp8_launch(&a, NULL), EPX_ERR_INTERNAL);
+    EXPECT(strstr(epx_last_error(), "weight rows") != NULL);
+  }
+  a.n = 384, a.w_stride = 384 * 256, a.tile_x = EPX__MOE_TILE_X; /* three weight blocks */
+  a.tile_w = EPX__MOE_TILE_W_TALL;
+  EXPECT_STATUS(epx__moe_gemm_fp8_launch(&a, NULL), EPX_ERR_INTERNAL);
+  a.tile_w = EPX__MOE_TILE_W;
+  EXPECT_OK(epx__moe_gemm_fp8_launch(&a, NULL));
   return TEST_PASS;
 }
 
