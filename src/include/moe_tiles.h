@@ -4,8 +4,8 @@
  * runs every tile at one wgmma width `cap` (EPX__MOE_TILE_X or EPX__MOE_TILE_X_WIDE rows); a
  * segment is cut into ceil(s / cap) tiles of equal size, a multiple of 8 rows (wgmma's N steps) and
  * at most cap, the last one shorter where s is not a multiple of that size. Shared by the kernel,
- * the layer's FFN (src/moe_ffn.c, which picks the width from the host's counts) and their host test
- * (tests/host/test_moe_prefill_plan.c). Pure.
+ * the layer's FFN (src/moe_ffn.c, which picks the width from the host's counts, then the height),
+ * epx_moe_gemm_bench and their host test (tests/host/test_moe_prefill_plan.c). Pure.
  */
 #ifndef EPX_SRC_MOE_TILES_H_
 #define EPX_SRC_MOE_TILES_H_

@@ -90,7 +90,8 @@ struct Ring {
 /* A slot is free again once every consumer warp read it. */
 constexpr uint32_t kEmptyArrivals = kConsumers / 32;
 
-/* A tile: expert e's weight rows [n0, n0 + the tile's) on its segment rows [row0, row0 + rows). */
+/* A tile: expert e's weight rows [n0, n0 + Ring::kTileW) on its segment rows [row0, row0 + rows).
+ */
 struct Tile {
   int e, n0, row0, rows, seg_rows, seg_begin;
 };
@@ -130,7 +131,7 @@ __device__ __forceinline__ void wait_phase(uint64_t *bar, uint32_t parity) {
 
 /* The shared memory's regions. */
 struct Smem {
-  unsigned char *w, *x; /* [Ring::kStages][kWStage], [Ring::kStages][Ring::kXStage] */
+  unsigned char *w, *x; /* [Ring::kStages][Ring::kWStage], [Ring::kStages][Ring::kXStage] */
   float *sc;            /* [Ring::kStages][Ring::kScaleStage / 4] */
   float *comb;          /* [Ring::kStages][kHalves][kTileX]: weight block's scale x row's */
   uint64_t *full;       /* [Ring::kStages]: a stage's copies landed */
@@ -182,9 +183,9 @@ __device__ void produce(const epx__moe_gemm_fp8_args_t &a, const Smem &sm, const
 
 /* The scaler (one warp of the producer warpgroup, idle otherwise): once a stage's copies land,
  * every (weight block, x row) product of its scales, which the consumers' promotions then read
- * as they are (16 loads and 64 FMAs a block instead of 16 loads, 32 multiplies and 64 FMAs: the
- * promotions run while the tensor cores idle). Rows past a tile's read stale scales: their
- * columns are computed and never stored. */
+ * as they are (at width 128, 16 loads and 64 FMAs a thread and block instead of 16 loads, 32
+ * multiplies and 64 FMAs: the promotions run while the tensor cores idle). Rows past a tile's read
+ * stale scales: their columns are computed and never stored. */
 template <int kTileX, int kHalves>
 __device__ void scale_products(const Smem &sm, int num_stages, int k_blocks) {
   using R = Ring<kTileX, kHalves>;
