@@ -3,7 +3,9 @@
 # tests at 1, 2 and 4 ranks, run the benchmark, print a short summary last.
 #
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (default: $OUT, else ./out)
-# Env:   TEST_ARGS (e.g. "--filter layout"), BENCH_ARGS (extra epx_bench flags), SKIP_BENCH=1,
+# Env:   TEST_ARGS (e.g. "--filter layout"; "--shard 0/2", then "--shard 1/2" in a second call:
+#        the whole suite at 1, 2 and 4 ranks takes longer than one 600 s device call, measured
+#        at 1d8e399 on 4x H200), BENCH_ARGS (extra epx_bench flags), SKIP_BENCH=1,
 #        SKIP_TESTS=1, SKIP_CLEAN=1 (keep earlier build outputs), RANKS (default "1,2,4" for the tests, "2,4" for the soak),
 #        TEST_FILTERS="a b": instead of one whole run, one epx_test run per --filter word,
 #        SANITIZE="memcheck synccheck racecheck": compute-sanitizer (each tool, every rank

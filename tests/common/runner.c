@@ -1,7 +1,9 @@
 /*
  * runner.c - the test runner's main: registry, process isolation, timeouts, GPU rank trees.
  *
- * Usage: epx_test [--filter SUBSTR] [--ranks 2,4] [--seed N] [--list]
+ * Usage: epx_test [--filter SUBSTR] [--ranks 2,4] [--seed N] [--shard I/N] [--list]
+ * --shard I/N runs every N-th of the selected (test, rank count) runs from the I-th on, so N
+ * calls with I = 0 .. N-1 run the whole selection once (a machine's per-call time limit).
  * Process tree of a GPU test: runner -> leader (own process group) -> R rank processes. The
  * runner kills the whole group when the test's timeout expires, so a hung kernel or a stuck
  * NCCL call ends as a failure, never as a hang of the suite. Forking the ranks and relaying
@@ -156,6 +158,7 @@ static uint64_t initial_seed(uint64_t given, int have_given) {
 int main(int argc, char **argv) {
   const char *filter = NULL;
   int rank_list[8] = {1, 2, 4}, num_rank_list = 3, list_only = 0, have_seed = 0;
+  int shard = 0, shards = 1, selected = 0;
   uint64_t seed = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--filter") && i + 1 < argc) {
@@ -169,8 +172,15 @@ int main(int argc, char **argv) {
         rank_list[num_rank_list++] = atoi(tok);
     } else if (!strcmp(argv[i], "--list")) {
       list_only = 1;
+    } else if (!strcmp(argv[i], "--shard") && i + 1 < argc &&
+               sscanf(argv[i + 1], "%d/%d", &shard, &shards) == 2 && shards >= 1 && shard >= 0 &&
+               shard < shards) {
+      i++;
     } else {
-      fprintf(stderr, "usage: %s [--filter SUBSTR] [--ranks 1,2,4] [--seed N] [--list]\n", argv[0]);
+      fprintf(stderr,
+              "usage: %s [--filter SUBSTR] [--ranks 1,2,4] [--seed N] [--shard I/N (0 <= I < N)] "
+              "[--list]\n",
+              argv[0]);
       return 2;
     }
   }
@@ -188,6 +198,7 @@ int main(int argc, char **argv) {
     int variants = t->host_fn ? 1 : num_rank_list;
     for (int v = 0; v < variants; v++) {
       int ranks = t->host_fn ? 0 : rank_list[v];
+      if (selected++ % shards != shard) continue;
       char label[160];
       if (t->host_fn)
         snprintf(label, sizeof label, t->one_gpu ? "%s [1 GPU]" : "%s", t->name);
