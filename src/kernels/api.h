@@ -333,9 +333,8 @@ epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch
  * w + j * w_stride bytes (w_stride = n k: the weights are one [L n, k] matrix), [n, k] FP8; its
  * scales at w_scales + j * ws_stride floats, [n / 128][ws_kb] (ws_kb >= k / 128 and a multiple
  * of 4, both scale arrays 16-byte aligned: they are copied in bulk); y [rows, n] float32 (y_fp32)
- * or BF16. n a multiple of 128 (and under 2^31 / 168: 32-bit offsets in a tile), k of 128
- * (epx__moe_gemm_fp8_supported). num_ctas persistent CTAs
- * (the SMs the GEMM may use). */
+ * or BF16 (16-byte aligned). n a multiple of 128 (and under 2^31 / 168: 32-bit offsets in a tile),
+ * k of 128 (epx__moe_gemm_fp8_supported). num_ctas persistent CTAs (the SMs the GEMM may use). */
 typedef struct epx__moe_gemm_fp8_args {
   /* Set by the launcher (TMA): the weights as one [L n, k] matrix in boxes of tile_w rows; x
    * [x_rows, k] in boxes of tile_x rows (every tile loads tile_x, whatever its rows). */

@@ -79,10 +79,12 @@ struct Ring {
   static constexpr int kXStage = kTileX * kRowBytes;
   static constexpr int kScaleStage = kTileX * 4 + 16 * kHalves;
   static constexpr int kCombStage = kHalves * kTileX * 4; /* the scales' products */
+  /* a consumer warp's BF16 outputs of half a tile's x rows, on their way to global memory */
+  static constexpr int kOutWarp = 16 * (kTileX / 2) * 2;
   static constexpr int kSmemBytes =
       1024 /* to align the base */ +
       kStages * (kWStage + kXStage + kScaleStage + kCombStage + 24 /* barriers */) +
-      2 * (kMaxExperts + 1) * 4 /* tile prefix, segment begins */;
+      (kConsumers / 32) * kOutWarp + 2 * (kMaxExperts + 1) * 4 /* tile prefix, segment begins */;
   static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
   static_assert(kTileX % 8 == 0 && kTileX <= 256 && kScaleStage % 16 == 0, "a wgmma N, TMA box");
   static_assert(kHalves == 1 || (kHalves == 2 && kTileX == 128), "registers: acc + part fit");
@@ -134,6 +136,7 @@ struct Smem {
   unsigned char *w, *x; /* [Ring::kStages][Ring::kWStage], [Ring::kStages][Ring::kXStage] */
   float *sc;            /* [Ring::kStages][Ring::kScaleStage / 4] */
   float *comb;          /* [Ring::kStages][kHalves][kTileX]: weight block's scale x row's */
+  unsigned char *out;   /* [consumer warp][Ring::kOutWarp]: store_tile_bf16's staging */
   uint64_t *full;       /* [Ring::kStages]: a stage's copies landed */
   uint64_t *ready;      /* [Ring::kStages]: and its scales' products are written */
   uint64_t *empty;      /* [Ring::kStages]: every consumer warp is done with it */
@@ -205,25 +208,18 @@ __device__ void scale_products(const Smem &sm, int num_stages, int k_blocks) {
   }
 }
 
-__device__ __forceinline__ float to_out(float v, float *) {
-  return v;
-}
-__device__ __forceinline__ __nv_bfloat16 to_out(float v, __nv_bfloat16 *) {
-  return __float2bfloat16_rn(v);
-}
-
-/* A tile's outputs from the registers: this thread's element (j, q) is x row
+/* A tile's float32 outputs (y_fp32) from the registers: this thread's element (j, q) is x row
  * 8 j + 2 (lane % 4) + (q & 1) of the tile and weight row n0 + 64 wg + 16 (warp % 4) + lane / 4
  * + 8 (q >> 1), at y[row of x][weight row]. One 64-bit base address a thread and 32-bit offsets
  * from it (8 j + 1 < kTileX rows of n: epx__moe_gemm_fp8_supported bounds n). Stores with 64-bit
  * arithmetic per element and a branch around each took ~5,000 cycles a tile, a fifth of a tile at
  * K 2048 (a probe's reading; docs/moe.md, "Where the grouped GEMM's cycles go"). */
-template <int kN, typename OutT>
-__device__ __forceinline__ void store_tile(OutT *y, int n, const Tile &ct, const float *acc) {
+template <int kN>
+__device__ __forceinline__ void store_tile_fp32(float *y, int n, const Tile &ct, const float *acc) {
   constexpr int kJ = kN / 8;
   const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  OutT *base =
+  float *base =
       y + (size_t)(ct.seg_begin + ct.row0 + 2 * t) * (size_t)n + (ct.n0 + wg * 64 + 16 * warp4 + g);
   /* this thread's x rows in the tile: 8 j + (q & 1) < left (in a tile of fewer than 8 rows, a
    * thread with none has a base past its rows and stores nothing) */
@@ -233,21 +229,73 @@ __device__ __forceinline__ void store_tile(OutT *y, int n, const Tile &ct, const
 #pragma unroll
     for (int q = 0; q < 4; q++) {
       const int col = 8 * j + (q & 1);
-      if (col < left) base[col * n + 8 * (q >> 1)] = to_out(acc[4 * j + q], base);
+      if (col < left) base[col * n + 8 * (q >> 1)] = acc[4 * j + q];
     }
   }
 }
 
+/* The BF16 outputs of a tile, through this warp's staging area: each thread holds, per n8 block
+ * j, x rows 8 j + 2 t + {0, 1} of weight rows g and g + 8 (its warp's 16), so y's rows (x rows,
+ * weight rows contiguous) are the accumulators' 8 x 8 blocks transposed: stmatrix .trans writes
+ * them as 16-byte pieces of y's rows, and the warp copies those out 16 bytes a lane (whole 32-byte
+ * sectors: a warp's store covers 16 rows' 32 bytes), half the tile's x rows at a time (the area is
+ * 2 KB a warp at width 128). The element-wise stores they replace (two bytes a lane, 128 a thread
+ * a tall tile) took 4,500-8,200 cycles a tile, a probe's reading: up to 39% of a Qwen3 down tile.
+ * Staging layout: x row r's 32 bytes at 32 r, its two 16-byte halves swapped where r & 4 (no
+ * bank conflict in either direction). */
+__device__ __forceinline__ uint32_t stage_offset(int r, int half) {
+  return (uint32_t)(r * 32 + ((half ^ ((r >> 2) & 1)) << 4));
+}
+template <int kN>
+__device__ __forceinline__ void store_tile_bf16(__nv_bfloat16 *y, int n, const Tile &ct,
+                                                const float *acc, unsigned char *stage) {
+  constexpr int kPassRows = kN / 2, kPassJ = kPassRows / 8; /* x rows, n8 blocks of a pass */
+  static_assert(kPassJ % 2 == 0, "stmatrix .x4 takes two n8 blocks");
+  const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
+  const uint32_t stage_addr = epx::smem_addr(stage);
+  /* stmatrix: lanes 8 m .. 8 m + 7 address matrix m's rows: n8 block j + m / 2, half m % 2 */
+  const int mi = lane >> 3, ri = lane & 7;
+  __nv_bfloat16 *col0 = y + (ct.n0 + wg * 64 + 16 * warp4);
+#pragma unroll
+  for (int p = 0; p < 2; p++) {
+#pragma unroll
+    for (int jj = 0; jj < kPassJ; jj += 2) {
+      const float *a4 = acc + 4 * (p * kPassJ + jj);
+      uint32_t r[4];
+#pragma unroll
+      for (int m = 0; m < 4; m++) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(a4[2 * m], a4[2 * m + 1]);
+        r[m] = *(const uint32_t *)&v;
+      }
+      const int row = 8 * (jj + (mi >> 1)) + ri;
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                       stage_addr + stage_offset(row, mi & 1)),
+                   "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                   : "memory");
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = lane; c < 2 * kPassRows; c += 32) {
+      const int row = c >> 1, half = c & 1, x_row = p * kPassRows + row;
+      const uint4 v = *(const uint4 *)(stage + stage_offset(row, half));
+      if (x_row < ct.rows)
+        *(uint4 *)(col0 + (size_t)(ct.seg_begin + ct.row0 + x_row) * (size_t)n + 8 * half) = v;
+    }
+    __syncwarp(); /* read before the next pass overwrites it */
+  }
+}
+
 /* One tile at wgmma width kN (the launch's kTileX): its k_blocks stages from stage s0 of the
- * CTA's sequence, then its rows stored from the registers while the producer streams the next
- * tile's first stages. With two weight blocks (kHalves 2) a warpgroup runs its m64 of the first
- * block, promotes it, then its m64 of the second, through the one partial sum (two would not
- * fit beside the 128 totals). */
+ * CTA's sequence, then its rows stored (BF16 through the warp's staging area) while the producer
+ * streams the next tile's first stages. With two weight blocks (kHalves 2) a warpgroup runs its m64
+ * of the first block, promotes it, then its m64 of the second, through the one partial sum (two
+ * would not fit beside the 128 totals). */
 template <int kN, int kHalves>
 __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, const Smem &sm,
                                          const int *prefix, const int *begin, int tile, int s0,
                                          int k_blocks, float *acc, float *part) {
   using R = Ring<kN, kHalves>;
+  unsigned char *stage = sm.out + (threadIdx.x / 32) * R::kOutWarp;
   constexpr int kJ = kN / 8; /* n8 column blocks */
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, t = lane % 4;
   Tile ct;
@@ -296,9 +344,9 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
     Tile ch = ct;
     ch.n0 += h * kWBlock;
     if (a.y_fp32)
-      store_tile<kN>((float *)a.y, a.n, ch, acc + h * (kN / 2));
+      store_tile_fp32<kN>((float *)a.y, a.n, ch, acc + h * (kN / 2));
     else
-      store_tile<kN>((__nv_bfloat16 *)a.y, a.n, ch, acc + h * (kN / 2));
+      store_tile_bf16<kN>((__nv_bfloat16 *)a.y, a.n, ch, acc + h * (kN / 2), stage);
   }
 }
 
@@ -314,7 +362,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm.x = sm.w + kStages * R::kWStage;
   sm.sc = (float *)(sm.x + kStages * R::kXStage);
   sm.comb = (float *)((unsigned char *)sm.sc + kStages * R::kScaleStage);
-  sm.full = (uint64_t *)((unsigned char *)sm.comb + kStages * R::kCombStage);
+  sm.out = (unsigned char *)sm.comb + kStages * R::kCombStage;
+  sm.full = (uint64_t *)(sm.out + (kConsumers / 32) * R::kOutWarp);
   sm.ready = sm.full + kStages;
   sm.empty = sm.ready + kStages;
   int *prefix = (int *)(sm.empty + kStages); /* [L + 1] */
@@ -449,6 +498,11 @@ extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t 
                           "and %p: need 16-byte alignment and rows of a multiple of 4 blocks",
                           (const void *)a->w_scales, a->ws_stride, a->ws_kb,
                           (const void *)a->x_scales);
+  if (!a->y_fp32 && (uintptr_t)a->y % 16 != 0)
+    return epx__set_error(EPX_ERR_INTERNAL,
+                          "epx__moe_gemm_fp8_launch: BF16 outputs at %p: need 16-byte alignment "
+                          "(stored 16 bytes a lane)",
+                          a->y);
   const int tile_w = a->tile_w ? a->tile_w : EPX__MOE_TILE_W;
   if ((a->tile_x != EPX__MOE_TILE_X && a->tile_x != EPX__MOE_TILE_X_WIDE) ||
       !epx__moe_tile_w_fits(tile_w, a->n, a->tile_x))
