@@ -4,7 +4,8 @@
  * cycles (docs/bench.md, "The grouped FP8 GEMM alone").
  *
  *   build/bin/epx_moe_gemm_bench [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096]
- *                                [--chunks 1,2] [--tile 0] [--tile-w 0] [--iters 20] [--seed 1]
+ *                                [--chunks 1,2] [--tile 0] [--tile-w 0] [--gu-out fp32]
+ *                                [--iters 20] [--seed 1]
  *
  * Why cycles: under load the GPU's power management moves the SM clock (1.4-2.0 GHz on H200
  * within one process, measured), so two kernels timed one after the other can differ by 20%
@@ -15,14 +16,14 @@
  * A point is one projection of one rank's chunk in the layer of epx_moe_prefill_bench: the
  * E / R experts a rank of R holds, each with S = tokens x R x top_k / (E x chunks) rows (what a
  * uniform routing gives it, rounded up to 4 as the layer pads segments), rows of x in one
- * expert-major array. Projections: gate/up (n 2I, k H, float32 out, as the layer's FP8 path
- * writes it) and down (n H, k I, BF16 out). --tile: a list of widths, 0 (the one the layer
- * picks for these segments, moe_tiles.h), 128 or 160; --tile-w: a list of tile heights, 0 (the
- * layer's pick for n and the width), 128 or 256 weight rows (256 only at width 128 and n a
- * multiple of 256: other points are skipped with a note). Random FP8 codes, scales 1/64; one CTA
- * per SM. One warm-up launch, then each launch timed with CUDA events; printed: the medians of
- * time, clock and cycles over --iters launches, and FLOPs per cycle per SM against 8192 (H100
- * and H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
+ * expert-major array. Projections: gate/up (n 2I, k H; float32 out as the layer's grouped FP8 path
+ * writes it, BF16 with --gu-out bf16) and down (n H, k I, BF16 out). --tile: a
+ * list of widths, 0 (the one the layer picks for these segments, moe_tiles.h), 128 or 160;
+ * --tile-w: a list of tile heights, 0 (the layer's pick for n and the width), 128 or 256 weight
+ * rows (256 only at width 128 and n a multiple of 256: other points are skipped with a note).
+ * Random FP8 codes, scales 1/64; one CTA per SM. One warm-up launch, then each launch timed with
+ * CUDA events; printed: the medians of time, clock and cycles over --iters launches, and FLOPs per
+ * cycle per SM against 8192 (H100 and H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -53,6 +54,7 @@ typedef struct {
   int tile_ws[MAX_LIST], num_tile_ws;
   int tokens, iters;
   uint64_t seed;
+  int gu_fp32; /* gate/up writes float32 (as the layer; --gu-out bf16: BF16) */
 } options_t;
 
 /* One projection's operands on the device. */
@@ -204,8 +206,8 @@ static int run(const options_t *opt) {
   unsigned long long *probe_d = NULL;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   BENCH_CUDA(cudaMalloc((void **)&probe_d, 4 * sizeof(unsigned long long)));
-  printf("# epx_moe_gemm_bench: %d SMs, %d tokens a rank, medians of %d launches\n", sms,
-         opt->tokens, opt->iters);
+  printf("# epx_moe_gemm_bench: %d SMs, %d tokens a rank, medians of %d launches, gate/up out %s\n",
+         sms, opt->tokens, opt->iters, opt->gu_fp32 ? "float32" : "BF16");
   printf("%-17s %5s %5s %4s %4s %4s %4s %8s %8s %5s %8s %7s %6s %6s\n", "point", "n", "k", "L", "S",
          "tile", "tw", "us", "min", "GHz", "kcyc", "TFLOPS", "f/c/SM", "peak");
   fflush(stdout); /* before any error line */
@@ -229,7 +231,8 @@ static int run(const options_t *opt) {
           operands_t o;
           const int n = p == 0 ? 2 * sh->intermediate : sh->hidden;
           const int k = p == 0 ? sh->hidden : sh->intermediate;
-          if (operands_make(&o, n, k, L, (int)rows, p == 0, opt->seed + 7 * (uint64_t)p)) {
+          if (operands_make(&o, n, k, L, (int)rows, p == 0 && opt->gu_fp32,
+                            opt->seed + 7 * (uint64_t)p)) {
             rc = -1;
             break;
           }
@@ -249,7 +252,7 @@ static int run(const options_t *opt) {
 
 int main(int argc, char **argv) {
   bench_program = "epx_moe_gemm_bench";
-  options_t o = {{0, 1}, 2, {2, 4}, 2, {1, 2}, 2, {0}, 1, {0}, 1, 4096, 20, 1};
+  options_t o = {{0, 1}, 2, {2, 4}, 2, {1, 2}, 2, {0}, 1, {0}, 1, 4096, 20, 1, 1};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     int bad = !v;
@@ -275,6 +278,9 @@ int main(int argc, char **argv) {
       for (int t = 0; t < o.num_tile_ws && !bad; t++)
         bad = o.tile_ws[t] != 0 && o.tile_ws[t] != EPX__MOE_TILE_W &&
               o.tile_ws[t] != EPX__MOE_TILE_W_TALL;
+    } else if (v && !strcmp(a, "--gu-out")) {
+      bad = strcmp(v, "bf16") != 0 && strcmp(v, "fp32") != 0;
+      o.gu_fp32 = !strcmp(v, "fp32");
     } else if (v && !strcmp(a, "--tokens")) {
       bad = bench_parse_int(a, v, 1, 1 << 20, &o.tokens) != 0;
     } else if (v && !strcmp(a, "--iters")) {
@@ -290,7 +296,8 @@ int main(int argc, char **argv) {
       fprintf(stderr,
               "usage: %s [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096] "
               "[--chunks 1,2] [--tile 0 (a list of 0: the layer's pick, 128, 160)] "
-              "[--tile-w 0 (a list of 0: the layer's pick, 128, 256)] [--iters 20] [--seed 1]\n",
+              "[--tile-w 0 (a list of 0: the layer's pick, 128, 256)] [--gu-out fp32|bf16] "
+              "[--iters 20] [--seed 1]\n",
               argv[0]);
       return 2;
     }
