@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 extern "C" int epx__moe_gemm_fp8_supported(int n, int k, int num_experts) {
-  /* n: store_tile's 32-bit offsets reach (kTileX + 8) rows of n */
+  /* n: store_tile_fp32's 32-bit offsets reach (kTileX + 8) rows of n */
   return n > 0 && k > 0 && n % kWBlock == 0 && k % kRowBytes == 0 && num_experts > 0 &&
          num_experts <= kMaxExperts && n <= INT_MAX / (EPX__MOE_TILE_X_WIDE + 8);
 }

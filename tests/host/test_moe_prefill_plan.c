@@ -8,6 +8,7 @@
  * and which FP8 backend AUTO picks.
  */
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "common/runner.h"
@@ -224,7 +225,7 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
 /* The grouped FP8 GEMM's launcher refuses a tile shape it has no kernel for, before it touches
  * the GPU (an internal error: the layer picks through moe_tiles.h); shapes it has, with no rows,
  * return at once. */
-EPX_HOST_TEST(moe_gemm_fp8_launch_refuses_bad_tiles, 10) {
+EPX_HOST_TEST(moe_gemm_fp8_launch_refusals, 10) {
   epx__moe_gemm_fp8_args_t a;
   memset(&a, 0, sizeof a);
   a.n = 512, a.k = 256, a.num_experts = 2, a.w_stride = 512 * 256, a.ws_kb = 4, a.ws_stride = 16;
@@ -250,6 +251,13 @@ EPX_HOST_TEST(moe_gemm_fp8_launch_refuses_bad_tiles, 10) {
   a.tile_w = EPX__MOE_TILE_W_TALL;
   EXPECT_STATUS(epx__moe_gemm_fp8_launch(&a, NULL), EPX_ERR_INTERNAL);
   a.tile_w = EPX__MOE_TILE_W;
+  EXPECT_OK(epx__moe_gemm_fp8_launch(&a, NULL));
+  /* BF16 outputs leave through 16-byte stores (the staged store): y must be 16-byte aligned;
+   * float32 ones are stored an element at a time */
+  a.y = (void *)(uintptr_t)8;
+  EXPECT_STATUS(epx__moe_gemm_fp8_launch(&a, NULL), EPX_ERR_INTERNAL);
+  EXPECT(strstr(epx_last_error(), "BF16 outputs") != NULL);
+  a.y_fp32 = 1;
   EXPECT_OK(epx__moe_gemm_fp8_launch(&a, NULL));
   return TEST_PASS;
 }
