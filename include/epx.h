@@ -1124,7 +1124,10 @@ typedef struct epx_moe_prefill_args {
  * and DeepSeek-V3's block scaling; combine as epx_combine_expand (weighted).
  * Every argument is checked before anything is queued, identically on every rank for the
  * group's shape, so a refused call leaves no peer waiting; once a dispatch is queued its combine
- * is queued too (a GEMM failure is returned after the combines).
+ * is queued too (a GEMM failure is returned after the combines). Known gap: that combine sends
+ * the chunk's output rows as they are (stale or partial after the failure), and only this rank
+ * returns the error, so treat a failed call as a fault of the whole group (docs/api.md, "After a
+ * fault"; docs/moe.md, "Not built").
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument, or a chunk's rows
  * past config.expand_max_rows (as epx_dispatch_expand); EPX_ERR_INVALID_USAGE (overlap with a
  * one-group plan; a stream being captured); EPX_ERR_TIMEOUT as epx_dispatch_expand;

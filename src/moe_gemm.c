@@ -193,11 +193,15 @@ static int heuristic(epx_moe_prefill_t p, int which, const layouts_t *l, int sm_
   cublasLtMatmulPreference_t pref = NULL;
   if (B->cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return 0;
   const size_t ws = EPX__MOE_BLAS_WS;
-  B->cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                          sizeof ws);
   const int32_t sms = sm_target;
-  B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms,
-                                    sizeof sms);
+  /* an attribute that did not take would pick an algorithm for another workspace or SM count */
+  if (B->cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                              sizeof ws) != CUBLAS_STATUS_SUCCESS ||
+      B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
+                                        &sms, sizeof sms) != CUBLAS_STATUS_SUCCESS) {
+    B->cublasLtMatmulPreferenceDestroy(pref);
+    return 0;
+  }
   cublasLtMatmulHeuristicResult_t res;
   int found = 0;
   memset(&res, 0, sizeof res);
@@ -216,12 +220,13 @@ int epx__moe_lt_supported(epx_moe_prefill_t p, int which) {
   /* cuBLASLt refuses block-scale modes without scale pointers at the heuristic step: any valid,
    * aligned device address will do for the probe (the calls set the real ones). */
   const void *probe = p->ones;
-  B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &probe,
-                                    sizeof probe);
-  B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &probe,
-                                    sizeof probe);
   cublasLtMatmulAlgo_t algo;
-  const int ok = heuristic(p, which, &l, 0, &algo);
+  const int ok =
+      B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                        &probe, sizeof probe) == CUBLAS_STATUS_SUCCESS &&
+      B->cublasLtMatmulDescSetAttribute(p->lt_desc[which], CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                        &probe, sizeof probe) == CUBLAS_STATUS_SUCCESS &&
+      heuristic(p, which, &l, 0, &algo);
   layouts_destroy(&l);
   return ok;
 }

@@ -572,6 +572,20 @@ static void keep_first(chunk_call_t *k, epx_status_t st) {
   snprintf(k->message, sizeof k->message, "%s", epx_last_error());
 }
 
+/* Orders `later` after everything queued on `earlier` so far (ev recorded there, waited for
+ * here); where the event cannot be recorded or waited for, `earlier` is drained on the host
+ * instead, so the order holds either way (the event's failure is returned). */
+static epx_status_t order_after(cudaStream_t later, cudaStream_t earlier, cudaEvent_t ev) {
+  epx_status_t st = CUDA_STATUS(cudaEventRecord(ev, earlier));
+  if (st == EPX_OK) st = CUDA_STATUS(cudaStreamWaitEvent(later, ev, 0));
+  if (st != EPX_OK && cudaStreamSynchronize(earlier) != cudaSuccess) {
+    char first[256];
+    snprintf(first, sizeof first, "%s", epx_last_error());
+    st = epx__set_error(st, "%s; draining the earlier stream on the host failed too", first);
+  }
+  return st;
+}
+
 /* The blocks of a local HBM pass on the communication stream (a dispatch's fan-out, a combine's
  * expert-side reduce, the FP8 wire's quantization; two blocks per SM, which for the first two
  * fill an SM's registers): 0 = every SM where nothing runs beside them (a chain call; an
@@ -691,15 +705,14 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
   const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
   EPX_CHECK(check_call(fn, p, a, &l, stream));
   const int n = a->overlap ? p->num_chunks : 1;
-  if (a->overlap) {
-    CUDA_CHECK(cudaEventRecord(p->start, stream));
-    CUDA_CHECK(cudaStreamWaitEvent(p->comm, p->start, 0));
-    CUDA_CHECK(cudaStreamWaitEvent(p->compute, p->start, 0));
-  }
   /* Chain: every step on the caller's stream. Overlapped: the plan's two streams, after and
-   * before the caller's. */
+   * before the caller's (no early return from here on: the peers wait for every step). */
   chunk_call_t k;
   memset(&k, 0, sizeof k);
+  if (a->overlap) {
+    keep_first(&k, order_after(p->comm, stream, p->start));
+    keep_first(&k, order_after(p->compute, stream, p->start));
+  }
   k.p = p, k.a = a, k.l = l, k.ws = (char *)a->workspace;
   k.comm = a->overlap ? p->comm : stream;
   k.compute = a->overlap ? p->compute : stream;
@@ -715,11 +728,9 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
     run_ffn(&k, c);
   }
   enqueue_combine(&k, n - 1);
-  if (a->overlap) {
-    CUDA_CHECK(cudaEventRecord(p->comm_done, p->comm));
-    CUDA_CHECK(cudaEventRecord(p->compute_done, p->compute));
-    CUDA_CHECK(cudaStreamWaitEvent(stream, p->comm_done, 0));
-    CUDA_CHECK(cudaStreamWaitEvent(stream, p->compute_done, 0));
+  if (a->overlap) { /* the caller's stream after both, whatever failed before */
+    keep_first(&k, order_after(stream, p->comm, p->comm_done));
+    keep_first(&k, order_after(stream, p->compute, p->compute_done));
   }
   if (k.first != EPX_OK) return epx__set_error(k.first, "%s", k.message);
   return EPX_OK;
