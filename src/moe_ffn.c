@@ -71,14 +71,12 @@ static epx_status_t fork_lanes(epx_moe_prefill_t p, cudaStream_t stream) {
 }
 
 /* stream waits for everything queued on lanes 1.. so far; every lane is joined even if one
- * step fails (the first failure is returned). A lane whose event could not be recorded or
- * waited for is drained on the host instead, so stream never runs ahead of its GEMMs. */
+ * step fails (the first failure is returned), a lane whose event fails drained on the host, so
+ * stream never runs ahead of its GEMMs. */
 static epx_status_t join_lanes(epx_moe_prefill_t p, cudaStream_t stream) {
   epx_status_t first = EPX_OK;
   for (int i = 1; i < p->lanes; i++) {
-    epx_status_t st = CUDA_STATUS(cudaEventRecord(p->lane_done[i], p->lane_stream[i]));
-    if (st == EPX_OK) st = CUDA_STATUS(cudaStreamWaitEvent(stream, p->lane_done[i], 0));
-    if (st != EPX_OK) cudaStreamSynchronize(p->lane_stream[i]);
+    const epx_status_t st = epx__moe_order_after(stream, p->lane_stream[i], p->lane_done[i]);
     if (first == EPX_OK) first = st;
   }
   return first;

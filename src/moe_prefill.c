@@ -572,10 +572,7 @@ static void keep_first(chunk_call_t *k, epx_status_t st) {
   snprintf(k->message, sizeof k->message, "%s", epx_last_error());
 }
 
-/* Orders `later` after everything queued on `earlier` so far (ev recorded there, waited for
- * here); where the event cannot be recorded or waited for, `earlier` is drained on the host
- * instead, so the order holds either way (the event's failure is returned). */
-static epx_status_t order_after(cudaStream_t later, cudaStream_t earlier, cudaEvent_t ev) {
+epx_status_t epx__moe_order_after(cudaStream_t later, cudaStream_t earlier, cudaEvent_t ev) {
   epx_status_t st = CUDA_STATUS(cudaEventRecord(ev, earlier));
   if (st == EPX_OK) st = CUDA_STATUS(cudaStreamWaitEvent(later, ev, 0));
   if (st != EPX_OK && cudaStreamSynchronize(earlier) != cudaSuccess) {
@@ -710,8 +707,8 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
   chunk_call_t k;
   memset(&k, 0, sizeof k);
   if (a->overlap) {
-    keep_first(&k, order_after(p->comm, stream, p->start));
-    keep_first(&k, order_after(p->compute, stream, p->start));
+    keep_first(&k, epx__moe_order_after(p->comm, stream, p->start));
+    keep_first(&k, epx__moe_order_after(p->compute, stream, p->start));
   }
   k.p = p, k.a = a, k.l = l, k.ws = (char *)a->workspace;
   k.comm = a->overlap ? p->comm : stream;
@@ -729,8 +726,8 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
   }
   enqueue_combine(&k, n - 1);
   if (a->overlap) { /* the caller's stream after both, whatever failed before */
-    keep_first(&k, order_after(stream, p->comm, p->comm_done));
-    keep_first(&k, order_after(stream, p->compute, p->compute_done));
+    keep_first(&k, epx__moe_order_after(stream, p->comm, p->comm_done));
+    keep_first(&k, epx__moe_order_after(stream, p->compute, p->compute_done));
   }
   if (k.first != EPX_OK) return epx__set_error(k.first, "%s", k.message);
   return EPX_OK;

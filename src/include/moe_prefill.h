@@ -58,6 +58,12 @@ void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane);
  * larger first; the largest is ceil(T / n). Pure. */
 void epx__moe_chunk(int T, int n, int c, int *first, int *count);
 
+/* Orders `later` after everything queued on `earlier` so far (ev recorded there, waited for
+ * here); where the event cannot be recorded or waited for, `earlier` is drained on the host
+ * instead, so the order holds either way (the event's failure is returned). The layer's joins:
+ * its streams with the caller's, the GEMM lanes with the compute stream. */
+epx_status_t epx__moe_order_after(cudaStream_t later, cudaStream_t earlier, cudaEvent_t ev);
+
 /* EPX_MOE_FFN_AUTO with FP8 weights runs EPX's grouped FP8 GEMM when one expert's gate/up GEMM
  * in a chunk, on the rows a uniform routing of max_tokens_per_rank tokens a rank gives it
  * (max_tokens_per_rank x ranks x top_k / experts / chunks), is under this many floating-point
