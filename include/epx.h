@@ -51,7 +51,9 @@ extern "C" {
   X(ERR_INVALID_USAGE, 6, "invalid usage (wrong order, destroyed handle, or mismatched ranks)")    \
   X(ERR_TIMEOUT, 7, "a wait on a peer exceeded its time budget; see epx_group_get_async_error")    \
   X(ERR_PEER_FAILED, 8, "a peer stopped responding and was masked; see epx_group_get_async_error") \
-  X(ERR_UNSUPPORTED, 9, "unsupported configuration or machine; epx_last_error() says which part")
+  X(ERR_UNSUPPORTED, 9, "unsupported configuration or machine; epx_last_error() says which part")  \
+  X(ERR_PEER_DATA, 10,                                                                             \
+    "a peer's rows were not valid and were left out; see epx_group_get_async_error")
 
 typedef enum epx_status {
 #define EPX_STATUS_ENUM_(name, value, text) EPX_##name = value,
@@ -1128,10 +1130,9 @@ typedef struct epx_moe_prefill_args {
  * and DeepSeek-V3's block scaling; combine as epx_combine_expand (weighted).
  * Every argument is checked before anything is queued, identically on every rank for the
  * group's shape, so a refused call leaves no peer waiting; once a dispatch is queued its combine
- * is queued too (a GEMM failure is returned after the combines). Known gap: that combine sends
- * the chunk's output rows as they are (stale or partial after the failure), and only this rank
- * returns the error, so treat a failed call as a fault of the whole group (docs/api.md, "After a
- * fault"; docs/moe.md, "Not built").
+ * is queued too (a GEMM failure is returned after the combines). That combine's rows go marked
+ * not valid: every peer leaves them out of its sums and records EPX_ERR_PEER_DATA (stage
+ * COMBINE, naming this rank) in its async error record (docs/api.md, "After a fault").
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument, or a chunk's rows
  * past config.expand_max_rows (as epx_dispatch_expand); EPX_ERR_INVALID_USAGE (overlap with a
  * one-group plan; a stream being captured); EPX_ERR_TIMEOUT as epx_dispatch_expand;

@@ -53,6 +53,11 @@ EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error
              "rank %d: layout timed out after %d ms waiting for the counts of its tile %lld (call "
              "epoch %lld); were two calls of this group running on unordered streams?",
              g->rank, g->config.timeout_ms, err->position, err->value);
+  } else if (status == EPX_ERR_PEER_DATA) {
+    snprintf(err->message, sizeof err->message,
+             "rank %d: peer %d's rows in %s call %lld were not valid (a step before it failed on "
+             "that peer) and were left out of this rank's sums",
+             g->rank, err->peer, stage_name(err->stage), err->value);
   } else if (status == EPX_ERR_TIMEOUT) {
     snprintf(err->message, sizeof err->message,
              "rank %d: %s timed out after %d ms waiting for peer %d (waited for value %lld)",

@@ -204,12 +204,12 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
 EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
                                            const epx_combine_expand_args_t *a,
                                            cudaStream_t stream) {
-  return epx__combine_expand_blocked(g, h, a, 0, 0, stream);
+  return epx__combine_expand_blocked(g, h, a, 0, 0, 0, stream);
 }
 
 epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
                                          const epx_combine_expand_args_t *a, int block_rows,
-                                         int local_blocks, cudaStream_t stream) {
+                                         int local_blocks, int rows_invalid, cudaStream_t stream) {
   static const char fn[] = "epx_combine_expand";
   EPX_CHECK(epx__handle_check(g, h));
   EPX_CHECK(epx__check_not_null(fn, "args", a));
@@ -240,7 +240,8 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
       local_blocks > 0 ? local_blocks : 2 * g->num_device_sms,
       block_rows,
       g->config.num_experts / g->num_ranks};
-  EPX_CHECK(epx__expand_reduce_launch(&ctx, &ra, stream));
+  /* Past here the peers wait for this combine: a failed reduce still sends, its rows marked */
+  const epx_status_t reduced = epx__expand_reduce_launch(&ctx, &ra, stream);
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);
   c.routing = epx__handle_routing(h);
@@ -252,5 +253,7 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
   c.num_experts = g->config.num_experts;
   c.max_tokens = g->config.max_tokens_per_rank;
   c.num_blocks = g->config.num_sms;
-  return epx__combine_launch(&ctx, &c, NULL, stream);
+  c.rows_invalid = rows_invalid || reduced != EPX_OK;
+  const epx_status_t combined = epx__combine_launch(&ctx, &c, NULL, stream);
+  return reduced != EPX_OK ? reduced : combined;
 }

@@ -560,10 +560,13 @@ typedef struct {
                       and its FFN can wait for its rows */
   int tok_first[2];
   int y_block_rows[2]; /* the slot's FFN left y blocked (epx__moe_ffn): its combine maps it */
+  int y_valid[2];      /* the slot's FFN was queued whole, and its end recorded */
   int counts[2][EPX_MAX_EXPERTS];
   epx__expand_pending_t pending[2];
   epx_dispatch_expand_result_t res[2]; /* filled when the slot's counts are waited for */
 } chunk_call_t;
+
+int epx__moe_test_fail_chunk = -1;
 
 /* Remember the first failure with its message. */
 static void keep_first(chunk_call_t *k, epx_status_t st) {
@@ -644,6 +647,7 @@ static void run_ffn(chunk_call_t *k, int c) {
   const int s = c % 2, L = p->L;
   const epx_dispatch_expand_result_t *res = &k->res[s];
   k->y_block_rows[s] = 0;
+  k->y_valid[s] = 0;
   epx_status_t st = k->enqueued[s] ? epx__dispatch_expand_finish(p->groups[s], p->handles[s],
                                                                  &k->pending[s], &k->res[s])
                                    : EPX_ERR_INTERNAL; /* (its failure is already kept) */
@@ -672,27 +676,39 @@ static void run_ffn(chunk_call_t *k, int c) {
       /* Without the wait the FFN would read rows still arriving: skip it then. */
       const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(k->compute, p->dispatched[c], 0));
       keep_first(k, ws_st);
-      if (ws_st == EPX_OK)
-        keep_first(k, epx__moe_ffn(p, &rows, k->a->overlap, k->ws, k->a->workspace_bytes,
-                                   &k->y_block_rows[s], k->compute));
+      if (ws_st == EPX_OK) {
+        const epx_status_t ffn =
+            c == epx__moe_test_fail_chunk
+                ? epx__set_error(EPX_ERR_INTERNAL,
+                                 "epx_moe_prefill: chunk %d: an FFN failure injected by a test", c)
+                : epx__moe_ffn(p, &rows, k->a->overlap, k->ws, k->a->workspace_bytes,
+                               &k->y_block_rows[s], k->compute);
+        keep_first(k, ffn);
+        k->y_valid[s] = ffn == EPX_OK;
+      }
     }
   }
-  keep_first(k, CUDA_STATUS(cudaEventRecord(p->ffn_done[c], k->compute)));
+  const epx_status_t rec = CUDA_STATUS(cudaEventRecord(p->ffn_done[c], k->compute));
+  keep_first(k, rec);
+  if (rec != EPX_OK) k->y_valid[s] = 0; /* the combine could not wait for the FFN's end */
 }
 
 /* Queue chunk c's combine once its FFN is done (queued even after an FFN failure: every peer
- * waits for this rank's rows). */
+ * waits for this rank's rows; they then come marked not valid, and the peers leave them out and
+ * record EPX_ERR_PEER_DATA). */
 static void enqueue_combine(chunk_call_t *k, int c) {
   epx_moe_prefill_t p = k->p;
   const int s = c % 2;
   if (!k->queued[s]) return;
-  keep_first(k, CUDA_STATUS(cudaStreamWaitEvent(k->comm, p->ffn_done[c], 0)));
+  const epx_status_t waited = CUDA_STATUS(cudaStreamWaitEvent(k->comm, p->ffn_done[c], 0));
+  keep_first(k, waited);
   epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
   ca.x = k->ws + k->l.y[s];
   ca.weighted = 1;
   ca.out = (char *)k->a->out + (size_t)k->tok_first[s] * p->H * 2;
   keep_first(k, epx__combine_expand_blocked(p->groups[s], p->handles[s], &ca, k->y_block_rows[s],
-                                            local_blocks(k, c + 1 < k->n), k->comm));
+                                            local_blocks(k, c + 1 < k->n),
+                                            !k->y_valid[s] || waited != EPX_OK, k->comm));
 }
 
 EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,

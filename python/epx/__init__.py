@@ -16,8 +16,8 @@ else:
 
 from . import _capi, _nccl, errors  # noqa: E402
 from .errors import (AsyncError, EpxCudaError, EpxError, EpxInternalError,  # noqa: E402
-                     EpxInvalidArgument, EpxInvalidUsage, EpxNcclError, EpxPeerFailed,
-                     EpxSystemError, EpxTimeout, EpxUnsupported, error_for)
+                     EpxInvalidArgument, EpxInvalidUsage, EpxNcclError, EpxPeerData,
+                     EpxPeerFailed, EpxSystemError, EpxTimeout, EpxUnsupported, error_for)
 from .group import (DispatchResult, ExpandResult, Group, Handle, Hook, Layout,  # noqa: E402
                     LLDispatchResult, workspace_size)
 from .experts import Experts  # noqa: E402
@@ -43,7 +43,8 @@ def nccl_version():
 
 __all__ = [
     "AsyncError", "DispatchResult", "EpxCudaError", "EpxError", "EpxInternalError",
-    "EpxInvalidArgument", "EpxInvalidUsage", "EpxNcclError", "EpxPeerFailed", "EpxSystemError",
+    "EpxInvalidArgument", "EpxInvalidUsage", "EpxNcclError", "EpxPeerData", "EpxPeerFailed",
+    "EpxSystemError",
     "EpxTimeout", "EpxUnsupported", "ExpandResult", "Experts", "Group", "Handle", "Hook",
     "Layout", "LLDispatchResult", "MoePrefill", "error_for", "errors", "nccl_version", "version",
     "workspace_size",

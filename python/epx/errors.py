@@ -15,6 +15,7 @@ EPX_ERR_INVALID_USAGE = 6
 EPX_ERR_TIMEOUT = 7
 EPX_ERR_PEER_FAILED = 8
 EPX_ERR_UNSUPPORTED = 9
+EPX_ERR_PEER_DATA = 10
 
 STATUS_NAMES = {
     EPX_OK: "EPX_OK",
@@ -27,6 +28,7 @@ STATUS_NAMES = {
     EPX_ERR_TIMEOUT: "EPX_ERR_TIMEOUT",
     EPX_ERR_PEER_FAILED: "EPX_ERR_PEER_FAILED",
     EPX_ERR_UNSUPPORTED: "EPX_ERR_UNSUPPORTED",
+    EPX_ERR_PEER_DATA: "EPX_ERR_PEER_DATA",
 }
 
 # epx_stage_t values (where an asynchronous error happened).
@@ -78,6 +80,10 @@ class EpxPeerFailed(EpxError):
     """EPX_ERR_PEER_FAILED: a peer stopped answering and was masked."""
 
 
+class EpxPeerData(EpxError):
+    """EPX_ERR_PEER_DATA: a peer's rows were not valid (a step failed there) and were left out."""
+
+
 class EpxUnsupported(EpxError, NotImplementedError):
     """EPX_ERR_UNSUPPORTED: beyond the compiled limits or the machine."""
 
@@ -108,6 +114,7 @@ _CLASS_OF_STATUS = {
     EPX_ERR_TIMEOUT: EpxTimeout,
     EPX_ERR_PEER_FAILED: EpxPeerFailed,
     EPX_ERR_UNSUPPORTED: EpxUnsupported,
+    EPX_ERR_PEER_DATA: EpxPeerData,
 }
 
 

@@ -11,7 +11,7 @@ from epx.group import make_config
 EXPECTED = {
     1: epx.EpxCudaError, 2: epx.EpxNcclError, 3: epx.EpxSystemError, 4: epx.EpxInternalError,
     5: epx.EpxInvalidArgument, 6: epx.EpxInvalidUsage, 7: epx.EpxTimeout, 8: epx.EpxPeerFailed,
-    9: epx.EpxUnsupported,
+    9: epx.EpxUnsupported, 10: epx.EpxPeerData,
 }
 
 

@@ -53,10 +53,13 @@ int epx__expand_publish_batch(int64_t want);
 /* epx_combine_expand of expert outputs left blocked by the prefill layer's batched GEMM:
  * block_rows > 0: local expert j's output rows at [j * block_rows, j * block_rows + count[j])
  * of args->x (api.h's epx__expand_reduce_launch_args_t); 0: as epx_combine_expand.
- * local_blocks: the blocks of the expert-side reduce, as epx__dispatch_expand_enqueue's. */
+ * local_blocks: the blocks of the expert-side reduce, as epx__dispatch_expand_enqueue's.
+ * rows_invalid: 1 where the expert outputs are not valid (the FFN failed here): the combine
+ * still runs (the peers wait for it) and its rows go marked, so that the peers leave them out
+ * and record EPX_ERR_PEER_DATA; also set when the expert-side reduce cannot be queued. */
 epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
                                          const epx_combine_expand_args_t *a, int block_rows,
-                                         int local_blocks, cudaStream_t stream);
+                                         int local_blocks, int rows_invalid, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

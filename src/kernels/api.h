@@ -152,6 +152,9 @@ typedef struct epx__combine_launch_args {
   const float *topk_weights; /* NULL = unweighted */
   void *out;                 /* [T, H] BF16 */
   int hidden, top_k, num_experts, max_tokens, num_blocks;
+  int rows_invalid; /* 1: this rank's rows are not valid (a step before the combine failed here):
+                       they are sent marked, and every peer leaves them out of its sums and records
+                       EPX_ERR_PEER_DATA (stage COMBINE, this rank) */
 } epx__combine_launch_args_t;
 
 /* What a normal combine adds for DeepEP parity (src/kernels/combine_extras.cuh); a separate

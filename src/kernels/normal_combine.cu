@@ -56,6 +56,10 @@ constexpr int kPendingUnits = kSignalLag + 1;
 /* Unit ids the load cursor has taken and the store cursor has not reached: at most one per
  * piece in flight (kStages) plus the load cursor's next one. A power of two. */
 constexpr int kUnitQueue = 8;
+/* Added to a chunk's counter with every unit a rank sends when its rows are not valid
+ * (rows_invalid): the count still reaches its target, and the reducer sees the mark. No count of
+ * rows comes near it (a chunk holds EPX_COMBINE_CHUNK_ROWS rows). */
+constexpr uint64_t kInvalidRows = 1ull << 40;
 /* Chunk waits of the reduce warps sleep between polls, leaving issue slots to the send warps. */
 constexpr int kChunkPollSleepNs = 128;
 /* Shared memory one block may opt into on sm_90. */
@@ -139,7 +143,8 @@ struct SendPlan {
   char *slab[EPX_MAX_RANKS];
   unsigned long long *signal[EPX_MAX_RANKS]; /* s's counters of my segment */
   const int *prefix;
-  unsigned *next_unit; /* the grid's unit counter */
+  unsigned *next_unit;     /* the grid's unit counter */
+  unsigned long long mark; /* added to each unit's count: kInvalidRows with rows_invalid, else 0 */
   int me, R;
   size_t row_bytes;
   long long units;
@@ -185,7 +190,7 @@ __device__ __forceinline__ void signal_unit(const epx__kernel_ctx_t &ctx, const 
                                             const SendUnit &su, uint64_t *mark) {
   __threadfence_system();
   epx::red_release_sys_add(plan.signal[su.s] + su.p0 / EPX_COMBINE_CHUNK_ROWS,
-                           (unsigned long long)(su.p1 - su.p0));
+                           (unsigned long long)(su.p1 - su.p0) + plan.mark);
   epx::trace_end(ctx, *mark, EPX_TRACE_COMBINE_UNIT, su.s);
   *mark = epx::trace_begin(ctx);
 }
@@ -354,6 +359,7 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
     plan.prefix = prefix;
     plan.next_unit = &epx::control_of(ctx)->combine_next_unit;
     plan.me = me, plan.R = R;
+    plan.mark = a.rows_invalid ? kInvalidRows : 0;
     plan.row_bytes = cv.row_bytes;
     const size_t chunks = ctx.layout.combine_chunks;
     int most_rows = 0;
@@ -460,7 +466,10 @@ __device__ __forceinline__ int tokens_in_units(int first, int stride, int T) {
 
 /* A reduce warp (reduce_warp of the block's kReduceWarps): this rank's tokens in units of
  * kReduceTokens, round-robin over the grid; before a token's rows are read, lane d waits until
- * rank d's chunk holding its row is full (which publishes the row's top-k weights too). */
+ * rank d's chunk holding its row is full (which publishes the row's top-k weights too). A chunk
+ * whose count carries kInvalidRows marks rank d's rows not valid (rows_invalid there): every
+ * chunk of d carries it, so from then on this warp leaves d out of its sums, and the first lane
+ * to see it records EPX_ERR_PEER_DATA naming d. */
 template <typename IdxT, int kRanks, bool kExtras>
 __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
                                                const epx__combine_launch_args_t &a,
@@ -473,6 +482,7 @@ __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
   /* Lane d < R: rows d sends back, and the last chunk of d this warp saw full. */
   const int rows_from_lane = lane < R ? a.routing.meta->count[me][lane] : 0;
   int checked_chunk = -1;
+  bool peer_invalid = false; /* lane d: rank d's rows came marked not valid */
   const int rw = blockIdx.x * kReduceWarps + reduce_warp;
   const uint64_t t_reduce = epx::trace_begin(ctx);
   const int stride = gridDim.x * kReduceWarps * kReduceTokens;
@@ -489,18 +499,25 @@ __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
         if (waits) {
           const int full =
               min(EPX_COMBINE_CHUNK_ROWS, rows_from_lane - chunk * EPX_COMBINE_CHUNK_ROWS);
-          wait_chunk(ctx, cv, my_signal + (size_t)lane * chunks + chunk, (uint64_t)full, lane);
+          const uint64_t *count = my_signal + (size_t)lane * chunks + chunk;
+          if (wait_chunk(ctx, cv, count, (uint64_t)full, lane) && !peer_invalid &&
+              epx::ld_acquire_sys(count) >= kInvalidRows) {
+            peer_invalid = true;
+            epx::raise_error(ctx, EPX_ERR_PEER_DATA, EPX_STAGE_COMBINE, lane, -1,
+                             (long long)cv.call);
+          }
           checked_chunk = chunk; /* on failure the error is recorded; go on without waiting */
         }
         epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
       }
       __syncwarp(); /* orders every lane's acquire before the warp's loads of the rows */
-      reduce_token<IdxT, kRanks, kExtras>(ctx, a, x, cv, prefix, slab_base, t, mask, my_pos, lane);
+      const unsigned use = mask & ~__ballot_sync(0xffffffffu, peer_invalid);
+      reduce_token<IdxT, kRanks, kExtras>(ctx, a, x, cv, prefix, slab_base, t, use, my_pos, lane);
       if constexpr (kExtras)
         if (x.out_topk_weights)
           epx::reduce_token_weights<kRanks>(x.recv_topk_weights + (size_t)prefix[me] * a.top_k,
                                             (const float *)(ctx.peer_base[me] + cv.weights), me,
-                                            a.max_tokens, a.top_k, mask, my_pos, lane,
+                                            a.max_tokens, a.top_k, use, my_pos, lane,
                                             x.out_topk_weights + (size_t)t * a.top_k);
       if (lane == 0) epx::trace_end(ctx, t_token, EPX_TRACE_COMBINE_TOKEN, t);
     }

@@ -444,6 +444,112 @@ EPX_GPU_TEST(moe_prefill_ranks_at_different_times, 300) {
   return TEST_PASS;
 }
 
+/* The oracle of `me`'s tokens with the slots of tokens [t0, t0 + T) on rank `bad`'s experts
+ * emptied: what a combine that leaves `bad`'s rows out of that chunk gives (the other tokens:
+ * the full oracle). */
+static int oracle_without_rank(const prefill_fixture_t *f, int me, int bad, int t0, int T,
+                               prefill_oracle_t *o) {
+  const world_t *w = &f->w;
+  const size_t n = (size_t)w->ranks[me].num_tokens * w->H,
+               slots = (size_t)w->ranks[me].num_tokens * w->K;
+  int64_t *idx = malloc(sizeof(int64_t) * (slots + 1));
+  o->want = malloc(sizeof(double) * (n + 1));
+  o->mag = malloc(sizeof(double) * (n + 1));
+  EXPECT(idx && o->want && o->mag);
+  memcpy(idx, w->ranks[me].topk_idx, sizeof(int64_t) * slots);
+  for (int t = t0; t < t0 + T; t++)
+    for (int k = 0; k < w->K; k++) {
+      const int64_t e = idx[(size_t)t * w->K + k];
+      if (e >= 0 && e < w->E && (int)(e / w->L) == bad) idx[(size_t)t * w->K + k] = -1;
+    }
+  epx_ref_rank_t ranks[EPX_MAX_RANKS];
+  memcpy(ranks, w->ranks, sizeof(epx_ref_rank_t) * (size_t)w->R);
+  ranks[me].topk_idx = idx;
+  epx_ref_world_t world = w->ref;
+  world.ranks = ranks;
+  const int rc = epx_ref_moe_decode(&world, f->ref, w->M, 0, me, o->want, o->mag, &o->rms, NULL);
+  free(idx);
+  EXPECT(rc == 0);
+  return TEST_PASS;
+}
+
+/* A rank whose FFN fails after its dispatch (injected on the last rank through
+ * epx__moe_test_fail_chunk: chunk 1 of an overlapped call, the one chunk of a chained one): it
+ * returns the error; its combine still runs, its rows marked, so every other rank whose tokens
+ * of that chunk had experts there records EPX_ERR_PEER_DATA (stage COMBINE, naming it, in the
+ * chunk's group) and its outputs for those tokens leave that rank's experts out (the oracle
+ * without them); no rank hangs; after clearing the records, a clean call is right again. */
+EPX_PEER_TEST(moe_prefill_failed_ffn_is_reported, 300) {
+  const int me = t->rank, R = t->num_ranks, bad = R - 1;
+  uint64_t rng = t->seed;
+  /* FP8 weights, AUTO (EPX's grouped FP8 GEMM at this size), two chunks, 48 tokens a rank */
+  const prefill_case_t c = {
+      "failed_ffn", {48, 256, 4, 4, ROUTE_UNIFORM, 48, -1}, 128, 1, 0, 2, 0, 0, 0};
+  prefill_fixture_t f;
+  prefill_oracle_t full;
+  if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  if (oracle_make(&f, me, &full) != TEST_PASS) return TEST_FAIL;
+  int wrong = 0;
+  for (int overlap = 1; overlap >= 0; overlap--) {
+    const int chunks = overlap ? f.plan->num_chunks : 1, fail = overlap ? 1 : 0;
+    int t0 = 0, T = 0;
+    epx__moe_chunk(f.w.ranks[me].num_tokens, chunks, fail, &t0, &T);
+    int needs = 0; /* this rank's tokens of that chunk have experts on the failing rank */
+    for (int i = t0 * f.w.K; i < (t0 + T) * f.w.K; i++) {
+      const int64_t e = f.w.ranks[me].topk_idx[i];
+      needs |= e >= 0 && e < f.w.E && (int)(e / f.w.L) == bad;
+    }
+    prefill_oracle_t cut;
+    if (oracle_without_rank(&f, me, bad, t0, T, &cut) != TEST_PASS) return TEST_FAIL;
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    char label[128];
+    snprintf(label, sizeof label, "failed_ffn (%d ranks, %s, rank %d's chunk %d)", R,
+             overlap ? "overlap" : "chain", bad, fail);
+    EXPECT_CUDA(cudaMemsetAsync(f.d.out, 0xff, (size_t)f.w.M * f.w.H * 2, t->stream));
+    const epx_moe_prefill_args_t a = args_of(&f, me, overlap);
+    epx__moe_test_fail_chunk = me == bad ? fail : -1;
+    const epx_status_t st = epx_moe_prefill(f.plan, &a, t->stream);
+    epx__moe_test_fail_chunk = -1;
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    if (me == bad) {
+      EXPECTF(st == EPX_ERR_INTERNAL && strstr(epx_last_error(), "injected") != NULL,
+              "%s: the failing rank returned %d (%s)", label, (int)st, epx_last_error());
+    } else {
+      EXPECTF(st == EPX_OK, "%s: rank %d returned %d (%s)", label, me, (int)st, epx_last_error());
+    }
+    for (int i = 0; i < 2; i++) {
+      epx_async_error_t e;
+      EXPECT_OK(epx_group_get_async_error(f.g[i], &e));
+      const int want = me != bad && needs && i == fail % 2;
+      if (want)
+        EXPECTF(e.status == EPX_ERR_PEER_DATA && e.stage == EPX_STAGE_COMBINE && e.peer == bad,
+                "%s: rank %d, group %d: async record %d stage %d peer %d (%s), want "
+                "EPX_ERR_PEER_DATA from rank %d",
+                label, me, i, (int)e.status, (int)e.stage, e.peer, e.message, bad);
+      else
+        EXPECTF(e.status == EPX_OK, "%s: rank %d, group %d: async error %s", label, me, i,
+                e.message);
+    }
+    if (me != bad) {
+      if (check_out(&f, &cut, me, label) != TEST_PASS) wrong++;
+      if (me == 0)
+        printf("  %s: rank 0's record: as expected (%s)\n", label,
+               needs ? "marked" : "no rows there");
+    }
+    oracle_free(&cut);
+    for (int i = 0; i < 2; i++) EXPECT_OK(epx_group_clear_async_error(f.g[i]));
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    snprintf(label, sizeof label, "failed_ffn then a clean call (%d ranks, %s)", R,
+             overlap ? "overlap" : "chain");
+    if (one_call(t, &f, overlap, label) != TEST_PASS) return TEST_FAIL;
+    if (check_out(&f, &full, me, label) != TEST_PASS) wrong++;
+  }
+  oracle_free(&full);
+  if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
+  EXPECTF(wrong == 0, "rank %d: %d calls with a wrong output (above)", me, wrong);
+  return TEST_PASS;
+}
+
 EPX_GPU_TEST(moe_prefill_refusals, 300) {
   const int me = t->rank;
   uint64_t rng = t->seed;
