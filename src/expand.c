@@ -254,6 +254,10 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
   c.max_tokens = g->config.max_tokens_per_rank;
   c.num_blocks = g->config.num_sms;
   c.rows_invalid = rows_invalid || reduced != EPX_OK;
+  char reduce_failure[256] = "";
+  if (reduced != EPX_OK) snprintf(reduce_failure, sizeof reduce_failure, "%s", epx_last_error());
   const epx_status_t combined = epx__combine_launch(&ctx, &c, NULL, stream);
-  return reduced != EPX_OK ? reduced : combined;
+  if (reduced == EPX_OK) return combined;
+  /* the reduce's failure is the one returned, with its message (the combine's may be newer) */
+  return combined == EPX_OK ? reduced : epx__set_error(reduced, "%s", reduce_failure);
 }

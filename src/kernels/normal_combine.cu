@@ -57,9 +57,12 @@ constexpr int kPendingUnits = kSignalLag + 1;
  * piece in flight (kStages) plus the load cursor's next one. A power of two. */
 constexpr int kUnitQueue = 8;
 /* Added to a chunk's counter with every unit a rank sends when its rows are not valid
- * (rows_invalid): the count still reaches its target, and the reducer sees the mark. No count of
- * rows comes near it (a chunk holds EPX_COMBINE_CHUNK_ROWS rows). */
+ * (rows_invalid), for the reducer to see. Waits compare the count below it (kCountBits), so a
+ * marked chunk is still waited for until all its rows are in: the last block's clearing of the
+ * counters (combine_finish) must come after every add of the call, marked or not. No count comes
+ * near it (a chunk holds EPX_COMBINE_CHUNK_ROWS rows; call numbers stay far below 2^40). */
 constexpr uint64_t kInvalidRows = 1ull << 40;
+constexpr uint64_t kCountBits = kInvalidRows - 1;
 /* Chunk waits of the reduce warps sleep between polls, leaving issue slots to the send warps. */
 constexpr int kChunkPollSleepNs = 128;
 /* Shared memory one block may opt into on sm_90. */
@@ -117,15 +120,15 @@ struct CombineView {
   int experts_per_rank; /* E / R */
 };
 
-/* Wait until *flag >= target; gives up at once when another wait of this combine call has
- * already timed out (so a dead peer costs one budget, not one per chunk). On a timeout raises
- * EPX_ERR_TIMEOUT naming the peer and the target, and marks the call aborted. */
+/* Wait until *flag's count (kCountBits) >= target; gives up at once when another wait of this
+ * combine call has already timed out (so a dead peer costs one budget, not one per chunk). On a
+ * timeout raises EPX_ERR_TIMEOUT naming the peer and the target, and marks the call aborted. */
 __device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, const CombineView &cv,
                                            const uint64_t *flag, uint64_t target, int peer) {
   epx__control_t *ctrl = epx::control_of(ctx);
   const unsigned aborted = cv.call + 1;
   const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(
-      ctx.timeout_ns, [&] { return epx::ld_acquire_sys(flag) >= target; },
+      ctx.timeout_ns, [&] { return (epx::ld_acquire_sys(flag) & kCountBits) >= target; },
       [&] { return *(volatile const unsigned *)&ctrl->combine_abort == aborted; });
   if (r == epx::WaitResult::kTimedOut) {
     epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, peer, -1, (long long)target);
@@ -469,7 +472,8 @@ __device__ __forceinline__ int tokens_in_units(int first, int stride, int T) {
  * rank d's chunk holding its row is full (which publishes the row's top-k weights too). A chunk
  * whose count carries kInvalidRows marks rank d's rows not valid (rows_invalid there): every
  * chunk of d carries it, so from then on this warp leaves d out of its sums, and the first lane
- * to see it records EPX_ERR_PEER_DATA naming d. */
+ * to see it records EPX_ERR_PEER_DATA naming d. A wait that timed out (or gave up after another
+ * one did) does not look for the mark: the TIMEOUT record stands for the call. */
 template <typename IdxT, int kRanks, bool kExtras>
 __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
                                                const epx__combine_launch_args_t &a,
