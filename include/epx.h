@@ -950,10 +950,9 @@ epx_status_t epx_moe_workspace_size(epx_group_t group, const epx_experts_t *expe
  * BY_RANK sums on the expert side first and sends after the FFN; docs/moe.md).
  * Every argument is checked before anything is queued, identically on every rank for the
  * group's shape, so a refused call leaves no peer waiting. Once the dispatch is queued the
- * combine is queued too, even after an FFN launch failure (returned, EPX_ERR_CUDA). Known gap:
- * that combine then sends this rank's combine_input as it is (zeros or an earlier call's rows)
- * and signals as usual, so the peers sum it and return EPX_OK with no async error: treat a
- * failed call as a fault of the whole group (docs/moe.md, "Not built").
+ * combine is queued too, even after an FFN launch failure (returned, EPX_ERR_CUDA), with its
+ * signals marked: every peer leaves this rank's slots out, records EPX_ERR_PEER_DATA (stage
+ * LL_COMBINE, naming this rank) and does not mask it (docs/api.md, "After a fault").
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument; EPX_ERR_UNSUPPORTED
  * (route DIRECT, which has no packed layout; FP8 dispatch with BF16 weights);
  * EPX_ERR_INVALID_USAGE (as epx_ll_dispatch); EPX_ERR_CUDA (an FFN launch, after the combine

@@ -210,7 +210,7 @@ EPX_EXPORT epx_status_t epx_ll_dispatch(epx_group_t g, const epx_ll_dispatch_arg
 
 /* epx_ll_combine, and epx_moe_decode's combine (ll.h): rows_sent, early. */
 epx_status_t epx__ll_combine_enqueue(epx_group_t g, const epx_ll_combine_args_t *a, int rows_sent,
-                                     int early, cudaStream_t stream) {
+                                     int early, int rows_invalid, cudaStream_t stream) {
   static const char fn[] = "epx_ll_combine";
   EPX_CHECK(epx__group_check(g));
   EPX_CHECK(epx__check_not_null(fn, "args", a));
@@ -261,6 +261,7 @@ epx_status_t epx__ll_combine_enqueue(epx_group_t g, const epx_ll_combine_args_t 
                           fn);
   c.rows_sent = rows_sent;
   c.early_launch = early;
+  c.rows_invalid = rows_invalid;
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   EPX_CHECK(epx__ll_combine_launch(&ctx, &c, stream));
@@ -276,7 +277,7 @@ epx_status_t epx__ll_combine_enqueue(epx_group_t g, const epx_ll_combine_args_t 
 
 EPX_EXPORT epx_status_t epx_ll_combine(epx_group_t g, const epx_ll_combine_args_t *a,
                                        cudaStream_t stream) {
-  return epx__ll_combine_enqueue(g, a, 0, 0, stream);
+  return epx__ll_combine_enqueue(g, a, 0, 0, 0, stream);
 }
 
 int epx__ll_combine_is_direct(epx_group_t g) {

@@ -20,6 +20,7 @@
 #include "experts.h"
 #include "group.h"
 #include "ll.h"
+#include "moe_test_hooks.h"
 #include "param.h"
 #include "registry.h"
 
@@ -63,6 +64,8 @@ EPX_EXPORT epx_status_t epx_moe_workspace_size(epx_group_t g, const epx_experts_
   EPX_CHECK(epx__check_not_null(fn, "bytes", bytes));
   return epx_experts_ffn_workspace_size(experts, rows, dispatch_dtype, bytes);
 }
+
+int epx__moe_test_fail_decode_ffn = 0;
 
 EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *experts,
                                        const epx_moe_args_t *a, cudaStream_t stream) {
@@ -114,7 +117,9 @@ EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *exper
   if (send_rows) epx__ll_send_targets(g, &res, &targets);
   const int early = epx__param_EarlyLaunch() != 0;
   const epx_status_t ffn =
-      epx__experts_ffn_enqueue(experts, &f, send_rows ? &targets : NULL, early, stream);
+      epx__moe_test_fail_decode_ffn
+          ? epx__set_error(EPX_ERR_INTERNAL, "%s: an FFN failure injected by a test", fn)
+          : epx__experts_ffn_enqueue(experts, &f, send_rows ? &targets : NULL, early, stream);
   char ffn_message[512] = "";
   if (ffn != EPX_OK) snprintf(ffn_message, sizeof ffn_message, "%s", epx_last_error());
 
@@ -124,10 +129,11 @@ EPX_EXPORT epx_status_t epx_moe_decode(epx_group_t g, const epx_experts_t *exper
   c.dispatch = &res;
   c.x = NULL; /* combine_input: the FFN's rows where it did not send them itself */
   c.out = a->out;
-  /* A failed FFN sent nothing: the combine then sends combine_input (whatever it holds) so that
-   * the call fails loudly here, never waits. */
-  const epx_status_t combine =
-      epx__ll_combine_enqueue(g, &c, send_rows && ffn == EPX_OK, early && ffn == EPX_OK, stream);
+  /* A failed FFN sent nothing, or not all: the combine then sends combine_input (whatever it
+   * holds) with its signals marked, so that no peer waits and every peer leaves this rank's
+   * rows out and records EPX_ERR_PEER_DATA. */
+  const epx_status_t combine = epx__ll_combine_enqueue(
+      g, &c, send_rows && ffn == EPX_OK, early && ffn == EPX_OK, ffn != EPX_OK, stream);
   if (ffn != EPX_OK) /* the first failure is the one to report */
     return epx__set_error(ffn,
                           "%s: the experts' FFN failed after the dispatch was queued (the "

@@ -36,6 +36,7 @@
 #include "handle.h"
 #include "kernels/api.h"
 #include "moe_prefill.h"
+#include "moe_test_hooks.h"
 #include "registry.h"
 
 #define WS_ALIGN 256

@@ -21,8 +21,11 @@ void epx__ll_send_targets(epx_group_t g, const epx_ll_dispatch_result_t *d,
 /* epx_ll_combine; rows_sent = 1: the rows are already at epx__ll_send_targets (DIRECT route,
  * unsplit, no combine-time weights, else EPX_ERR_INTERNAL), the kernel only signals and sums.
  * early = 1: its kernel is launched early (kernels/launch.cuh): its blocks may be placed while
- * the stream's previous kernel ends; they wait for that end before anything else. */
+ * the stream's previous kernel ends; they wait for that end before anything else.
+ * rows_invalid = 1: this rank's rows are not valid (epx_moe_decode's FFN failed): the combine
+ * still runs, and its signals tell the peers to leave them out (EPX_ERR_PEER_DATA there). */
 epx_status_t epx__ll_combine_enqueue(epx_group_t g, const epx_ll_combine_args_t *args,
-                                     int rows_sent, int early, cudaStream_t stream);
+                                     int rows_sent, int early, int rows_invalid,
+                                     cudaStream_t stream);
 
 #endif /* EPX_SRC_LL_H_ */

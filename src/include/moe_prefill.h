@@ -20,10 +20,7 @@
 extern "C" {
 #endif
 
-#define EPX__MOE_ALIGN 4 /* expert_alignment of the layer's dispatches */
-/* Tests only: the chunk whose FFN epx_moe_prefill treats as failed (-1: none), in the process
- * that sets it (each rank of epx_test is a process: test_moe_prefill.c's failed-FFN test). */
-extern int epx__moe_test_fail_chunk;
+#define EPX__MOE_ALIGN 4             /* expert_alignment of the layer's dispatches */
 #define EPX__MOE_MAX_CHUNKS 16       /* config.num_chunks */
 #define EPX__MOE_BLAS_WS (32u << 20) /* cuBLAS / cuBLASLt workspace bytes */
 #define EPX__MOE_LT_CACHE 64         /* cached cuBLASLt algorithms */

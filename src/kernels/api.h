@@ -207,6 +207,9 @@ typedef struct epx__ll_combine_launch_args {
   int rows_sent;             /* DIRECT: the rows are already in the sources' receive rows (the
                                 experts' down projection wrote them there, epx_moe_decode): the
                                 send phase only signals */
+  int rows_invalid;          /* this rank's rows are not valid (epx_moe_decode's FFN failed): its
+                                signals carry the mark; every peer leaves its slots out and records
+                                EPX_ERR_PEER_DATA (stage LL_COMBINE, this rank) */
 } epx__ll_combine_launch_args_t;
 
 epx_status_t epx__ll_dispatch_launch(const epx__kernel_ctx_t *ctx,

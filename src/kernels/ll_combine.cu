@@ -298,7 +298,9 @@ __device__ __forceinline__ void combine_send_by_rank(const epx__kernel_ctx_t &ct
  * Receive
  * ---------------------------------------------------------------------------------------- */
 /* The signals of this call: BY_RANK block b of every rank, DIRECT every block of every rank.
- * Returns the ranks whose signals all arrived (*s_ok: the block's shared word for it). */
+ * Returns the ranks whose signals all arrived, without those that marked their rows not valid
+ * (kRowsInvalid in a signal's low word: left out like a masked peer, but alive, so not masked;
+ * EPX_ERR_PEER_DATA recorded) (*s_ok: the block's shared word for it). */
 template <bool kByRank>
 __device__ __forceinline__ unsigned combine_wait(const epx__kernel_ctx_t &ctx, const Call &c,
                                                  uint32_t epoch, unsigned *s_ok) {
@@ -310,7 +312,12 @@ __device__ __forceinline__ unsigned combine_wait(const epx__kernel_ctx_t &ctx, c
     const int d = kByRank ? i : i / G, blk = kByRank ? b : i % G;
     const uint32_t v =
         wait_signal(ctx, c.own, ctx.layout.ll_cflag_offset, d, blk, epoch, EPX_STAGE_LL_COMBINE);
-    if (v == kNoSignal) atomicAnd(s_ok, ~(1u << d));
+    if (v == kNoSignal) {
+      atomicAnd(s_ok, ~(1u << d));
+    } else if (v & kRowsInvalid) {
+      atomicAnd(s_ok, ~(1u << d));
+      raise_error(ctx, EPX_ERR_PEER_DATA, EPX_STAGE_LL_COMBINE, d, -1, (long long)epoch);
+    }
   }
   __syncthreads();
   return *s_ok;
@@ -442,7 +449,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       combine_send_by_rank<kPacked>(ctx, a, c, dispatch_epoch, mask, s_count, s_rows, s_partial);
     else if (!a.rows_sent) /* rows_sent: the experts' down projection wrote them already */
       combine_send_direct<kPacked>(ctx, a, c, mask, s_prefix, s_warp_sums);
-    signal_ranks(ctx, mask, ctx.layout.ll_cflag_offset, c.p, epoch, 0u);
+    signal_ranks(ctx, mask, ctx.layout.ll_cflag_offset, c.p, epoch,
+                 a.rows_invalid ? kRowsInvalid : 0u);
     if (c.tid == 0) trace_end(ctx, t_send, EPX_TRACE_LL_COMBINE_SEND, c.b);
   }
 

@@ -43,6 +43,8 @@ constexpr int kChunk = 512; /* channels of one warp unit: 16 per lane */
 constexpr int kBatch = 8;
 constexpr int kKindDispatch = 0, kKindCombine = 1;
 constexpr uint32_t kNoSignal = 0xffffffffu; /* wait_signal: the peer is masked */
+/* A combine signal's low word (otherwise 0): the sender's rows are not valid (rows_invalid) */
+constexpr uint32_t kRowsInvalid = 1u;
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(kChunk == 32 * 16,
               "a warp unit is 16 channels per lane (one FP8 int4, two BF16 int4)");

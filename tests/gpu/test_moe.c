@@ -45,6 +45,7 @@
 #include "gpu/gpu_util.h"
 #include "gpu/ll_checks.h"
 #include "gpu/world.h"
+#include "moe_test_hooks.h"
 #include "ref/epx_ref_moe.h"
 
 typedef struct {
@@ -347,6 +348,88 @@ EPX_PEER_TEST(moe_decode_masked_peer, 300) {
     oracle_free(&o_live);
     oracle_free(&o_full);
     ll_world_without_free(&live);
+    if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
+  }
+  return TEST_PASS;
+}
+
+/* A rank whose FFN fails after its dispatch (injected on the last rank through
+ * epx__moe_test_fail_decode_ffn): it returns the error; its combine still runs with its signals
+ * marked, so every other rank leaves its slots out (the outputs match the world without its
+ * experts), records EPX_ERR_PEER_DATA (stage LL_COMBINE, naming it), does not mask it and does
+ * not wait for it. Two clean calls first leave rows that look right in both buffers (summing the
+ * stale ones would match the whole world, not the cut one); after clearing the records, two
+ * clean calls match the whole world again. Both routes. */
+EPX_PEER_TEST(moe_decode_failed_ffn_is_reported, 300) {
+  const int me = t->rank, R = t->num_ranks, bad = R - 1;
+  uint64_t rng = t->seed;
+  const epx_ll_route_t routes[2] = {DBR, BR};
+  for (int r = 0; r < 2; r++) {
+    const moe_case_t c = {r ? "failed_ffn_by_rank" : "failed_ffn_dispatch_by_rank",
+                          {32, 256, 4, 4, ROUTE_UNIFORM, 32, -1},
+                          128,
+                          1,
+                          1,
+                          routes[r]};
+    moe_fixture_t f;
+    if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+    world_t cut;
+    ll_world_without(&f.w, bad, &cut); /* for the others' tokens: its experts' slots emptied */
+    moe_oracle_t o_cut, o_full;
+    if (oracle_make(&f, &cut, &c, me, &o_cut) != TEST_PASS ||
+        oracle_make(&f, &f.w, &c, me, &o_full) != TEST_PASS)
+      return TEST_FAIL;
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    char label[128];
+    for (int call = 0; call < 2; call++) {
+      snprintf(label, sizeof label, "%s: clean call %d first (%d ranks)", c.name, call, R);
+      if (one_call(t, &f, &c, &f.w, &o_full, label) != TEST_PASS) return TEST_FAIL;
+    }
+    int needs = 0; /* this rank's tokens have experts on the failing rank */
+    for (int i = 0; i < f.w.ranks[me].num_tokens * f.w.K; i++) {
+      const int64_t e = f.w.ranks[me].topk_idx[i];
+      needs |= e >= 0 && e < f.w.E && (int)(e / f.w.L) == bad;
+    }
+    snprintf(label, sizeof label, "%s: rank %d's FFN fails (%d ranks)", c.name, bad, R);
+    EXPECT_CUDA(cudaMemsetAsync(f.d.out, 0xff, (size_t)f.w.M * f.w.H * 2, t->stream));
+    const epx_moe_args_t a = args_of(&f, &c, me);
+    const double t0 = epx_test_now_s();
+    epx__moe_test_fail_decode_ffn = me == bad;
+    const epx_status_t st = epx_moe_decode(f.g, &f.ex[me].dev, &a, t->stream);
+    epx__moe_test_fail_decode_ffn = 0;
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    const double secs = epx_test_now_s() - t0;
+    epx_async_error_t e;
+    EXPECT_OK(epx_group_get_async_error(f.g, &e));
+    unsigned mask = 0;
+    EXPECT_OK(epx_group_get_peer_mask(f.g, &mask));
+    EXPECTF(mask == 0, "%s: rank %d masked peers %#x: a marked peer is alive", label, me, mask);
+    if (me == bad) {
+      EXPECTF(st == EPX_ERR_INTERNAL && strstr(epx_last_error(), "injected") != NULL,
+              "%s: the failing rank returned %d (%s)", label, (int)st, epx_last_error());
+      EXPECTF(e.status == EPX_OK, "%s: the failing rank's async record: %s", label, e.message);
+    } else {
+      EXPECTF(st == EPX_OK, "%s: rank %d returned %d (%s)", label, me, (int)st, epx_last_error());
+      EXPECTF(secs < 1.0, "%s: rank %d took %.3f s: it waited for the failing rank", label, me,
+              secs);
+      if (needs)
+        EXPECTF(e.status == EPX_ERR_PEER_DATA && e.stage == EPX_STAGE_LL_COMBINE && e.peer == bad,
+                "%s: rank %d's async record %d stage %d peer %d (%s), want EPX_ERR_PEER_DATA "
+                "from rank %d",
+                label, me, (int)e.status, (int)e.stage, e.peer, e.message, bad);
+      else
+        EXPECTF(e.status == EPX_OK, "%s: rank %d: async error %s", label, me, e.message);
+      if (check_out(&f, &cut, &o_cut, me, label) != TEST_PASS) return TEST_FAIL;
+    }
+    EXPECT_OK(epx_group_clear_async_error(f.g));
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    for (int call = 0; call < 2; call++) {
+      snprintf(label, sizeof label, "%s: clean call %d after (%d ranks)", c.name, call, R);
+      if (one_call(t, &f, &c, &f.w, &o_full, label) != TEST_PASS) return TEST_FAIL;
+    }
+    oracle_free(&o_cut);
+    oracle_free(&o_full);
+    ll_world_without_free(&cut);
     if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
   }
   return TEST_PASS;

@@ -60,6 +60,7 @@
 #include "gpu/gpu_util.h"
 #include "gpu/world.h"
 #include "moe_prefill.h" /* EPX__MOE_AUTO_LANES */
+#include "moe_test_hooks.h"
 #include "ref/epx_ref_moe.h"
 
 typedef struct {
