@@ -314,9 +314,10 @@ __device__ __forceinline__ unsigned combine_wait(const epx__kernel_ctx_t &ctx, c
         wait_signal(ctx, c.own, ctx.layout.ll_cflag_offset, d, blk, epoch, EPX_STAGE_LL_COMBINE);
     if (v == kNoSignal) {
       atomicAnd(s_ok, ~(1u << d));
-    } else if (v & kRowsInvalid) {
+    } else if (v & kRowsInvalid) { /* (this rank's own mark too: its call returns the error) */
       atomicAnd(s_ok, ~(1u << d));
-      raise_error(ctx, EPX_ERR_PEER_DATA, EPX_STAGE_LL_COMBINE, d, -1, (long long)epoch);
+      if (d != ctx.rank)
+        raise_error(ctx, EPX_ERR_PEER_DATA, EPX_STAGE_LL_COMBINE, d, -1, (long long)epoch);
     }
   }
   __syncthreads();
@@ -447,7 +448,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const unsigned mask = s_mask;
     if (kByRank)
       combine_send_by_rank<kPacked>(ctx, a, c, dispatch_epoch, mask, s_count, s_rows, s_partial);
-    else if (!a.rows_sent) /* rows_sent: the experts' down projection wrote them already */
+    else if (!a.rows_sent && !a.rows_invalid) /* rows_sent: the experts' down projection wrote
+                                                 them already; rows_invalid: nobody reads them */
       combine_send_direct<kPacked>(ctx, a, c, mask, s_prefix, s_warp_sums);
     signal_ranks(ctx, mask, ctx.layout.ll_cflag_offset, c.p, epoch,
                  a.rows_invalid ? kRowsInvalid : 0u);
