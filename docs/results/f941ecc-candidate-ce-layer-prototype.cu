@@ -1,7 +1,9 @@
 // docs/results/f941ecc-candidate-ce-layer-prototype.cu (session 18): written, compiled and reviewed (a helper
-// read it for bounds, event logic and host lists; its findings are fixed), NEVER RUN: no device time was
-// left. Next: one 4-GPU call (~150 s) beside epx_moe_prefill_bench (docs/moe.md, "Copy engines beside the
-// GEMM"); build and run lines below, with this file's path in place of baseline/ce/ce_layer.cu.
+// read it for bounds, event logic and host lists; its findings are fixed). Run in session 19 on 4x H200:
+// slower than the library's layer at both shapes (docs/results/ee0a183-4xH200-ce-layer-prototype.txt;
+// docs/moe.md, "Copy engines beside the GEMM"). Build and run lines below, with this file's path in place
+// of baseline/ce/ce_layer.cu; where libnccl is only libnccl.so.2 (the GPU machine's wheel), pass it to
+// nvcc as -Xlinker <path>.
 // ce_layer.cu - scratch (session 18): a timing prototype of the prefill MoE layer with its
 // transfers on the copy engines, one process driving every visible GPU (peer access on).
 //
