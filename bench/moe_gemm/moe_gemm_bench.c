@@ -18,9 +18,10 @@
  * uniform routing gives it, rounded up to 4 as the layer pads segments), rows of x in one
  * expert-major array. Projections: gate/up (n 2I, k H; float32 out as the layer's grouped FP8 path
  * writes it, BF16 with --gu-out bf16) and down (n H, k I, BF16 out). --tile: a
- * list of widths, 0 (the one the layer picks for these segments, moe_tiles.h), 128 or 160;
- * --tile-w: a list of tile heights, 0 (the layer's pick for n and the width), 128 or 256 weight
- * rows (256 only at width 128 and n a multiple of 256: other points are skipped with a note).
+ * list of widths, 0 (the one the layer picks for these segments, moe_tiles.h), 64, 96, 128 or
+ * 160; --tile-w: a list of tile heights, 0 (the layer's pick for n and the width), 128 or 256
+ * weight rows (256 only at widths up to 128 and n a multiple of 256: other points are skipped
+ * with a note).
  * Random FP8 codes, scales 1/64; one CTA per SM. One warm-up launch, then each launch timed with
  * CUDA events; printed: the medians of time, clock and cycles over --iters launches, and FLOPs per
  * cycle per SM against 8192 (H100 and H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
@@ -270,8 +271,7 @@ int main(int argc, char **argv) {
     } else if (v && !strcmp(a, "--tile")) {
       bad = bench_parse_list(a, v, 0, EPX__MOE_TILE_X_WIDE, MAX_LIST, o.tiles, &o.num_tiles) != 0;
       for (int t = 0; t < o.num_tiles && !bad; t++)
-        bad =
-            o.tiles[t] != 0 && o.tiles[t] != EPX__MOE_TILE_X && o.tiles[t] != EPX__MOE_TILE_X_WIDE;
+        bad = o.tiles[t] != 0 && !epx__moe_tile_x_known(o.tiles[t]);
     } else if (v && !strcmp(a, "--tile-w")) {
       bad =
           bench_parse_list(a, v, 0, EPX__MOE_TILE_W_TALL, MAX_LIST, o.tile_ws, &o.num_tile_ws) != 0;
@@ -295,7 +295,7 @@ int main(int argc, char **argv) {
     if (bad) {
       fprintf(stderr,
               "usage: %s [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096] "
-              "[--chunks 1,2] [--tile 0 (a list of 0: the layer's pick, 128, 160)] "
+              "[--chunks 1,2] [--tile 0 (a list of 0: the layer's pick, 64, 96, 128, 160)] "
               "[--tile-w 0 (a list of 0: the layer's pick, 128, 256)] [--gu-out fp32|bf16] "
               "[--iters 20] [--seed 1]\n",
               argv[0]);

@@ -1,7 +1,7 @@
 /*
  * moe_tiles.h - how EPX's grouped FP8 GEMM (src/kernels/moe_gemm_fp8.cu) cuts an expert's
  * segment of s rows into token tiles, and which tile width and height a launch runs at. A launch
- * runs every tile at one wgmma width `cap` (EPX__MOE_TILE_X or EPX__MOE_TILE_X_WIDE rows); a
+ * runs every tile at one wgmma width `cap` (64, 96, 128 or 160 rows: EPX__MOE_TILE_X_WIDTHS); a
  * segment is cut into ceil(s / cap) tiles of equal size, a multiple of 8 rows (wgmma's N steps) and
  * at most cap, the last one shorter where s is not a multiple of that size. Shared by the kernel,
  * the layer's FFN (src/moe_ffn.c, which picks the width from the host's counts, then the height),
@@ -16,16 +16,37 @@
 #define EPX__HOST_DEVICE
 #endif
 
-#define EPX__MOE_TILE_X 128      /* rows of x of a tile, at most: the narrow width */
+#define EPX__MOE_TILE_X 128      /* rows of x of a tile, at most: the usual width */
 #define EPX__MOE_TILE_X_WIDE 160 /* the wide one (a bigger shared-memory ring stage) */
+#define EPX__MOE_TILE_X_MIN 64   /* the narrowest: segments of a few dozen rows */
+/* Every width a launch may run at, narrowest first (each is a kernel of its own), and what a
+ * column costs at it relative to the usual width: narrower tiles copy the same weights for fewer
+ * columns and issue smaller wgmmas (epx__moe_pick_tile_x weighs the columns by it). Measured in
+ * SM cycles on uniform segments (epx_moe_gemm_bench, 1x H200, session 19; docs/moe.md, "Tile
+ * widths 64 and 96"): 64 1.18-1.25x, 96 1.03-1.08x, 160 (one weight block) 0.98-1.03x. 96 is
+ * weighed above its measure: picked at 1.04, the layer at Qwen3's shape on 2 ranks ran 4%
+ * slower (its chunks' segments straddle 256 rows). */
+#define EPX__MOE_TILE_X_COUNT 4
+#define EPX__MOE_TILE_X_WIDTHS \
+  { 64, 96, 128, 160 }
+#define EPX__MOE_TILE_X_COST_PERMILLE \
+  { 1220, 1100, 1000, 1000 }
 
 #define EPX__MOE_TILE_W 128      /* weight rows of a tile: one block of 128 (the block scales') */
-#define EPX__MOE_TILE_W_TALL 256 /* two blocks: only at the narrow width, n a multiple of 256 */
+#define EPX__MOE_TILE_W_TALL 256 /* two blocks: at widths up to 128, n a multiple of 256 */
 
-/* Whether a launch may run tiles of tile_w weight rows at width tile_x on n weight rows. */
+/* Whether the kernel has width tile_x. */
+static inline EPX__HOST_DEVICE int epx__moe_tile_x_known(int tile_x) {
+  return tile_x == 64 || tile_x == 96 || tile_x == EPX__MOE_TILE_X ||
+         tile_x == EPX__MOE_TILE_X_WIDE;
+}
+
+/* Whether a launch may run tiles of tile_w weight rows at width tile_x on n weight rows (the tall
+ * tile's registers fit up to the usual width). */
 static inline EPX__HOST_DEVICE int epx__moe_tile_w_fits(int tile_w, int n, int tile_x) {
+  if (!epx__moe_tile_x_known(tile_x)) return 0;
   if (tile_w == EPX__MOE_TILE_W) return n % EPX__MOE_TILE_W == 0;
-  return tile_w == EPX__MOE_TILE_W_TALL && tile_x == EPX__MOE_TILE_X && n % tile_w == 0;
+  return tile_w == EPX__MOE_TILE_W_TALL && tile_x <= EPX__MOE_TILE_X && n % tile_w == 0;
 }
 
 /* Rows of each token tile of a segment of s > 0 rows, tiles of at most cap rows. */
@@ -42,25 +63,37 @@ static inline EPX__HOST_DEVICE int epx__moe_x_tiles(int s, int cap) {
   return (s + per - 1) / per;
 }
 
-/* The width a launch over segments [begin[j], begin[j + 1]), j < L, runs at: the one that
- * computes fewer columns in all (tiles x width: each tile streams its weight rows once per
- * column block of the width, and a tile's unused columns are computed too); the narrow one on
- * a tie. Segments of 129-160 rows (DeepSeek-V3's experts in a chunk of 2048 tokens at 2 ranks)
- * are two narrow tiles but one wide one. */
-static inline int epx__moe_pick_tile_x(const int *begin, int L) {
-  long long narrow = 0, wide = 0;
-  for (int j = 0; j < L; j++) {
-    const int s = begin[j + 1] - begin[j];
-    narrow += (long long)epx__moe_x_tiles(s, EPX__MOE_TILE_X) * EPX__MOE_TILE_X;
-    wide += (long long)epx__moe_x_tiles(s, EPX__MOE_TILE_X_WIDE) * EPX__MOE_TILE_X_WIDE;
+/* The width a launch over segments [begin[j], begin[j + 1]), j < L, runs at, among the widths
+ * whose bit is set in `allowed` (bit i: EPX__MOE_TILE_X_WIDTHS[i]; 0 or none known: the usual
+ * width): the one that computes the fewest columns in all (tiles x width: each tile streams its
+ * weight rows once per column block of the width, and a tile's unused columns are computed too),
+ * each column weighed by its width's cost; the usual width on a tie, then the wider. Segments of
+ * 129-160 rows (DeepSeek-V3's experts in a chunk of 2048 tokens at 2 ranks) are two tiles of 128
+ * but one of 160; segments of 257-288 rows (a chunk of 2048 tokens at 4 ranks) three of 96. */
+static inline int epx__moe_pick_tile_x_among(const int *begin, int L, unsigned allowed) {
+  static const int widths[EPX__MOE_TILE_X_COUNT] = EPX__MOE_TILE_X_WIDTHS;
+  static const int cost[EPX__MOE_TILE_X_COUNT] = EPX__MOE_TILE_X_COST_PERMILLE;
+  long long best = -1;
+  int pick = EPX__MOE_TILE_X;
+  for (int i = EPX__MOE_TILE_X_COUNT - 1; i >= 0; i--) { /* widest first: it wins a tie */
+    if (!(allowed & (1u << i))) continue;
+    long long columns = 0;
+    for (int j = 0; j < L; j++)
+      columns += (long long)epx__moe_x_tiles(begin[j + 1] - begin[j], widths[i]) * widths[i];
+    const long long weighed = columns * cost[i];
+    if (best < 0 || weighed < best || (weighed == best && widths[i] == EPX__MOE_TILE_X))
+      best = weighed, pick = widths[i];
   }
-  return wide < narrow ? EPX__MOE_TILE_X_WIDE : EPX__MOE_TILE_X;
+  return pick;
+}
+static inline int epx__moe_pick_tile_x(const int *begin, int L) {
+  return epx__moe_pick_tile_x_among(begin, L, (1u << EPX__MOE_TILE_X_COUNT) - 1);
 }
 
 /* The tile height a launch at width tile_x runs: the tall tile wherever it fits (two weight
  * blocks a tile: 1-6% fewer cycles than one at every point of epx_moe_gemm_bench, 1x H200,
- * docs/moe.md "The tall tile"). The width is picked first: where the wide width computes fewer
- * columns, that saves more than the tall tile would. */
+ * docs/moe.md "The tall tile"; the widths up to the usual one). The width is picked first: where
+ * the wide width computes fewer columns, that saves more than the tall tile would. */
 static inline int epx__moe_pick_tile_w(int n, int tile_x) {
   return epx__moe_tile_w_fits(EPX__MOE_TILE_W_TALL, n, tile_x) ? EPX__MOE_TILE_W_TALL
                                                                : EPX__MOE_TILE_W;

@@ -359,9 +359,9 @@ typedef struct epx__moe_gemm_fp8_args {
   int x_rows;       /* rows x has (reads past them are zeros); 0: nothing to do */
   int num_ctas;
   int tile_x;       /* rows of x of a tile, at most, and the wgmma width every tile runs at:
-                       EPX__MOE_TILE_X or EPX__MOE_TILE_X_WIDE (moe_tiles.h) */
-  int tile_w;       /* weight rows of a tile: EPX__MOE_TILE_W (also for 0) or, with tile_x
-                       EPX__MOE_TILE_X and n a multiple of it, EPX__MOE_TILE_W_TALL (moe_tiles.h) */
+                       one of EPX__MOE_TILE_X_WIDTHS, 64 to 160 (moe_tiles.h) */
+  int tile_w;       /* weight rows of a tile: EPX__MOE_TILE_W (also for 0) or, with tile_x at
+                       most EPX__MOE_TILE_X and n a multiple of it, EPX__MOE_TILE_W_TALL */
   int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */
   /* NULL, or device [4]: CTA 0's clock64 and %globaltimer (ns) where its work starts and ends,
    * from which a benchmark reads the SM clock the launch ran at (epx_moe_gemm_bench) */

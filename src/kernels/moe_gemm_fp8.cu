@@ -7,10 +7,10 @@
  * dozen tiles), split K to fill them, and cost the host ~10 us each (docs/moe.md).
  *
  * Tiles: 128 weight rows (two warpgroups, one m64 each: the weights are wgmma's A, "swap AB")
- * x up to kTileX rows of x, every tile of a launch at wgmma N kTileX, 128 or 160 (the caller
- * picks: moe_tiles.h; the columns past a tile's rows are computed and not stored: a switch over
- * N inside the kernel made ptxas serialize its wgmmas, so the width is a template argument);
- * or, at width 128, the tall tile of 256 weight rows (kHalves 2: each warpgroup one m64 in
+ * x up to kTileX rows of x, every tile of a launch at wgmma N kTileX, 64, 96, 128 or 160 (the
+ * caller picks: moe_tiles.h; the columns past a tile's rows are computed and not stored: a switch
+ * over N inside the kernel made ptxas serialize its wgmmas, so the width is a template argument);
+ * or, at widths up to 128, the tall tile of 256 weight rows (kHalves 2: each warpgroup one m64 in
  * each of the two weight blocks), which the caller picks where n allows it.
  * An expert's segment of S rows is cut into ceil(S / kTileX) token tiles of equal size (a
  * multiple of 8), so a segment of 260 rows is three tiles of 88 rows at 128, not 128 + 128 + 4.
@@ -64,7 +64,7 @@ constexpr int kWBlock = 128;   /* weight rows of a scale block: one m64 of each 
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
 constexpr int kMaxExperts = EPX_MAX_EXPERTS;
 
-/* A launch's tile shape (moe_tiles.h): kTileX rows of x (128 or 160, every tile at wgmma N
+/* A launch's tile shape (moe_tiles.h): kTileX rows of x (64 to 160, every tile at wgmma N
  * kTileX) by kHalves scale blocks of 128 weight rows (1, or 2 for the tall tile, where each
  * warpgroup runs an m64 in both blocks: as many wgmmas a stage for half the barriers, and a
  * quarter fewer bytes copied a product). It sets the ring's stage: the weight box, kTileX rows
@@ -87,7 +87,7 @@ struct Ring {
       (kConsumers / 32) * kOutWarp + 2 * (kMaxExperts + 1) * 4 /* tile prefix, segment begins */;
   static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM fits");
   static_assert(kTileX % 8 == 0 && kTileX <= 256 && kScaleStage % 16 == 0, "a wgmma N, TMA box");
-  static_assert(kHalves == 1 || (kHalves == 2 && kTileX == 128), "registers: acc + part fit");
+  static_assert(kHalves == 1 || (kHalves == 2 && kTileX <= 128), "registers: acc + part fit");
 };
 /* A slot is free again once every consumer warp read it. */
 constexpr uint32_t kEmptyArrivals = kConsumers / 32;
@@ -504,8 +504,7 @@ extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t 
                           "(stored 16 bytes a lane)",
                           a->y);
   const int tile_w = a->tile_w ? a->tile_w : EPX__MOE_TILE_W;
-  if ((a->tile_x != EPX__MOE_TILE_X && a->tile_x != EPX__MOE_TILE_X_WIDE) ||
-      !epx__moe_tile_w_fits(tile_w, a->n, a->tile_x))
+  if (!epx__moe_tile_w_fits(tile_w, a->n, a->tile_x))
     return epx__set_error(EPX_ERR_INTERNAL,
                           "epx__moe_gemm_fp8_launch: tile %d rows of x by %d weight rows (n %d)",
                           a->tile_x, tile_w, a->n);
@@ -514,7 +513,16 @@ extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t 
   EPX_CHECK(
       encode_rows(&args.tmap_w, a->w, a->k, (long long)a->num_experts * a->n, tile_w, "weights"));
   EPX_CHECK(encode_rows(&args.tmap_x, a->x, a->k, a->x_rows, a->tile_x, "rows"));
-  if (tile_w == EPX__MOE_TILE_W_TALL) return launch<EPX__MOE_TILE_X, 2>(args, stream);
-  if (a->tile_x == EPX__MOE_TILE_X_WIDE) return launch<EPX__MOE_TILE_X_WIDE, 1>(args, stream);
-  return launch<EPX__MOE_TILE_X, 1>(args, stream);
+  const bool tall = tile_w == EPX__MOE_TILE_W_TALL;
+  switch (a->tile_x) {
+    case 64:
+      return tall ? launch<64, 2>(args, stream) : launch<64, 1>(args, stream);
+    case 96:
+      return tall ? launch<96, 2>(args, stream) : launch<96, 1>(args, stream);
+    case EPX__MOE_TILE_X_WIDE:
+      return launch<EPX__MOE_TILE_X_WIDE, 1>(args, stream);
+    default:
+      return tall ? launch<EPX__MOE_TILE_X, 2>(args, stream)
+                  : launch<EPX__MOE_TILE_X, 1>(args, stream);
+  }
 }

@@ -183,16 +183,21 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_exact, 300) {
    * stored); 132 and 164 rows are two tiles at 128 and one and two at 160 */
   static const int seg[] = {0, 4, 36, 132, 260, 8, 128, 100, 0, 12, 164, 68, 160};
   const int L = (int)(sizeof seg / sizeof seg[0]);
-  /* tile shapes (rows of x, weight rows): both widths, and the tall tile where n allows it */
+  /* tile shapes (rows of x, weight rows): every width, and the tall tile where n allows it */
   static const int tiles[][2] = {{EPX__MOE_TILE_X, EPX__MOE_TILE_W},
                                  {EPX__MOE_TILE_X_WIDE, EPX__MOE_TILE_W},
-                                 {EPX__MOE_TILE_X, EPX__MOE_TILE_W_TALL}};
+                                 {EPX__MOE_TILE_X, EPX__MOE_TILE_W_TALL},
+                                 {64, EPX__MOE_TILE_W},
+                                 {64, EPX__MOE_TILE_W_TALL},
+                                 {96, EPX__MOE_TILE_W},
+                                 {96, EPX__MOE_TILE_W_TALL}};
+  const int num_runs = 4 * (int)(sizeof tiles / sizeof tiles[0]);
   const int ctas[] = {3, sms};
   int rc = TEST_PASS;
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0] && rc == TEST_PASS; s++) {
     grouped_case_t c;
     if (case_make(&c, shapes[s][0], shapes[s][1], seg, L, 1) != TEST_PASS) return TEST_FAIL;
-    for (int run_i = 0; run_i < 12 && rc == TEST_PASS; run_i++) {
+    for (int run_i = 0; run_i < num_runs && rc == TEST_PASS; run_i++) {
       const int y_fp32 = run_i & 1, ci = (run_i >> 1) & 1;
       const int tile_x = tiles[run_i >> 2][0], tile_w = tiles[run_i >> 2][1];
       if (!epx__moe_tile_w_fits(tile_w, c.n, tile_x)) continue; /* n 384 and 128: not tall */
@@ -237,12 +242,18 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_range, 300) {
   g_rng = 0xa54ff53a5f1d36f1ull;
   printf("  seed %llu\n", (unsigned long long)g_rng);
   static const int seg[] = {64, 132, 8};
-  for (int k = 128; k <= 1024; k *= 2) {
+  /* (k, width, weight rows): every width and height at a few depths */
+  static const int runs[][3] = {{128, EPX__MOE_TILE_X, EPX__MOE_TILE_W},
+                                {256, EPX__MOE_TILE_X_WIDE, EPX__MOE_TILE_W},
+                                {512, EPX__MOE_TILE_X, EPX__MOE_TILE_W_TALL},
+                                {1024, 96, EPX__MOE_TILE_W_TALL},
+                                {384, 64, EPX__MOE_TILE_W_TALL},
+                                {640, 64, EPX__MOE_TILE_W},
+                                {768, 96, EPX__MOE_TILE_W}};
+  for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+    const int k = runs[i][0], tile_x = runs[i][1], tile_w = runs[i][2];
     grouped_case_t c;
     if (case_make(&c, 512, k, seg, 3, 0) != TEST_PASS) return TEST_FAIL;
-    /* k 128: 128 x 128, 256 and 1024: 160 x 128, 512: the tall 128 x 256 */
-    const int tile_x = k == 128 || k == 512 ? EPX__MOE_TILE_X : EPX__MOE_TILE_X_WIDE;
-    const int tile_w = k == 512 ? EPX__MOE_TILE_W_TALL : EPX__MOE_TILE_W;
     float *got = run(&c, 1, 7, tile_x, tile_w);
     EXPECTF(got != NULL, "k %d: the launch or its copy failed", k);
     double worst = 0;

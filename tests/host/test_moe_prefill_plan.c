@@ -179,7 +179,7 @@ EPX_HOST_TEST(moe_prefill_batched_block_rows, 10) {
  * s rows, none empty, and none more than 8 rows past the even split; and the width a launch
  * picks from its segments, and the height from n and the width. */
 EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
-  static const int caps[] = {EPX__MOE_TILE_X, EPX__MOE_TILE_X_WIDE};
+  static const int caps[] = EPX__MOE_TILE_X_WIDTHS;
   EXPECT_EQ_INT(epx__moe_x_tiles(0, EPX__MOE_TILE_X), 0);
   EXPECT_EQ_INT(epx__moe_x_tiles(-4, EPX__MOE_TILE_X_WIDE), 0);
   EXPECT_EQ_INT(epx__moe_x_tile_rows(257, EPX__MOE_TILE_X), 88); /* DeepSeek-V3, 2 ranks */
@@ -188,7 +188,7 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   EXPECT_EQ_INT(epx__moe_x_tiles(257, EPX__MOE_TILE_X_WIDE), 2);
   EXPECT_EQ_INT(epx__moe_x_tile_rows(512, EPX__MOE_TILE_X), 128);
   EXPECT_EQ_INT(epx__moe_x_tiles(140, EPX__MOE_TILE_X_WIDE), 1);
-  for (int ci = 0; ci < 2; ci++)
+  for (int ci = 0; ci < EPX__MOE_TILE_X_COUNT; ci++)
     for (int s = 1; s <= 20000; s++) {
       const int cap = caps[ci];
       const int per = epx__moe_x_tile_rows(s, cap), n = epx__moe_x_tiles(s, cap);
@@ -200,7 +200,8 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
       EXPECTF(per <= (s + n - 1) / n + 7, "cap %d, s %d: %d rows a tile, even split %d", cap, s,
               per, (s + n - 1) / n);
     }
-  /* The width: the fewer columns computed in all (tiles x width); the narrow one on a tie. */
+  /* The width: the fewest columns computed in all (tiles x width), each weighed by its width's
+   * cost (moe_tiles.h: 64 1.22, 96 1.10, 128 and 160 1); 128 on a tie. */
   const int chunk[] = {0, 120, 264, 400, 540}; /* 120, 144, 136, 140: one tile each at 160 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(chunk, 4), EPX__MOE_TILE_X_WIDE); /* 640 against 896 */
   const int whole[] = {0, 512, 1024}; /* 512 rows twice: 4 x 128 against 4 x 160 */
@@ -210,8 +211,21 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   const int tie[] = {0, 160, 288, 416, 544}; /* 160, 128, 128, 128: 640 columns either way */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(tie, 4), EPX__MOE_TILE_X);
   EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 0), EPX__MOE_TILE_X); /* no experts */
-  /* The height: two weight blocks where n holds whole pairs of them, at the narrow width only */
+  const int few[] = {0, 40, 76, 136}; /* 40, 36, 60: 3 x 64 x 1.22 against 3 x 128 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(few, 3), EPX__MOE_TILE_X_MIN);
+  const int pair[] = {0, 128, 256}; /* 128 twice: 2 x 128 against 4 x 64 x 1.22 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(pair, 2), EPX__MOE_TILE_X);
+  const int thirds[] = {0, 264, 524, 796}; /* 264, 260, 272: 9 x 96 x 1.1 = 950 against 6 x 160 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(thirds, 3), 96);
+  /* only the allowed widths; none allowed: the usual one */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x_among(thirds, 3, 1u << 3), EPX__MOE_TILE_X_WIDE);
+  EXPECT_EQ_INT(epx__moe_pick_tile_x_among(few, 3, 0), EPX__MOE_TILE_X);
+  /* The height: two weight blocks where n holds whole pairs of them, at widths up to 128 */
   EXPECT_EQ_INT(epx__moe_pick_tile_w(4096, EPX__MOE_TILE_X), EPX__MOE_TILE_W_TALL);
+  EXPECT_EQ_INT(epx__moe_pick_tile_w(4096, 96), EPX__MOE_TILE_W_TALL);
+  EXPECT_EQ_INT(epx__moe_pick_tile_w(512, EPX__MOE_TILE_X_MIN), EPX__MOE_TILE_W_TALL);
+  EXPECT_EQ_INT(epx__moe_pick_tile_w(384, 96), EPX__MOE_TILE_W);
+  EXPECT_EQ_INT(epx__moe_tile_w_fits(EPX__MOE_TILE_W, 512, 112), 0); /* no such width */
   EXPECT_EQ_INT(epx__moe_pick_tile_w(1536, EPX__MOE_TILE_X), EPX__MOE_TILE_W_TALL);
   EXPECT_EQ_INT(epx__moe_pick_tile_w(384, EPX__MOE_TILE_X), EPX__MOE_TILE_W);
   EXPECT_EQ_INT(epx__moe_pick_tile_w(4096, EPX__MOE_TILE_X_WIDE), EPX__MOE_TILE_W);
@@ -233,15 +247,18 @@ EPX_HOST_TEST(moe_gemm_fp8_launch_refusals, 10) {
   static const int good[][2] = {{EPX__MOE_TILE_X, 0},
                                 {EPX__MOE_TILE_X, EPX__MOE_TILE_W},
                                 {EPX__MOE_TILE_X_WIDE, EPX__MOE_TILE_W},
-                                {EPX__MOE_TILE_X, EPX__MOE_TILE_W_TALL}};
+                                {EPX__MOE_TILE_X, EPX__MOE_TILE_W_TALL},
+                                {64, EPX__MOE_TILE_W},
+                                {64, EPX__MOE_TILE_W_TALL},
+                                {96, EPX__MOE_TILE_W},
+                                {96, EPX__MOE_TILE_W_TALL}};
   for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
     a.tile_x = good[i][0], a.tile_w = good[i][1];
     EXPECT_OK(epx__moe_gemm_fp8_launch(&a, NULL));
   }
-  static const int bad[][2] = {{96, EPX__MOE_TILE_W},
-                               {EPX__MOE_TILE_X_WIDE, EPX__MOE_TILE_W_TALL},
-                               {EPX__MOE_TILE_X, 192},
-                               {EPX__MOE_TILE_X, 512}};
+  static const int bad[][2] = {{112, EPX__MOE_TILE_W}, {32, EPX__MOE_TILE_W},
+                               {0, EPX__MOE_TILE_W},   {EPX__MOE_TILE_X_WIDE, EPX__MOE_TILE_W_TALL},
+                               {EPX__MOE_TILE_X, 192}, {EPX__MOE_TILE_X, 512}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     a.tile_x = bad[i][0], a.tile_w = bad[i][1];
     EXPECT_STATUS(epx__moe_gemm_fp8_launch(&a, NULL), EPX_ERR_INTERNAL);
