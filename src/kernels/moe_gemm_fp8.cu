@@ -70,7 +70,9 @@ constexpr int kMaxExperts = EPX_MAX_EXPERTS;
  * quarter fewer bytes copied a product). It sets the ring's stage: the weight box, kTileX rows
  * of x, the x rows' scales (kTileX floats) and, per weight block, the 16 bytes of its row of
  * block scales that hold this K block's; and its depth: 6 stages of 32 KB, 5 of 36 KB or 4 of
- * 48 KB (no more fit), about as many bytes in flight. */
+ * 48 KB (no more fit), about as many bytes in flight; widths 64 and 96 keep those depths with
+ * smaller stages (24-44 KB): rings as deep as fit there (5 to 8 stages) ran the same cycles
+ * (session 19, docs/moe.md "Tile widths 64 and 96"). */
 template <int kTileX, int kHalves>
 struct Ring {
   static constexpr int kTileW = kWBlock * kHalves; /* weight rows of a tile */

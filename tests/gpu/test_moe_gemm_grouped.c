@@ -5,15 +5,16 @@
  *   moe_gemm_fp8_grouped_exact   codes -3..3 and power-of-two scales, so every product and sum
  *                                is exact in float32: the float32 output must equal the CPU's
  *                                bit for bit (BF16: its one rounding). Segments of 0 to 260
- *                                rows at both tile widths (128 and 160; tiles of 4 to 160
- *                                rows, the x box past them) and, where n is a multiple of 256,
- *                                the tall tile (128 x 256 weight rows: two weight blocks, each
- *                                with its own scales; two tall tiles an expert at n 512),
+ *                                rows at every tile width (64, 96, 128 and 160; tiles of 4 to
+ *                                160 rows, the x box past them) and, where n is a multiple of
+ *                                256, the tall tile (64, 96 or 128 x 256 weight rows: two
+ *                                weight blocks, each with its own scales; two tall tiles an
+ *                                expert at n 512),
  *                                k/128 of 1 to 8, few CTAs (each walks many tiles, the copy
  *                                pipeline running across them) and one per SM; rows outside
  *                                every segment must stay untouched.
- *   moe_gemm_fp8_grouped_range   codes over the whole E4M3 range (k 128: 128 x 128, k 512:
- *                                128 x 256, 160 x 128 at k 256 and 1024): every output within
+ *   moe_gemm_fp8_grouped_range   codes over the whole E4M3 range, one depth per tile shape
+ *                                (k 128 to 1024, every width and height): every output within
  *                                2^-6 of its products' magnitude
  *                                (a misread scale is off by 2x or more); prints the worst
  *                                error, the figure the layer's tolerance (test_moe_prefill.c)
@@ -178,9 +179,10 @@ EPX_ONE_GPU_TEST(moe_gemm_fp8_grouped_exact, 300) {
   /* n 512: two tall tiles an expert (the second at weight row 256: its TMA row and the scales of
    * weight blocks 2 and 3) */
   static const int shapes[][2] = {{256, 128}, {384, 384}, {256, 1024}, {128, 512}, {512, 256}};
-  /* 0 to 260 rows: token tiles of 4 .. 160 rows at both widths (each read as a box of the
+  /* 0 to 260 rows: token tiles of 4 .. 160 rows at every width (each read as a box of the
    * width: the rows past a tile are the next segment's or past the end, computed and never
-   * stored); 132 and 164 rows are two tiles at 128 and one and two at 160 */
+   * stored); 132 and 164 rows are two tiles at 128 and one and two at 160, three at 64; 260
+   * five at 64 and three at 96 */
   static const int seg[] = {0, 4, 36, 132, 260, 8, 128, 100, 0, 12, 164, 68, 160};
   const int L = (int)(sizeof seg / sizeof seg[0]);
   /* tile shapes (rows of x, weight rows): every width, and the tall tile where n allows it */

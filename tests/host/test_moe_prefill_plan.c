@@ -174,8 +174,8 @@ EPX_HOST_TEST(moe_prefill_batched_block_rows, 10) {
 }
 
 /* The grouped FP8 GEMM's token tiles of a segment of s rows, for every s a prefill chunk can
- * give an expert here, at both widths (cap 128 and 160): ceil(s / cap) tiles (the fewest of at
- * most cap rows), each a multiple of 8 rows (wgmma's N steps) and at most cap, together exactly
+ * give an expert here, at every width (cap 64, 96, 128 and 160): ceil(s / cap) tiles (the fewest of
+ * at most cap rows), each a multiple of 8 rows (wgmma's N steps) and at most cap, together exactly
  * s rows, none empty, and none more than 8 rows past the even split; and the width a launch
  * picks from its segments, and the height from n and the width. */
 EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
@@ -206,7 +206,7 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   EXPECT_EQ_INT(epx__moe_pick_tile_x(chunk, 4), EPX__MOE_TILE_X_WIDE); /* 640 against 896 */
   const int whole[] = {0, 512, 1024}; /* 512 rows twice: 4 x 128 against 4 x 160 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 2), EPX__MOE_TILE_X);
-  const int some[] = {0, 256, 256, 416}; /* 256, none, 160: 256 + 256 against 320 + 160 */
+  const int some[] = {0, 256, 256, 416}; /* 256, none, 160: 320 + 160 against 448 x 1.22 at 64 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(some, 3), EPX__MOE_TILE_X_WIDE);
   const int tie[] = {0, 160, 288, 416, 544}; /* 160, 128, 128, 128: 640 columns either way */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(tie, 4), EPX__MOE_TILE_X);
@@ -217,6 +217,18 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   EXPECT_EQ_INT(epx__moe_pick_tile_x(pair, 2), EPX__MOE_TILE_X);
   const int thirds[] = {0, 264, 524, 796}; /* 264, 260, 272: 9 x 96 x 1.1 = 950 against 6 x 160 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(thirds, 3), 96);
+  /* the weights pinned (found by a review's search): 96 below 1.1 would win the first, 64 below
+   * 1.2 the third, and 64 above 1.22 or 96 below 1.09 would lose the second to 96 or 160 */
+  const int w96[] = {0, 4, 328}; /* 4, 324: 512 columns at 128 against 480 x 1.1 at 96 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(w96, 2), EPX__MOE_TILE_X);
+  const int w64[] = {0, 4, 136}; /* 4, 132: 256 x 1.22 at 64 against 288 x 1.1 and 320 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(w64, 2), EPX__MOE_TILE_X_MIN);
+  const int w64b[] = {0, 4, 200}; /* 4, 196: 384 at 128 against 320 x 1.22 at 64 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(w64b, 2), EPX__MOE_TILE_X);
+  /* every width the picker may return, the launcher knows */
+  static const int widths[] = EPX__MOE_TILE_X_WIDTHS;
+  for (int i = 0; i < EPX__MOE_TILE_X_COUNT; i++)
+    EXPECTF(epx__moe_tile_x_known(widths[i]), "width %d unknown to the launcher", widths[i]);
   /* only the allowed widths; none allowed: the usual one */
   EXPECT_EQ_INT(epx__moe_pick_tile_x_among(thirds, 3, 1u << 3), EPX__MOE_TILE_X_WIDE);
   EXPECT_EQ_INT(epx__moe_pick_tile_x_among(few, 3, 0), EPX__MOE_TILE_X);
