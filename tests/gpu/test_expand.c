@@ -24,7 +24,8 @@
  *                               next call times out within about a budget, naming the peer
  * expand_cases, expand_loop and expand_capacity_exceeded run with both fan-out modes
  * (config.expand_fan_out AFTER and DURING). `epx_test --filter expand` runs them; passed on
- * 4x H200 at 2 and 4 ranks (7e1d87d) before DURING existed; DURING not yet run on a GPU.
+ * 4x H200 at 2 and 4 ranks with both modes (b7d616d, docs/results/b7d616d-4xH200-expand-during-
+ * default-blocks.txt; and in the whole suite at 1d8e399; before DURING existed, at 7e1d87d).
  */
 #include <stdio.h>
 #include <stdlib.h>
