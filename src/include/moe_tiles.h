@@ -35,10 +35,12 @@
 #define EPX__MOE_TILE_W 128      /* weight rows of a tile: one block of 128 (the block scales') */
 #define EPX__MOE_TILE_W_TALL 256 /* two blocks: at widths up to 128, n a multiple of 256 */
 
-/* Whether the kernel has width tile_x. */
+/* Whether the kernel has width tile_x (one of EPX__MOE_TILE_X_WIDTHS). */
 static inline EPX__HOST_DEVICE int epx__moe_tile_x_known(int tile_x) {
-  return tile_x == 64 || tile_x == 96 || tile_x == EPX__MOE_TILE_X ||
-         tile_x == EPX__MOE_TILE_X_WIDE;
+  const int widths[EPX__MOE_TILE_X_COUNT] = EPX__MOE_TILE_X_WIDTHS;
+  for (int i = 0; i < EPX__MOE_TILE_X_COUNT; i++)
+    if (tile_x == widths[i]) return 1;
+  return 0;
 }
 
 /* Whether a launch may run tiles of tile_w weight rows at width tile_x on n weight rows (the tall
