@@ -1066,7 +1066,8 @@ typedef struct epx_moe_prefill_info {
 /* epx_moe_prefill_create - a plan for the prefill layer on these groups with these experts. Not
  * collective (no communication); creates streams, events, one handle per group and the cuBLAS
  * handles on the current GPU (the groups' GPU), and with FP8 weights on cuBLASLt copies the
- * weights' block scales into the layout cuBLASLt reads (synchronizes the device once).
+ * weights' block scales into the layout cuBLASLt reads (synchronizes the device: the plan's
+ * first call reads what it uploaded).
  *   groups     - [IN] num_groups groups of identical configs with EPX_MODE_NORMAL, BF16 and
  *                config.expand_max_rows >= R x max_tokens_per_rank x min(K, E/R) + 3 x E/R
  *                (room for any routing at the layer's alignment 4; less is refused). Two
@@ -1087,7 +1088,10 @@ epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int num_groups,
                                     epx_moe_prefill_t *plan);
 
 /* epx_moe_prefill_destroy - release the plan (synchronizes its streams first). destroy(NULL)
- * is EPX_OK. Not collective. */
+ * is EPX_OK. Not collective. Returns EPX_OK, or the first failure of the release (EPX_ERR_CUDA:
+ * an asynchronous error surfacing at the streams' synchronization, say); the plan is released
+ * either way. After one of its groups' NCCL operations timed out (docs/api.md, "After a
+ * fault"), its device resources are left allocated rather than waited for. */
 epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t plan);
 
 /* epx_moe_prefill_get_info - what the plan resolved. Not collective; no GPU work. */

@@ -68,17 +68,29 @@ epx_status_t epx__moe_gemm_create(epx_moe_prefill_t p) {
   return EPX_OK;
 }
 
-static void batched_free(epx_moe_prefill_t p); /* below, with the batched GEMM */
+static epx_status_t batched_free(epx_moe_prefill_t p); /* below, with the batched GEMM */
 
-void epx__moe_gemm_destroy(epx_moe_prefill_t p) {
-  batched_free(p);
+epx_status_t epx__moe_gemm_destroy(epx_moe_prefill_t p) {
+  epx_status_t first = batched_free(p);
+  epx_status_t st;
   for (int which = 0; which < 2; which++)
-    if (p->lt_desc[which]) B->cublasLtMatmulDescDestroy(p->lt_desc[which]);
-  if (p->lt) B->cublasLtDestroy(p->lt);
-  if (p->blas) B->cublasDestroy(p->blas);
+    if (p->lt_desc[which]) {
+      st =
+          blas_status(B->cublasLtMatmulDescDestroy(p->lt_desc[which]), "cublasLtMatmulDescDestroy");
+      if (first == EPX_OK) first = st;
+    }
+  if (p->lt) {
+    st = blas_status(B->cublasLtDestroy(p->lt), "cublasLtDestroy");
+    if (first == EPX_OK) first = st;
+  }
+  if (p->blas) {
+    st = blas_status(B->cublasDestroy(p->blas), "cublasDestroy");
+    if (first == EPX_OK) first = st;
+  }
   p->lt_desc[0] = p->lt_desc[1] = NULL;
   p->lt = NULL;
   p->blas = NULL;
+  return first;
 }
 
 /* The plan's cuBLAS handle for the next call: its stream, workspace slice and SM target. */
@@ -117,11 +129,12 @@ epx_status_t epx__moe_gemm_batched_alloc(epx_moe_prefill_t p) {
   return EPX_OK;
 }
 
-static void batched_free(epx_moe_prefill_t p) {
-  if (p->group_ptrs) cudaFree(p->group_ptrs);
-  if (p->blocked_begin) cudaFree(p->blocked_begin);
+static epx_status_t batched_free(epx_moe_prefill_t p) {
+  const epx_status_t a = p->group_ptrs ? CUDA_STATUS(cudaFree(p->group_ptrs)) : EPX_OK;
+  const epx_status_t b = p->blocked_begin ? CUDA_STATUS(cudaFree(p->blocked_begin)) : EPX_OK;
   p->group_ptrs = NULL;
   p->blocked_begin = NULL;
+  return a != EPX_OK ? a : b;
 }
 
 epx_status_t epx__moe_gemm_bf16_batched(epx_moe_prefill_t p, const epx__moe_batched_gemm_t *g,

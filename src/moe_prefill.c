@@ -155,33 +155,60 @@ static epx_status_t check_experts(const char *fn, epx_group_t g, const epx_exper
   return EPX_OK;
 }
 
-static void plan_free(epx_moe_prefill_t p) {
-  if (!p) return;
-  if (p->comm) cudaStreamSynchronize(p->comm);
-  if (p->compute) cudaStreamSynchronize(p->compute);
-  for (int i = 1; i < EPX__MOE_MAX_LANES; i++)
-    if (p->lane_stream[i]) cudaStreamSynchronize(p->lane_stream[i]);
-  epx__moe_gemm_destroy(p);
-  for (int i = 0; i < 2; i++) {
-    if (p->handles[i]) epx_handle_destroy(p->handles[i]);
-    if (p->scales[i]) cudaFree(p->scales[i]);
+/* Keeps the first failure of a release step. */
+static void keep_release(epx_status_t *first, epx_status_t st) {
+  if (*first == EPX_OK) *first = st;
+}
+
+/* Whether a group of the plan (still alive) has an NCCL operation pending (group.h): waiting for
+ * the device would wait behind it, and freeing device memory or destroying a cuBLAS handle waits
+ * for the device. */
+static int plan_nccl_pending(epx_moe_prefill_t p) {
+  for (int i = 0; i < p->num_groups; i++)
+    if (p->groups[i] && epx__registry_contains(p->groups[i]) && p->groups[i]->nccl_pending)
+      return 1;
+  return 0;
+}
+
+/* Releases everything the plan holds and returns the first failure (every step runs either
+ * way). With a group's NCCL operation pending, only the host memory is freed: the device
+ * resources are left allocated, as epx_handle_destroy and epx_group_destroy do then. */
+static epx_status_t plan_free(epx_moe_prefill_t p) {
+  if (!p) return EPX_OK;
+  if (plan_nccl_pending(p)) {
+    for (int i = 0; i < 2; i++)
+      if (p->handles[i]) epx_handle_destroy(p->handles[i]); /* frees its host part only */
+    free(p);
+    return EPX_OK;
   }
-  if (p->ones) cudaFree(p->ones);
+  epx_status_t first = EPX_OK;
+  if (p->comm) keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->comm)));
+  if (p->compute) keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->compute)));
+  for (int i = 1; i < EPX__MOE_MAX_LANES; i++)
+    if (p->lane_stream[i])
+      keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->lane_stream[i])));
+  keep_release(&first, epx__moe_gemm_destroy(p));
+  for (int i = 0; i < 2; i++) {
+    if (p->handles[i]) keep_release(&first, epx_handle_destroy(p->handles[i]));
+    if (p->scales[i]) keep_release(&first, CUDA_STATUS(cudaFree(p->scales[i])));
+  }
+  if (p->ones) keep_release(&first, CUDA_STATUS(cudaFree(p->ones)));
   cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done};
   for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
-    if (*events[i]) cudaEventDestroy(*events[i]);
+    if (*events[i]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(*events[i])));
   for (int c = 0; c < EPX__MOE_MAX_CHUNKS; c++) {
-    if (p->dispatched[c]) cudaEventDestroy(p->dispatched[c]);
-    if (p->ffn_done[c]) cudaEventDestroy(p->ffn_done[c]);
+    if (p->dispatched[c]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(p->dispatched[c])));
+    if (p->ffn_done[c]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(p->ffn_done[c])));
   }
   for (int i = 0; i < EPX__MOE_MAX_LANES; i++) {
-    if (p->lane_stream[i]) cudaStreamDestroy(p->lane_stream[i]);
-    if (p->lane_done[i]) cudaEventDestroy(p->lane_done[i]);
+    if (p->lane_stream[i]) keep_release(&first, CUDA_STATUS(cudaStreamDestroy(p->lane_stream[i])));
+    if (p->lane_done[i]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(p->lane_done[i])));
   }
-  if (p->lane_fork) cudaEventDestroy(p->lane_fork);
-  if (p->comm) cudaStreamDestroy(p->comm);
-  if (p->compute) cudaStreamDestroy(p->compute);
+  if (p->lane_fork) keep_release(&first, CUDA_STATUS(cudaEventDestroy(p->lane_fork)));
+  if (p->comm) keep_release(&first, CUDA_STATUS(cudaStreamDestroy(p->comm)));
+  if (p->compute) keep_release(&first, CUDA_STATUS(cudaStreamDestroy(p->compute)));
   free(p);
+  return first;
 }
 
 /* The FP8 block scales [E][n/128][k/128] copied into [E][n/128][kb4] (kb4 = k/128 rounded up to
@@ -447,6 +474,10 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
     if (st == EPX_OK)
       st = repack_scales(experts->down_scales, p->L, p->H, p->I, &p->scales[1], &p->scales_kb[1]);
   }
+  /* The uploads above (the weights of 1, the repacked scales) ran on the legacy stream, which
+   * the plan's non-blocking streams do not wait for, nor may the caller's stream: a first call
+   * must not read them half-written. */
+  if (st == EPX_OK) st = CUDA_STATUS(cudaDeviceSynchronize());
   if (st == EPX_OK) st = epx__registry_add(p);
   if (st != EPX_OK) {
     char message[512];
@@ -464,8 +495,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t p) {
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "epx_moe_prefill_destroy: plan %p is not a live plan", (void *)p);
   epx__registry_remove(p);
-  plan_free(p);
-  return EPX_OK;
+  return plan_free(p);
 }
 
 epx__moe_ws_layout_t epx__moe_plan_ws_layout(epx_moe_prefill_t p) {

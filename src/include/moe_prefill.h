@@ -199,9 +199,11 @@ epx_status_t epx__moe_gemm_fp8(epx_moe_prefill_t p, int which, const void *w, co
  * query on a representative size). */
 int epx__moe_lt_supported(epx_moe_prefill_t p, int which);
 /* cuBLAS handles and, with FP8 weights, the cuBLASLt descriptors; released by
- * epx__moe_gemm_destroy (NULL-safe on a half-made plan). */
+ * epx__moe_gemm_destroy (NULL-safe on a half-made plan; returns the first failure, every
+ * handle released either way). cublasDestroy waits for the device: not with a group's NCCL
+ * operation pending (plan_free leaks them then). */
 epx_status_t epx__moe_gemm_create(epx_moe_prefill_t p);
-void epx__moe_gemm_destroy(epx_moe_prefill_t p);
+epx_status_t epx__moe_gemm_destroy(epx_moe_prefill_t p);
 
 #ifdef __cplusplus
 }

@@ -158,7 +158,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           return (int32_t)((uint32_t)(v >> 32) - epoch) >= 0; /* this call's or newer, wrap-safe */
         },
         epx::NeverAbandon());
-    if (waited != epx::WaitResult::kReady) {
+    /* A newer call's word: s gave up on this call (its dispatch timed out on this rank, or a
+     * call was refused on some ranks only) and went on. Its count is not this call's: fail
+     * the call here as a peer's timeout does, never place rows with it. */
+    if (waited != epx::WaitResult::kReady || (uint32_t)(v >> 32) != epoch) {
       epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_NOTIFY, s, -1, epoch);
       timed_out = 1;
       v = 0;
