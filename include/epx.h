@@ -1088,10 +1088,11 @@ epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int num_groups,
                                     epx_moe_prefill_t *plan);
 
 /* epx_moe_prefill_destroy - release the plan (synchronizes its streams first). destroy(NULL)
- * is EPX_OK. Not collective. Returns EPX_OK, or the first failure of the release (EPX_ERR_CUDA:
- * an asynchronous error surfacing at the streams' synchronization, say); the plan is released
- * either way. After one of its groups' NCCL operations timed out (docs/api.md, "After a
- * fault"), its device resources are left allocated rather than waited for. */
+ * is EPX_OK. Not collective. Destroy it before its groups. Returns EPX_OK, or the first failure
+ * of the release (EPX_ERR_CUDA: an asynchronous error surfacing at the streams'
+ * synchronization, say); the plan is released either way. After one of its groups' NCCL
+ * operations timed out (docs/api.md, "After a fault"), its device resources are left allocated
+ * rather than waited for. */
 epx_status_t epx_moe_prefill_destroy(epx_moe_prefill_t plan);
 
 /* epx_moe_prefill_get_info - what the plan resolved. Not collective; no GPU work. */

@@ -62,16 +62,21 @@ fail:
   return res;
 }
 
+void epx__handle_free_host(epx_handle_t h) {
+  epx__registry_remove(h);
+  free(h);
+}
+
 EPX_EXPORT epx_status_t epx_handle_destroy(epx_handle_t h) {
   if (!h) return EPX_OK;
   EPX_CHECK(epx__handle_check(h->group, h));
-  epx__registry_remove(h);
   if (h->group->nccl_pending) {
     /* Waiting for the device, or freeing device memory, would wait for the group's pending
      * NCCL operation (group.h): the handle's device memory is left allocated. */
-    free(h);
+    epx__handle_free_host(h);
     return EPX_OK;
   }
+  epx__registry_remove(h);
   /* Release everything, report the first failure. */
   epx_status_t res = CUDA_STATUS(cudaDeviceSynchronize());
   const epx_status_t e1 = CUDA_STATUS(cudaEventDestroy(h->counts_ready));

@@ -175,9 +175,9 @@ static int plan_nccl_pending(epx_moe_prefill_t p) {
  * resources are left allocated, as epx_handle_destroy and epx_group_destroy do then. */
 static epx_status_t plan_free(epx_moe_prefill_t p) {
   if (!p) return EPX_OK;
-  if (plan_nccl_pending(p)) {
+  if (plan_nccl_pending(p)) { /* (either handle's destroy would wait for the device) */
     for (int i = 0; i < 2; i++)
-      if (p->handles[i]) epx_handle_destroy(p->handles[i]); /* frees its host part only */
+      if (p->handles[i]) epx__handle_free_host(p->handles[i]);
     free(p);
     return EPX_OK;
   }

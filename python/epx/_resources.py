@@ -38,7 +38,8 @@ def _release_group(state):
     first error instead of raising (a GC callback has nobody to raise to)."""
     first = None
     for h in list(state["handles"]):
-        first = first or _release_handle(h, state)
+        err = _release_handle(h, state)  # every handle, whichever failed before
+        first = first or err
     gptr, state["group"] = state["group"], None
     status = _capi.lib.epx_group_destroy(gptr)
     if status != errors.EPX_OK:

@@ -218,12 +218,19 @@ class Group:
         a.num_worst_tokens = num_worst_tokens
         a.recv_topk_idx_dtype = _tensors.epx_dtype(idx_dtype)
         r = _capi.epx_dispatch_result_t()
-        self._call(lib.epx_dispatch(self._ptr(fn), hptr, ctypes.byref(a), ctypes.byref(r),
-                                    _stream_ptr(stream)))
-        h.num_tokens, h.num_recv, h.num_worst_tokens = T, r.num_recv, num_worst_tokens
-        # Valid device memory for combine's empty inputs (a rank that received no rows passes
-        # empty tensors, whose data_ptr() is 0, and C refuses NULL).
-        h._recv_x_ptr, h._recv_weights_ptr = r.recv_x, r.recv_topk_weights
+        status = lib.epx_dispatch(self._ptr(fn), hptr, ctypes.byref(a), ctypes.byref(r),
+                                  _stream_ptr(stream))
+        if r.capacity > 0:
+            # C filled the result (also before a count timeout): the handle is this call's.
+            h.num_tokens, h.num_recv, h.num_worst_tokens = T, r.num_recv, num_worst_tokens
+            # Valid device memory for combine's empty inputs (a rank that received no rows
+            # passes empty tensors, whose data_ptr() is 0, and C refuses NULL).
+            h._recv_x_ptr, h._recv_weights_ptr = r.recv_x, r.recv_topk_weights
+        elif status != errors.EPX_OK:
+            # C may have begun to fill the handle (its token count) before failing: the
+            # previous routing is gone, and a combine sized by it would write past `out`.
+            h.num_tokens = None
+        self._call(status)
         return self._dispatch_result(h, r, x.dtype, r.num_recv,
                                      list(per_expert) if per_expert is not None else None)
 
@@ -349,8 +356,13 @@ class Group:
             # C filled the result, so the call was queued (even if it then reported an error:
             # rows past the capacity, a count timeout) and a combine_expand must follow on
             # every rank: the handle describes this dispatch either way.
+            # Rows past the capacity (a call that overflowed it) were not written, and the
+            # combine_expand every rank must still make reads at most the capacity's.
             h.num_tokens, h.num_recv, h.num_worst_tokens = T, r.num_recv, 0
-            h.num_rows, h._recv_x_ptr = r.num_rows, r.recv_x
+            h.num_rows, h._recv_x_ptr = min(r.num_rows, r.capacity), r.recv_x
+            h._recv_weights_ptr = r.recv_weights  # (combine's empty recv_topk_weights, below)
+        elif status != errors.EPX_OK:
+            h.num_tokens = None  # as in dispatch: C may have begun to fill the handle
         self._call(status)
         H, K, R, cap = self._dims.hidden, self._dims.top_k, self.num_ranks, r.capacity
         n = r.num_rows if r.num_rows >= 0 else cap

@@ -7,12 +7,20 @@ The plan holds its groups and experts (Python references keep them alive); destr
 its groups. torch is imported lazily.
 """
 import ctypes
+import weakref
 
 from . import _capi, _tensors, errors
 from ._tensors import _torch, data_ptr, invalid_argument
 from ._tensors import stream_ptr as _stream_ptr
 
 FFN_BACKENDS = {"auto": 0, "cublas": 1, "epx": 2, "cublas_grouped": 3, "epx_grouped": 4}
+
+
+def _release_plan(ptr, _groups):
+    """The release of a plan nobody destroyed (garbage collection, interpreter exit): the
+    finalizer holds its groups (_groups), which keeps them alive until then, so the plan goes
+    first. Errors are dropped (a GC callback has nobody to raise to)."""
+    _capi.lib.epx_moe_prefill_destroy(ptr)
 
 
 class MoePrefill:
@@ -58,7 +66,18 @@ class MoePrefill:
         _capi.check(_capi.lib.epx_moe_prefill_create(ptrs, len(groups), ctypes.byref(experts._c),
                                                      ctypes.byref(cfg), ctypes.byref(plan)))
         self._plan = plan.value
+        self._release = weakref.finalize(self, _release_plan, self._plan, groups)
         self._groups, self._experts = groups, experts
+        try:
+            self._describe(groups)
+        except BaseException:  # a failed query or workspace allocation: no half-made plan left
+            try:
+                self.destroy()
+            except errors.EpxError:
+                pass  # the first failure is the one raised
+            raise
+
+    def _describe(self, groups):
         info = _capi.EPX_MOE_PREFILL_INFO_INIT()
         _capi.check(_capi.lib.epx_moe_prefill_get_info(self._plan, ctypes.byref(info)))
         self.num_chunks, self.gemm_sms = info.num_chunks, info.gemm_sms
@@ -111,8 +130,9 @@ class MoePrefill:
         """Release the plan (idempotent): before its groups are destroyed."""
         if self._plan is not None:
             plan, self._plan = self._plan, None
-            _capi.check(_capi.lib.epx_moe_prefill_destroy(plan))
+            self._release.detach()
             self._workspace = None
+            _capi.check(_capi.lib.epx_moe_prefill_destroy(plan))
 
     def __enter__(self):
         return self

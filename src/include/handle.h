@@ -31,6 +31,10 @@ struct epx_handle {
   int expand;              /* it was an epx_dispatch_expand */
 };
 
+/* Forgets a live handle and frees its host memory only, its device memory left allocated: for
+ * when waiting for the device would wait behind a group's pending NCCL operation (group.h). */
+void epx__handle_free_host(epx_handle_t h);
+
 /* The handle's routing arrays as the kernels take them. */
 epx__routing_t epx__handle_routing(epx_handle_t h);
 

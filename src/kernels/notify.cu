@@ -155,7 +155,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         ctx.timeout_ns,
         [&] {
           v = epx::ld_acquire_sys(inbox + i);
-          return (int32_t)((uint32_t)(v >> 32) - epoch) >= 0; /* this call's or newer, wrap-safe */
+          /* stop at this call's word or a newer one (wrap-safe); a newer one fails the call */
+          return (int32_t)((uint32_t)(v >> 32) - epoch) >= 0;
         },
         epx::NeverAbandon());
     /* A newer call's word: s gave up on this call (its dispatch timed out on this rank, or a
