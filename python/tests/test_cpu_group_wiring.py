@@ -26,6 +26,10 @@ class FakeLib:
         self.calls, self.buffers, self.error = [], [], b""
         self.next_handle = 0x5000
         self.seq = 0
+        # what epx_dispatch answers, and whether it fills the result first (as C does before
+        # a count timeout, not before a refusal); handles whose destroy fails
+        self.dispatch_status, self.dispatch_fills = 0, True
+        self.failing_handles = set()
 
     def _buffer(self, nbytes):
         b = (ctypes.c_char * max(nbytes, 16))()
@@ -73,7 +77,7 @@ class FakeLib:
 
     def epx_handle_destroy(self, h):
         self.calls.append(("handle_destroy", h))
-        return 0
+        return epx.errors.EPX_ERR_CUDA if h in self.failing_handles else 0
 
     def epx_layout(self, g, a, stream):
         self.calls.append(("layout", _copy(a._obj), stream))
@@ -106,8 +110,11 @@ class FakeLib:
             counts = (ctypes.c_int * L).from_address(a.num_recv_per_expert)
             counts[:] = list(range(1, L + 1))
         num_recv = 7 if a.sync_counts else (a.num_worst_tokens or -1)
-        self._fill_dispatch(a, r._obj, num_recv)
-        return 0
+        if self.dispatch_status == epx.errors.EPX_ERR_TIMEOUT:
+            num_recv = -1
+        if self.dispatch_fills:
+            self._fill_dispatch(a, r._obj, num_recv)
+        return self.dispatch_status
 
     def epx_dispatch_cached_args(self, g, h, a, r, stream):
         self.calls.append(("dispatch_cached", h, _copy(a._obj), stream))
@@ -406,3 +413,40 @@ def test_foreign_handles_hooks_and_results_are_refused(fake):
         g.dispatch(h, x, torch.zeros((2, K), dtype=torch.int64))
     g.destroy()
     other.destroy()
+
+
+def test_a_failed_dispatch_leaves_no_stale_routing(fake):
+    """C sets the handle's token count before a dispatch can fail: a combine sized by the
+    previous dispatch's count would write past its output."""
+    g = make_group()
+    h = g.handle()
+    x5, idx5 = torch.zeros((5, H), dtype=torch.bfloat16), torch.zeros((5, K), dtype=torch.int32)
+    x9, idx9 = torch.zeros((9, H), dtype=torch.bfloat16), torch.zeros((9, K), dtype=torch.int32)
+    g.dispatch(h, x5, idx5)
+    assert h.num_tokens == 5
+    fake.dispatch_status, fake.dispatch_fills = epx.errors.EPX_ERR_CUDA, False
+    with pytest.raises(epx.EpxError):
+        g.dispatch(h, x9, idx9)
+    assert h.num_tokens is None
+    with pytest.raises(epx.EpxInvalidUsage, match="holds no routing yet"):
+        g.combine(h, torch.zeros((7, H), dtype=torch.bfloat16))
+    # a count timeout: C filled the result, the handle is that call's (9 tokens, count unknown)
+    fake.dispatch_status, fake.dispatch_fills = epx.errors.EPX_ERR_TIMEOUT, True
+    with pytest.raises(epx.EpxTimeout):
+        g.dispatch(h, x9, idx9)
+    assert (h.num_tokens, h.num_recv) == (9, -1)
+    out, _ = g.combine(h, torch.zeros((CAP, H), dtype=torch.bfloat16))
+    assert out.shape == (9, H)
+    g.destroy()
+
+
+def test_releasing_a_group_releases_every_handle_after_a_failure(fake):
+    g = make_group()
+    handles = [g.handle() for _ in range(3)]
+    ptrs = {h._res.state.ptr for h in handles}
+    fake.failing_handles = set(ptrs)  # every one fails: none may be skipped
+    with pytest.raises(epx.EpxError):
+        g.destroy()
+    assert {c[1] for c in fake.calls if c[0] == "handle_destroy"} == ptrs
+    assert [c[0] for c in fake.calls[-2:]] == ["group_destroy", "comm_destroy"]
+
