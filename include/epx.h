@@ -500,7 +500,9 @@ typedef struct epx_combine_args {
  * source token into out_topk_weights. COLLECTIVE, ordered on stream, no host synchronization;
  * capturable in a CUDA graph.
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument (nothing is sent, the
- * group still works); EPX_ERR_INVALID_USAGE (no dispatch in the handle yet). */
+ * group still works); EPX_ERR_INVALID_USAGE (no dispatch in the handle yet; or a combine of the
+ * group timed out on this rank before, cleared or not: the ranks' counters no longer agree,
+ * destroy and re-create the group, docs/api.md "After a fault"). */
 epx_status_t epx_combine(epx_group_t group, epx_handle_t handle, const epx_combine_args_t *args,
                          cudaStream_t stream);
 
@@ -594,7 +596,8 @@ typedef struct epx_combine_expand_args {
  * epx_dispatch_expand, and no dispatch of the group may have run since (its token_rows and
  * weights are in the workspace).
  * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent);
- * EPX_ERR_INVALID_USAGE (no expand dispatch in the handle). Timeouts as epx_combine. */
+ * EPX_ERR_INVALID_USAGE (no expand dispatch in the handle; a combine timed out before, as
+ * epx_combine). Timeouts as epx_combine. */
 epx_status_t epx_combine_expand(epx_group_t group, epx_handle_t handle,
                                 const epx_combine_expand_args_t *args, cudaStream_t stream);
 

@@ -71,11 +71,31 @@ EPX_EXPORT epx_status_t epx_group_get_async_error(epx_group_t g, epx_async_error
   return EPX_OK;
 }
 
+/* Whether the record holds a combine's timeout (status read first, as the kernels write it
+ * last). */
+static int record_says_combine_timed_out(epx_group_t g) {
+  if (g->error_host->status != EPX_ERR_TIMEOUT) return 0;
+  __sync_synchronize();
+  return g->error_host->stage == EPX_STAGE_COMBINE;
+}
+
+epx_status_t epx__group_check_combine_in_step(epx_group_t g, const char *fn) {
+  if (record_says_combine_timed_out(g)) g->combine_out_of_step = 1;
+  if (!g->combine_out_of_step) return EPX_OK;
+  return epx__set_error(EPX_ERR_INVALID_USAGE,
+                        "%s: a combine of this group timed out before (stage COMBINE in "
+                        "epx_group_get_async_error): the ranks' combine counters no longer agree; "
+                        "destroy the group on every rank and create a new one",
+                        fn);
+}
+
 EPX_EXPORT epx_status_t epx_group_clear_async_error(epx_group_t g) {
   EPX_CHECK(epx__group_check(g));
   /* (waiting for the device would wait for an NCCL operation left pending) */
   EPX_CHECK(epx__group_check_collective(g, "epx_group_clear_async_error"));
   CUDA_CHECK(cudaDeviceSynchronize());
+  /* (clearing the record does not put the combine counters back in step) */
+  if (record_says_combine_timed_out(g)) g->combine_out_of_step = 1;
   epx__control_t *ctrl = epx__group_control(g);
   CUDA_CHECK(cudaMemsetAsync(&ctrl->error_claim, 0, sizeof ctrl->error_claim, g->setup_stream));
   /* The layout scan starts over too: an error may have left it mid-call (workspace.h). */

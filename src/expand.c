@@ -218,6 +218,7 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
   if (!h->expand)
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "%s: the handle's last dispatch was not an epx_dispatch_expand", fn);
+  EPX_CHECK(epx__group_check_combine_in_step(g, fn));
   /* The rows may be 0 on this rank, but the pointer must still be valid memory. */
   EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
   if (h->num_tokens > 0) EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));

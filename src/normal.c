@@ -213,6 +213,7 @@ EPX_EXPORT epx_status_t epx_combine(epx_group_t g, epx_handle_t h, const epx_com
   if (h->num_tokens < 0)
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "%s: the handle holds no routing yet; call epx_dispatch first", fn);
+  EPX_CHECK(epx__group_check_combine_in_step(g, fn));
   /* The rows to send back may be 0 on this rank, but the pointer must still be valid memory. */
   EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
   if (h->num_tokens > 0) EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));

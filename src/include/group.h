@@ -35,6 +35,10 @@ struct epx_group {
    * wait for that operation) and leaves the workspace allocated; steps that would queue behind
    * the operation refuse. */
   int nccl_pending;
+  /* A normal-mode combine of the group timed out (seen in the async record): the ranks'
+   * combine counters no longer agree, so a later combine could pass its waits before its rows
+   * land. Combines refuse from then on (epx__group_check_combine_in_step). */
+  int combine_out_of_step;
   struct epx__trace *trace;           /* host state of tracing (src/trace/), or NULL */
   struct epx__trace_ring *trace_ring; /* what kernels record into; NULL when not tracing */
   epx__ll_host_t ll;                  /* low-latency bookkeeping; zero at creation */
@@ -48,6 +52,9 @@ int epx__group_nccl_timeout_ms(int timeout_ms);
 /* EPX_OK, or EPX_ERR_INVALID_USAGE naming fn when an earlier NCCL operation of g timed out
  * (g->nccl_pending): collective steps of the group would queue behind it. */
 epx_status_t epx__group_check_collective(epx_group_t g, const char *fn);
+/* EPX_OK, or EPX_ERR_INVALID_USAGE naming fn once a combine of g timed out on this rank (the
+ * async record says so, or said so before it was cleared): destroy and re-create the group. */
+epx_status_t epx__group_check_combine_in_step(epx_group_t g, const char *fn);
 /* The kernel context of g (by value into every launch). */
 void epx__group_kernel_ctx(epx_group_t g, epx__kernel_ctx_t *ctx);
 /* This rank's control region (host view of the workspace). */

@@ -14,7 +14,8 @@
  *   normal_refuses_bad_arguments      named errors, nothing sent, the group still works
  *   normal_bad_id_then_combine        an id outside [-1, E): async INVALID_ARGUMENT, empty slot;
  *                                     three combines after it (error on record) still right
- *   normal_combine_times_out          one rank skips a combine: TIMEOUT naming it, < budget+1s
+ *   normal_combine_times_out          one rank skips a combine: TIMEOUT naming it, < budget+1s;
+ *                                     the others' later combines refused, cleared or not
  *   normal_dispatch_count_timeout_is_returned  one rank skips a dispatch: the others' sync_counts
  *                                     dispatch returns EPX_ERR_TIMEOUT and num_recv = -1
  *   normal_late_rank_gets_an_error    one rank 1.5 s late (budget 0.5 s): every rank gets
@@ -456,6 +457,12 @@ EPX_PEER_TEST(normal_combine_times_out, 120) {
     EXPECT_EQ_INT(err.stage, EPX_STAGE_COMBINE);
     EXPECT_EQ_INT(err.peer, missing);
     EXPECTF(waited < 1.5, "took %.3f s with a 0.5 s budget", waited);
+    /* The counters no longer agree: a later combine is refused, before and after a clear
+     * (nothing queued: no rank waits for it). */
+    EXPECT_STATUS(epx_combine(g, h, &ca, t->stream), EPX_ERR_INVALID_USAGE);
+    EXPECT_OK(epx_group_clear_async_error(g));
+    EXPECT_STATUS(epx_combine(g, h, &ca, t->stream), EPX_ERR_INVALID_USAGE);
+    printf("  rank %d: a later combine: %s\n", me, epx_last_error());
   }
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   return normal_fixture_free(&f, c.name);
