@@ -450,3 +450,17 @@ def test_releasing_a_group_releases_every_handle_after_a_failure(fake):
     assert {c[1] for c in fake.calls if c[0] == "handle_destroy"} == ptrs
     assert [c[0] for c in fake.calls[-2:]] == ["group_destroy", "comm_destroy"]
 
+
+
+def test_an_empty_x_with_an_unknown_count_is_refused(fake):
+    """With sync_counts=False the host does not know this rank's rows: an empty x cannot mean
+    "no rows" then (C would combine the delivered rows in its place)."""
+    g = make_group()
+    h = g.handle()
+    x, idx = torch.zeros((5, H), dtype=torch.bfloat16), torch.zeros((5, K), dtype=torch.int32)
+    g.dispatch(h, x, idx, sync_counts=False)
+    assert h.num_recv == -1
+    with pytest.raises(epx.EpxInvalidArgument, match="x is empty, but this rank's num_recv"):
+        g.combine(h, torch.empty((0, H), dtype=torch.bfloat16))
+    g.combine(h, torch.zeros((CAP, H), dtype=torch.bfloat16))  # the delivered rows: accepted
+    g.destroy()
