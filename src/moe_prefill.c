@@ -155,9 +155,17 @@ static epx_status_t check_experts(const char *fn, epx_group_t g, const epx_exper
   return EPX_OK;
 }
 
-/* Keeps the first failure of a release step. */
-static void keep_release(epx_status_t *first, epx_status_t st) {
-  if (*first == EPX_OK) *first = st;
+/* The first failure of the release steps, with its message (a later step's failure would
+ * replace epx_last_error's text). */
+typedef struct {
+  epx_status_t status;
+  char message[512];
+} release_t;
+
+static void keep_release(release_t *r, epx_status_t st) {
+  if (r->status != EPX_OK || st == EPX_OK) return;
+  r->status = st;
+  snprintf(r->message, sizeof r->message, "%s", epx_last_error());
 }
 
 /* Whether a group of the plan (still alive) has an NCCL operation pending (group.h): waiting for
@@ -181,7 +189,7 @@ static epx_status_t plan_free(epx_moe_prefill_t p) {
     free(p);
     return EPX_OK;
   }
-  epx_status_t first = EPX_OK;
+  release_t first = {EPX_OK, ""};
   if (p->comm) keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->comm)));
   if (p->compute) keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->compute)));
   for (int i = 1; i < EPX__MOE_MAX_LANES; i++)
@@ -208,7 +216,7 @@ static epx_status_t plan_free(epx_moe_prefill_t p) {
   if (p->comm) keep_release(&first, CUDA_STATUS(cudaStreamDestroy(p->comm)));
   if (p->compute) keep_release(&first, CUDA_STATUS(cudaStreamDestroy(p->compute)));
   free(p);
-  return first;
+  return first.status == EPX_OK ? EPX_OK : epx__set_error(first.status, "%s", first.message);
 }
 
 /* The FP8 block scales [E][n/128][k/128] copied into [E][n/128][kb4] (kb4 = k/128 rounded up to
