@@ -135,7 +135,7 @@ class _GroupState:
         self.max_tokens = max_tokens
         self.provisional = provisional  # normal mode: layout-only group (hidden unknown yet)
         self.alive = True
-        self._handles = []  # every EPX handle created, to destroy them before the group
+        self._handles = []  # every EPX handle created (kept alive: Group.destroy releases them)
         self._pool = []  # the ones no DispatchHandle holds
         self._source_tokens = {}  # low-latency mode: recv_src_info address -> its [..., 1] view
 
@@ -177,9 +177,9 @@ class _GroupState:
             return
         self.alive = False
         self._source_tokens.clear()
-        handles, self._handles, self._pool = self._handles, [], []
-        for handle in handles:
-            handle.destroy()
+        self._handles, self._pool = [], []
+        # Group.destroy releases every handle (going on after a failure) before the collective
+        # group destroy: a handle failing here must not keep this rank out of that collective.
         self.group.destroy()
 
 
@@ -408,8 +408,14 @@ class Buffer:
         self._destroyed = True
         states = [s for s in (self._normal, self._ll) if s is not None]
         self._normal = self._ll = None
-        for state in states:
-            state.destroy()
+        first = None
+        for state in states:  # each group's collective destroy, whichever failed before
+            try:
+                state.destroy()
+            except Exception as e:  # noqa: BLE001 (re-raised below, after the other group)
+                first = first or e
+        if first is not None:
+            raise first
 
     # ------------------------------------------------------------------------------------------
     # Internals: liveness, groups
