@@ -117,6 +117,11 @@ class _Lease:
     def __init__(self, state, handle):
         self.state = state
         self.handle = handle
+        # A handle whose dispatch is being captured in a CUDA graph is written again by every
+        # replay: it never goes back to the pool, so no eager dispatch can take it (and have its
+        # routing overwritten by a replay before its combine) while the graph may still run.
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         fin = weakref.finalize(self, state.give_back, handle)
         fin.atexit = False
 
