@@ -597,7 +597,7 @@ def test_buffer_refuses_multi_host(fake, monkeypatch):
     with pytest.raises(NotImplementedError, match="more than one host"):
         deep_ep.Buffer(_Group2(), 10 ** 9)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    names = iter(["a", "b"])
+    names = iter([("a", 8), ("b", 8)])  # (host, visible GPUs) of each rank
 
     def gather(out, obj, group=None):
         for i in range(len(out)):

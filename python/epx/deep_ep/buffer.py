@@ -327,11 +327,11 @@ class Buffer:
         self._destroyed = False
 
     def _check_one_host(self) -> None:
-        multi = self.group_size > torch.cuda.device_count()
-        if not multi:
-            hosts = [None] * self.group_size
-            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-            multi = len(set(hosts)) > 1
+        # Every rank gathers (a rank that decided alone, say from its own visible GPU count,
+        # would leave the others waiting in the gather), then all decide the same.
+        seen = [None] * self.group_size
+        dist.all_gather_object(seen, (socket.gethostname(), torch.cuda.device_count()), group=self.group)
+        multi = len({host for host, _ in seen}) > 1 or any(self.group_size > n for _, n in seen)
         if multi:
             what = "internode RDMA (num_rdma_bytes > 0 across hosts)" if self.num_rdma_bytes > 0 and \
                 not self.low_latency_mode else "communication across hosts"
