@@ -106,6 +106,16 @@ def _scale_strides(x_scales):
     return st, sg
 
 
+def _check_rows_known(fn, x, count, name):
+    """An empty x stands for "no rows" only when the dispatch's count is known on the host: with
+    it unknown (sync_counts=False), C would read the rows the dispatch delivered in its place
+    (the Group passes valid memory for an empty tensor) and combine them as the expert outputs."""
+    if x.numel() == 0 and (count is None or count < 0):
+        raise invalid_argument("%s: x is empty, but this rank's %s is unknown on the host (a "
+                               "dispatch with sync_counts=False): pass x with the rows the "
+                               "dispatch delivered (its recv_x's row count)" % (fn, name))
+
+
 def check_combine_expand_args(dims, num_tokens, num_rows, x, out=None):
     """Checks combine_expand's tensors: x [>= num_rows, H] bf16 (num_rows -1: unknown on the
     host), out [T, H] bf16 or None."""
@@ -115,6 +125,7 @@ def check_combine_expand_args(dims, num_tokens, num_rows, x, out=None):
     if num_rows is not None and num_rows >= 0 and x.shape[0] < num_rows:
         raise invalid_argument("%s: x: expected at least %d rows (the dispatch's num_rows), got "
                                "%d" % (fn, num_rows, x.shape[0]))
+    _check_rows_known(fn, x, num_rows, "num_rows")
     check_optional(fn, "out", out, torch.bfloat16, (num_tokens, H), **dev, align=16)
 
 
@@ -127,6 +138,7 @@ def check_combine_args(dims, num_tokens, num_recv, x, out=None, topk_idx=None,
     if num_recv >= 0 and x.shape[0] < num_recv:
         raise invalid_argument("%s: x: expected at least %d rows (the dispatch's num_recv), got "
                                "%d" % (fn, num_recv, x.shape[0]))
+    _check_rows_known(fn, x, num_recv, "num_recv")
     check_optional(fn, "out", out, torch.bfloat16, (T, H), **dev, align=16)
     check_optional(fn, "topk_idx", topk_idx, _index_dtypes(), (T, K), **dev)
     check_optional(fn, "topk_weights", topk_weights, torch.float32, (T, K), **dev)

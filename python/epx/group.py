@@ -57,17 +57,6 @@ def _borrowed_comm(dist, torch, group):
     return comm
 
 
-def _check_rows_known(fn, x, count, name):
-    """An empty x stands for "no rows" only when the dispatch's count is known to be 0: with
-    the count unknown on the host (sync_counts=False), C would read the rows the dispatch
-    delivered in its place (the empty tensor's pointer is replaced by valid memory) and
-    combine them as if they were the expert outputs."""
-    if x.numel() == 0 and (count is None or count < 0):
-        raise invalid_argument("%s: x is empty, but this rank's %s is unknown on the host (a "
-                               "dispatch with sync_counts=False): pass x with the rows the "
-                               "dispatch delivered (its recv_x's row count)" % (fn, name))
-
-
 class Group:
     """An EPX group over a torch.distributed process group (see the module doc and
     docs/python.md). Collective: every rank constructs it with the same arguments."""
@@ -311,7 +300,6 @@ class Group:
         T = h.num_tokens
         bias = check_combine_args(self._dims, T, h.num_recv, x, out, topk_idx, topk_weights,
                                   recv_topk_weights, bias)
-        _check_rows_known(fn, x, h.num_recv, "num_recv")
         if out is None:
             out = torch.empty((T, self._dims.hidden), dtype=torch.bfloat16, device=self.device)
         out_w = None
@@ -416,7 +404,6 @@ class Group:
                                          "Group.dispatch_expand first" % fn)
         T = h.num_tokens
         check_combine_expand_args(self._dims, T, h.num_rows, x, out)
-        _check_rows_known(fn, x, h.num_rows, "num_rows")
         if out is None:
             out = torch.empty((T, self._dims.hidden), dtype=torch.bfloat16, device=self.device)
         a = _capi.EPX_COMBINE_EXPAND_ARGS_INIT()
