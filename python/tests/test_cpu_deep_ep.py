@@ -202,8 +202,18 @@ class _FakeHandle:
 
 
 def test_handle_pool_and_leases():
-    log = []
-    group = types.SimpleNamespace(handle=lambda: _FakeHandle(log), destroy=lambda: log.append("group"))
+    log, made = [], []
+
+    def make_handle():
+        made.append(_FakeHandle(log))
+        return made[-1]
+
+    def destroy_group():  # as epx.Group.destroy: its handles first, then the group
+        for h in made:
+            h.destroy()
+        log.append("group")
+
+    group = types.SimpleNamespace(handle=make_handle, destroy=destroy_group)
     st = buffer_mod._GroupState(group, 1, "normal", 128, 8, 2, 64)
     h1 = st.take_handle()
     lease = buffer_mod._Lease(st, h1)
@@ -314,6 +324,7 @@ class _FakeEpxGroup:
         self.world, self.max_tokens, self.hidden, self.E, self.K = world, max_tokens, hidden, num_experts, top_k
         self.modes, self.num_sms, self.M = modes, num_sms, ll_max_tokens_per_rank
         self.alive, self.mask, self.parity = True, 0, 0
+        self.handles = []
         cap = self.R * max_tokens
         self.ws_x = torch.zeros(cap, hidden)
         self.ws_scales = torch.zeros(cap, max(1, hidden // 128))
@@ -339,6 +350,7 @@ class _FakeEpxGroup:
         self._check()
         h = _FakeHandle(self.world.log)
         h.rows = None
+        self.handles.append(h)
         return h
 
     def _result(self, rows, x_dtype, fp8, packed_scales=False):
@@ -423,7 +435,9 @@ class _FakeEpxGroup:
     def clear_peer_mask(self):
         self.mask = 0
 
-    def destroy(self):
+    def destroy(self):  # as epx.Group.destroy: releases the handles it made, then the group
+        for h in self.handles:
+            h.destroy()
         self.alive = False
         self.world.log.append(("destroy", self.modes))
 

@@ -155,7 +155,9 @@ def test_well_formed_arguments_pass_every_other_check():
         _capi.EPX_DTYPE_INT32
     assert G.check_combine_args(CPU, T, 6, bf16(6, 256), bias=bf16(T, 256))[1] is None
     G.check_combine_expand_args(CPU, T, 6, bf16(6, 256), bf16(T, 256))
-    G.check_combine_expand_args(CPU, T, -1, bf16(0, 256))
+    G.check_combine_expand_args(CPU, T, -1, bf16(6, 256))  # count unknown on the host: x's rows are taken
+    with pytest.raises(epx.EpxInvalidArgument, match="num_rows is unknown"):  # ... but not an empty x
+        G.check_combine_expand_args(CPU, T, -1, bf16(0, 256))
     assert G.check_ll_dispatch_args(CPU, x, i.int(), w) == T
     G.check_ll_combine_args(CPU, T, 16, bf16(4, 16, 256), bf16(T, 256), w)
 
