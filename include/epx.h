@@ -549,6 +549,18 @@ typedef struct epx_dispatch_expand_result {
   const int *recv_rank_prefix;    /* device [R+1]: received tokens of source s are
                                      [prefix[s], prefix[s+1]) in token_rows */
   const int *num_recv_device;     /* device int: tokens received */
+  /* Arrival signals (docs/moe.md, "Arrival signals"): expert_ready[j] becomes 1 once every row
+   * of local expert j below the capacity has landed and been fanned out, before the dispatch
+   * ends: a kernel that acquire-loads 1 (ld.acquire.gpu), or a stream after
+   * cuStreamWaitValue32(expert_ready + j, 1, CU_STREAM_WAIT_VALUE_EQ), reads the expert's rows
+   * complete. An expert with no rows is 1 from the start; all stay 0 after a failed count
+   * exchange (a waiter needs its own time budget). The call's count exchange resets them, so
+   * a waiter on another stream must be ordered after it: with sync_counts = 1 anything queued
+   * after the call returns is; otherwise wait for counts_event. Valid until the next dispatch of
+   * the group, as the rows. Today's sending order (by token) completes most experts near the
+   * end of the transfer. */
+  const uint32_t *expert_ready; /* device [L] uint32, in the workspace */
+  cudaEvent_t counts_event;     /* recorded on the call's stream after its count exchange */
 } epx_dispatch_expand_result_t;
 
 /* epx_dispatch_expand - epx_dispatch into the expert-major layout. COLLECTIVE: every rank

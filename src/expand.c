@@ -52,6 +52,9 @@ static void fill_result(epx_group_t g, epx_handle_t h, const epx__dispatch_launc
   out->token_rows = (const int *)(base + g->layout.expand_token_rows_offset);
   out->recv_rank_prefix = h->meta->rank_prefix;
   out->num_recv_device = &h->meta->num_recv;
+  out->expert_ready =
+      (const uint32_t *)(base + g->layout.expand_arrival_offset) + out->num_local_experts;
+  out->counts_event = h->counts_ready;
 }
 
 /* What epx_dispatch_expand refuses beyond epx_dispatch's checks. */
@@ -147,8 +150,12 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
   EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
   if (xa.fan_out_blocks == 0) { /* AFTER: the fan-out is a kernel of its own */
     const epx__expand_fan_out_launch_args_t fa = {
-        h->meta, g->config.top_k, g->config.hidden * (d.x_is_fp8 ? 1 : 2),
-        d.x_is_fp8 ? d.scale_cols : 0, local_blocks > 0 ? local_blocks : 2 * g->num_device_sms};
+        h->meta,
+        g->config.top_k,
+        g->config.hidden * (d.x_is_fp8 ? 1 : 2),
+        d.x_is_fp8 ? d.scale_cols : 0,
+        local_blocks > 0 ? local_blocks : 2 * g->num_device_sms,
+        g->config.num_experts / g->num_ranks};
     EPX_CHECK(epx__expand_fan_out_launch(&ctx, &fa, stream));
   }
   h->expand = 1;

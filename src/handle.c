@@ -119,7 +119,8 @@ epx_status_t epx__handle_enqueue_notify(epx_group_t g, epx_handle_t h, const epx
                                         a->sync_counts ? h->host_counts_dev : NULL,
                                         expand};
   EPX_CHECK(epx__notify_launch(ctx, &na, stream));
-  if (a->sync_counts) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
+  /* expand: also the result's counts_event (its arrival signals are reset by this kernel) */
+  if (a->sync_counts || expand) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
   return EPX_OK;
 }
 

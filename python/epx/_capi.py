@@ -179,6 +179,8 @@ class epx_dispatch_expand_result_t(ctypes.Structure):
         ("token_rows", _ptr),
         ("recv_rank_prefix", _ptr),
         ("num_recv_device", _ptr),
+        ("expert_ready", _ptr),
+        ("counts_event", _ptr),
     ]
 
 

@@ -67,7 +67,8 @@ def c_layout(tmp_path_factory):
     if cc is None:
         pytest.skip("no C compiler (cc, gcc or clang)")
     d = tmp_path_factory.mktemp("structs")
-    (d / "cuda_runtime_api.h").write_text("typedef struct CUstream_st *cudaStream_t;\n")
+    (d / "cuda_runtime_api.h").write_text("typedef struct CUstream_st *cudaStream_t;\n"
+                                          "typedef struct CUevent_st *cudaEvent_t;\n")
     (d / "nccl.h").write_text("typedef struct ncclComm *ncclComm_t;\n")
     (d / "layout.c").write_text(c_program())
     subprocess.run([cc, "-std=c11", "-Wall", "-Werror", "-I", str(d), "-I",

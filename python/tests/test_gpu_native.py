@@ -23,8 +23,8 @@ many sections on one EPX group; spawning costs ~10 s, so checks are grouped per 
     moe prefill  epx.MoePrefill (two groups with expand_max_rows, BF16 experts): chain and
                  overlapped layer against a plain-torch layer, four routings
     expand       dispatch_expand / combine_expand (a second group with expand_max_rows): rows,
-                 padding, begins, counts, sources, weights, token_rows exact; combine within
-                 BF16 rounding; alignments 1 and 8; the routings above; refusal without the buffer
+                 padding, begins, counts, sources, weights, token_rows, expert_ready exact;
+                 combine within BF16 rounding; alignments 1 and 8; the routings above; refusal without the buffer
     cuda graph   dispatch(sync_counts=False) + expert + combine captured once, replayed twice on
                  new inputs; dispatch(sync_counts=True) under capture raises EpxInvalidUsage
     errors       bad arguments -> EpxInvalidArgument (Python's and EPX's messages, status,
@@ -446,6 +446,10 @@ def _n_expand(ctx):
                     c.equal(r.recv_src_info[:n], want["src_info"], f"{what}: recv_src_info")
                     c.equal(r.recv_weights[:n], want["weights"], f"{what}: recv_weights")
                     c.equal(r.token_rows, want["token_rows"], f"{what}: token_rows")
+                    # the call's arrival signals, read after it: every local expert complete
+                    c.equal(r.expert_ready, ctx.torch.ones(L, dtype=ctx.torch.int32,
+                                                           device=ctx.device),
+                            f"{what}: expert_ready")
                     y = r.recv_x[:n] * ctx.scale[me]
                     out = g.combine_expand(h, y, weighted=weighted)
                     exp, bound = ctx.ref.combine_expand(world, me, ctx.scale, weighted=weighted)

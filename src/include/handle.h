@@ -50,8 +50,8 @@ epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int error_be
 epx_layout_args_t epx__handle_layout_args(epx_handle_t h, const epx_dispatch_args_t *a);
 
 /* Queues the count exchange of a dispatch of a into this handle (expand: epx_dispatch_expand's
- * all-E variant) and, with a->sync_counts, records the handle's counts_ready after it, which
- * epx__handle_wait_counts waits for. */
+ * all-E variant) and, with a->sync_counts or expand, records the handle's counts_ready after
+ * it, which epx__handle_wait_counts waits for (and an expand result's counts_event is). */
 epx_status_t epx__handle_enqueue_notify(epx_group_t g, epx_handle_t h, const epx_dispatch_args_t *a,
                                         int expand, const epx__kernel_ctx_t *ctx,
                                         cudaStream_t stream);

@@ -26,27 +26,28 @@ extern "C" {
 
 /* Every tag: X(NAME, category, label, name of its argument). The category is the kernel
  * family (Chrome's "cat"), the label the slice's name in the viewer. Add tags at the end. */
-#define EPX_TRACE_TAG_MAP(X)                                 \
-  X(BARRIER, "barrier", "barrier", "last_peer")              \
-  X(LAYOUT, "layout", "layout", "tokens")                    \
-  X(NOTIFY, "notify", "notify", "num_recv")                  \
-  X(NOTIFY_WAIT, "notify", "notify wait", "call")            \
-  X(DISPATCH_SEND, "dispatch", "dispatch send", "tokens")    \
-  X(DISPATCH_TOKEN, "dispatch", "dispatch token", "token")   \
-  X(DISPATCH_WAIT, "dispatch", "dispatch wait", "last_peer") \
-  X(COMBINE_SEND, "combine", "combine send", "units")        \
-  X(COMBINE_UNIT, "combine", "combine unit", "peer")         \
-  X(COMBINE_WAIT, "combine", "combine wait", "peer")         \
-  X(COMBINE_REDUCE, "combine", "combine reduce", "tokens")   \
-  X(COMBINE_TOKEN, "combine", "combine token", "token")      \
-  X(LL_DISPATCH_SEND, "ll", "ll dispatch send", "tokens")    \
-  X(LL_DISPATCH_WAIT, "ll", "ll dispatch wait", "sources")   \
-  X(LL_DISPATCH_RECV, "ll", "ll dispatch recv", "block")     \
-  X(LL_COMBINE_SEND, "ll", "ll combine send", "block")       \
-  X(LL_COMBINE_WAIT, "ll", "ll combine wait", "ranks")       \
-  X(LL_COMBINE_REDUCE, "ll", "ll combine reduce", "tokens")  \
-  X(EXPAND_FAN_OUT_WAIT, "dispatch", "fan-out wait", "row")  \
-  X(EXPAND_FAN_OUT_TOKEN, "dispatch", "fan-out token", "row")
+#define EPX_TRACE_TAG_MAP(X)                                  \
+  X(BARRIER, "barrier", "barrier", "last_peer")               \
+  X(LAYOUT, "layout", "layout", "tokens")                     \
+  X(NOTIFY, "notify", "notify", "num_recv")                   \
+  X(NOTIFY_WAIT, "notify", "notify wait", "call")             \
+  X(DISPATCH_SEND, "dispatch", "dispatch send", "tokens")     \
+  X(DISPATCH_TOKEN, "dispatch", "dispatch token", "token")    \
+  X(DISPATCH_WAIT, "dispatch", "dispatch wait", "last_peer")  \
+  X(COMBINE_SEND, "combine", "combine send", "units")         \
+  X(COMBINE_UNIT, "combine", "combine unit", "peer")          \
+  X(COMBINE_WAIT, "combine", "combine wait", "peer")          \
+  X(COMBINE_REDUCE, "combine", "combine reduce", "tokens")    \
+  X(COMBINE_TOKEN, "combine", "combine token", "token")       \
+  X(LL_DISPATCH_SEND, "ll", "ll dispatch send", "tokens")     \
+  X(LL_DISPATCH_WAIT, "ll", "ll dispatch wait", "sources")    \
+  X(LL_DISPATCH_RECV, "ll", "ll dispatch recv", "block")      \
+  X(LL_COMBINE_SEND, "ll", "ll combine send", "block")        \
+  X(LL_COMBINE_WAIT, "ll", "ll combine wait", "ranks")        \
+  X(LL_COMBINE_REDUCE, "ll", "ll combine reduce", "tokens")   \
+  X(EXPAND_FAN_OUT_WAIT, "dispatch", "fan-out wait", "row")   \
+  X(EXPAND_FAN_OUT_TOKEN, "dispatch", "fan-out token", "row") \
+  X(EXPAND_EXPERT_READY, "dispatch", "expert ready", "expert")
 
 typedef enum epx__trace_tag {
 #define EPX_TRACE_TAG_ENUM_(name, cat, label, arg) EPX_TRACE_##name,

@@ -22,7 +22,8 @@
  *            weights, when a combine asks for them; same parity and chunk counters as the slab);
  *            with config.expand_max_rows = X, the expert-major receive arrays: x [X, H],
  *            scales [X, H/128] (FP8 groups), src_info [X] int4, weights [X] float32, and
- *            token_rows [R x max_tokens, K] int32 (epx_dispatch_expand)
+ *            token_rows [R x max_tokens, K] int32, the fan-out's ready words and the
+ *            per-expert arrival words (epx_dispatch_expand)
  *   ll       (EPX_MODE_LOW_LATENCY) 2 buffers ("parities") of the arrays below, then the
  *            per-block epochs. Per parity, with L = E/R, M = ll_max_tokens, RM = R x M:
  *              x           [L, RM, H] payload (2 bytes/element if BF16 is supported, else 1)
@@ -176,6 +177,11 @@ typedef struct epx__ws_layout {
                                       finished plain row i's token here; the last word, the
                                       epoch of a call whose fan-out gave up waiting */
   size_t expand_words_offset;      /* [E][layout_tiles] scan words, in the layout region */
+  size_t expand_arrival_offset;    /* [2][L] uint32, this rank's own (no peer touches them):
+                                      arrived[j], rows of local expert j complete in this call,
+                                      then ready[j], 1 once they all are (epx_dispatch_expand_
+                                      result_t.expert_ready); both reset by notify's expand
+                                      variant (src/kernels/expand_arrival.cuh) */
 } epx__ws_layout_t;
 
 /* Counts of one normal dispatch, kept in its handle (device memory), written by notify. */
@@ -299,6 +305,8 @@ EPX_HD void epx__ws_layout_init(epx__ws_layout_t *l, int num_ranks, int max_toke
   if (expand) n += epx__align_up(cap * top_k * 4, 256);
   l->expand_ready_offset = n;
   if (expand) n += epx__align_up(cap * 4 + 4, 256);
+  l->expand_arrival_offset = n;
+  if (expand) n += epx__align_up(2 * (size_t)(num_experts / num_ranks) * 4, 256);
   l->normal_bytes = (modes & EPX_MODE_NORMAL) ? epx__align_up(n, EPX_WS_ALIGN) : 0;
   off += l->normal_bytes;
 

@@ -112,6 +112,7 @@ typedef struct epx__expand_fan_out_launch_args {
   int row_bytes;  /* H x payload element bytes, a multiple of 16 */
   int scale_cols; /* FP8: 4-byte scale words per row (float32 or packed UE8M0); else 0 */
   int num_blocks;
+  int num_local_experts; /* L: the rows' experts, for the arrival counts */
 } epx__expand_fan_out_launch_args_t;
 
 /* Expert-major combine, expert side (expand_combine.cu): partial[i] = BF16(sum over received

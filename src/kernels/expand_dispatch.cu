@@ -49,6 +49,7 @@
 #include "checks.h"
 #include "kernels/api.h"
 #include "kernels/dispatch_common.cuh"
+#include "kernels/expand_arrival.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/trace.cuh"
 #include "kernels/wait.cuh"
@@ -90,18 +91,12 @@ __device__ __forceinline__ void copy_row_to_slots(const int4 *src, int4 *const *
   }
 }
 
-/* One received token's fan-out (one warp): its payload and FP8 scale words from its first row
- * (list entry 0, where the sender wrote it) to its other rows. Rows at or past the capacity are
- * -1 in the list and skipped (a token whose entry 0 is -1 has no row at all: later entries are
- * in higher segments). landed: read through L2 (DURING). */
+/* A received token's payload and FP8 scale words from its first row to its other rows (the
+ * lanes' rows, others: the lanes holding one, not lane 0). WARP-COLLECTIVE. */
 template <bool kLanded>
-__device__ __forceinline__ void fan_out_token(const int *list, int K, int cap, int4 *x,
-                                              uint32_t *scales, int n16, int scale_cols, int lane) {
-  int row = lane < K ? (kLanded ? __ldcg(list + lane) : list[lane]) : -1;
-  if (row >= cap) row = -1; /* never past the buffer, even reading a list a late peer left */
-  const int first = __shfl_sync(kFull, row, 0);
-  const unsigned others = __ballot_sync(kFull, row >= 0) & ~1u;
-  if (first < 0 || others == 0) return;
+__device__ __forceinline__ void copy_token_to_rows(int row, unsigned others, int first, int4 *x,
+                                                   uint32_t *scales, int n16, int scale_cols,
+                                                   int lane) {
   int4 *dst[EPX_MAX_TOP_K];
 #pragma unroll
   for (int k = 0; k < EPX_MAX_TOP_K; k++) {
@@ -118,6 +113,26 @@ __device__ __forceinline__ void fan_out_token(const int *list, int K, int cap, i
       scales[(size_t)r * scale_cols + c] = kLanded ? __ldcg(from) : *from;
     }
   }
+}
+
+/* One received token's fan-out (one warp): its payload and FP8 scale words from its first row
+ * (list entry 0, where the sender wrote it) to its other rows, then its rows counted as
+ * complete for their experts (expand_arrival.cuh; L: local experts). Rows at or past the
+ * capacity are -1 in the list and skipped (a token whose entry 0 is -1 has no row at all: later
+ * entries are in higher segments). landed: read through L2 (DURING). */
+template <bool kLanded>
+__device__ __forceinline__ void fan_out_token(const epx__kernel_ctx_t &ctx,
+                                              const epx__recv_meta_t *meta, int L, const int *list,
+                                              int K, int cap, int4 *x, uint32_t *scales, int n16,
+                                              int scale_cols, int lane) {
+  int row = lane < K ? (kLanded ? __ldcg(list + lane) : list[lane]) : -1;
+  if (row >= cap) row = -1; /* never past the buffer, even reading a list a late peer left */
+  const int first = __shfl_sync(kFull, row, 0);
+  const unsigned others = __ballot_sync(kFull, row >= 0) & ~1u;
+  if (first < 0) return;
+  if (others != 0)
+    copy_token_to_rows<kLanded>(row, others, first, x, scales, n16, scale_cols, lane);
+  epx::expand::count_token_rows(ctx, meta, L, row);
 }
 
 /* DURING's fan-out blocks (those whose start ticket comes after the sending blocks'). Work order:
@@ -207,7 +222,8 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
         const int row = __shfl_sync(kFull, i, __ffs(m) - 1);
         const uint64_t t_copy = epx::trace_begin(ctx);
         if (lane == 0) epx::trace_end(ctx, t_wait, EPX_TRACE_EXPAND_FAN_OUT_WAIT, row);
-        fan_out_token<true>(token_rows + (size_t)row * K, K, cap, x, scales, n16, scale_cols, lane);
+        fan_out_token<true>(ctx, meta, xa.d.num_experts / R, token_rows + (size_t)row * K, K, cap,
+                            x, scales, n16, scale_cols, lane);
         if (lane == 0) epx::trace_end(ctx, t_copy, EPX_TRACE_EXPAND_FAN_OUT_TOKEN, row);
       }
     }
@@ -418,8 +434,9 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t *scales = (uint32_t *)(base + L.expand_scales_offset);
   const int warps = gridDim.x * kWarps;
   for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < num_recv; i += warps)
-    fan_out_token<false>(token_rows + (size_t)i * fa.top_k, fa.top_k, (int)L.expand_rows, x, scales,
-                         fa.row_bytes / 16, fa.scale_cols, threadIdx.x % 32);
+    fan_out_token<false>(ctx, meta, fa.num_local_experts, token_rows + (size_t)i * fa.top_k,
+                         fa.top_k, (int)L.expand_rows, x, scales, fa.row_bytes / 16, fa.scale_cols,
+                         threadIdx.x % 32);
 }
 
 }  // namespace epx::normal

@@ -24,6 +24,7 @@
 
 #include "checks.h"
 #include "kernels/api.h"
+#include "kernels/expand_arrival.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/trace.cuh"
 #include "kernels/wait.cuh"
@@ -106,6 +107,7 @@ __device__ void place_expand(const epx__kernel_ctx_t &ctx, const epx__notify_lau
     if (d != me) continue;
     meta->expand_begin[j] = begin;
     meta->expand_count[j] = total[i];
+    epx::expand::reset_arrival(ctx, epr, j, begin, total[i], timed_out);
     if (a.host_counts) a.host_counts[1 + j] = total[i];
     if (j == epr - 1) { /* the segment end: the rows of this rank */
       const int rows = begin + (total[i] + align - 1) / align * align;

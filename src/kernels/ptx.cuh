@@ -49,6 +49,29 @@ __device__ __forceinline__ void st_relaxed_sys_u32(uint32_t *p, uint32_t v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+/* Flags and counters between blocks and kernels of one GPU (the expand dispatch's per-expert
+ * arrivals): the same semantics as the system-scope pair above, at GPU scope. */
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu_u32(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/* Add, returning the old value: a release of this thread's earlier writes (and of what it saw
+ * through a barrier) and an acquire of every earlier add's. */
+__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu_u32(uint32_t *p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
 /* Relaxed 64-bit load and store at GPU scope: single-copy atomic, never served from a stale L1
  * line, no ordering of other memory. For words that carry everything their reader needs (the
  * layout kernel's epoch-tagged tile words), between blocks of one GPU. */

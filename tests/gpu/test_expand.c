@@ -14,7 +14,11 @@
  *                               begins and counts (device and host), num_rows, each received
  *                               token's row list; combine weighted and unweighted bit for bit;
  *                               random and adversarial routings (table below), alignments
- *                               0, 1, 4, 128 drawn per case
+ *                               0, 1, 4, 128 drawn per case; the arrival signals
+ *                               (expert_ready): a consumer on another stream, ordered as
+ *                               epx.h says, sums each expert's rows at its signal, and the
+ *                               sums must equal those of the final rows (every expand call of
+ *                               these tests)
  *   expand_loop                 one group, new worlds of random sizes: expand and plain
  *                               dispatches and combines interleaved (epochs, combine parity)
  *   expand_refuses_bad_arguments  named errors, nothing sent, the group still works
@@ -255,6 +259,64 @@ static int poison_receive(const world_t *w, const epx_dispatch_expand_result_t *
   return TEST_PASS;
 }
 
+/* The arrival signals' consumer (result.expert_ready): launched on its own stream while the
+ * dispatch runs, ordered after the count exchange as epx.h says (nothing more with sync
+ * counts, counts_event without), it sums each expert's rows as soon as the expert is ready. */
+typedef struct {
+  cudaStream_t stream;
+  uint32_t *sums; /* device [L] */
+  int *late;      /* device [L] */
+} ready_probe_t;
+
+static int ready_probe_start(const epx_dispatch_expand_result_t *res, int row_bytes, int sync,
+                             ready_probe_t *p) {
+  const int L = res->num_local_experts;
+  memset(p, 0, sizeof *p);
+  EXPECT_CUDA(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking));
+  EXPECT_CUDA(cudaMalloc((void **)&p->sums, sizeof(uint32_t) * L));
+  EXPECT_CUDA(cudaMalloc((void **)&p->late, sizeof(int) * L));
+  if (!sync) EXPECT_CUDA(cudaStreamWaitEvent(p->stream, res->counts_event, 0));
+  EXPECT_CUDA(test_expert_ready_sums(res->expert_ready, res->expert_begin_device,
+                                     res->expert_count_device, L, res->capacity, res->recv_x,
+                                     row_bytes, p->sums, p->late, 10000000000ull, p->stream));
+  return TEST_PASS;
+}
+
+/* After both streams: every expert ready, no wait ran out, and each sum taken at the signal
+ * equal to the sum of the rows as the dispatch left them (a signal raised before an expert's
+ * last row landed or was fanned out would have summed poisoned or stale words). */
+static int ready_probe_check(const epx_dispatch_expand_result_t *res, int row_bytes,
+                             ready_probe_t *p, const char *label) {
+  const int L = res->num_local_experts;
+  EXPECT_CUDA(cudaStreamSynchronize(p->stream));
+  uint32_t *sums = fetch(p->sums, (size_t)L, sizeof(uint32_t));
+  int *late = fetch(p->late, (size_t)L, sizeof(int));
+  uint32_t *ready = fetch(res->expert_ready, (size_t)L, sizeof(uint32_t));
+  int *begin = fetch(res->expert_begin_device, (size_t)L + 1, sizeof(int));
+  int *count = fetch(res->expert_count_device, (size_t)L, sizeof(int));
+  EXPECT(sums && late && ready && begin && count);
+  const int rows = begin[L] < res->capacity ? begin[L] : res->capacity;
+  uint32_t *x = fetch(res->recv_x, (size_t)rows * row_bytes / 4, sizeof(uint32_t));
+  EXPECT(x != NULL || rows == 0);
+  for (int j = 0; j < L; j++) {
+    EXPECTF(ready[j] == 1u && !late[j], "%s: expert %d: ready word %u, consumer's wait %s", label,
+            j, ready[j], late[j] ? "ran out" : "ended");
+    const int e = begin[j] + count[j] < res->capacity ? begin[j] + count[j] : res->capacity;
+    uint32_t want = 0;
+    for (size_t i = (size_t)begin[j] * row_bytes / 4; i < (size_t)e * row_bytes / 4; i++)
+      want += x[i];
+    EXPECTF(sums[j] == want,
+            "%s: expert %d: its rows summed at its ready signal to %08x, after the dispatch to "
+            "%08x: the signal came before the rows",
+            label, j, sums[j], want);
+  }
+  free(sums), free(late), free(ready), free(begin), free(count), free(x);
+  EXPECT_CUDA(cudaFree(p->sums));
+  EXPECT_CUDA(cudaFree(p->late));
+  EXPECT_CUDA(cudaStreamDestroy(p->stream));
+  return TEST_PASS;
+}
+
 /* One expert-major dispatch of w's tokens on (g, h), checked, then its combines. */
 /* poison: fill the receive arrays with 0xff afterwards (poison_receive); 0 where the caller
  * combines this dispatch's rows again. */
@@ -306,7 +368,11 @@ static int expand_once(epx_test_rank_t *t, epx_group_t g, epx_handle_t h, const 
   epx_dispatch_expand_result_t res;
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL; /* as before a combine, below */
   EXPECT_OK(epx_dispatch_expand(g, h, &a, &res, t->stream));
+  const int row_bytes = w->H * (fp8 ? 1 : 2);
+  ready_probe_t probe;
+  if (ready_probe_start(&res, row_bytes, sync, &probe) != TEST_PASS) return TEST_FAIL;
   EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  if (ready_probe_check(&res, row_bytes, &probe, label) != TEST_PASS) return TEST_FAIL;
   EXPECT_CUDA(cudaFree(sc_cm));
   if (!sync) EXPECT_EQ_INT(res.num_rows, -1);
   EXPECT_EQ_INT(res.num_local_experts, w->L);

@@ -21,6 +21,42 @@ __global__ void count_wrong_slots_kernel(epx__kernel_ctx_t ctx, uint64_t value, 
   *wrong = bad;
 }
 
+/* Block b takes local experts b, b + gridDim.x, ...: waits (bounded) for expert_ready[j] == 1,
+ * then sums the 32-bit words of the expert's rows [begin[j], min(begin[j] + count[j], cap)). */
+__global__ void expert_ready_sums_kernel(const uint32_t *ready, const int *begin, const int *count,
+                                         int L, int cap, const uint32_t *x, int row_words,
+                                         uint32_t *sums, int *late, uint64_t budget_ns) {
+  __shared__ uint32_t part[256];
+  __shared__ int waited_out;
+  const uint64_t t0 = epx::globaltimer_ns();
+  for (int j = blockIdx.x; j < L; j += gridDim.x) {
+    if (threadIdx.x == 0) {
+      int out = 0;
+      while (epx::ld_acquire_gpu_u32(ready + j) != 1u)
+        if (epx::globaltimer_ns() - t0 > budget_ns) {
+          out = 1;
+          break;
+        }
+      waited_out = out;
+    }
+    __syncthreads();
+    uint32_t s = 0;
+    const int b = begin[j], e = min(b + count[j], cap);
+    if (!waited_out)
+      for (long long i = (long long)b * row_words + threadIdx.x; i < (long long)e * row_words;
+           i += blockDim.x)
+        s += x[i];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o /= 2) {
+      if ((int)threadIdx.x < o) part[threadIdx.x] += part[threadIdx.x + o];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) sums[j] = part[0], late[j] = waited_out;
+    __syncthreads();
+  }
+}
+
 __global__ void spin_kernel(uint64_t ns) {
   const uint64_t start = epx::globaltimer_ns();
   while (epx::globaltimer_ns() - start < ns) {
@@ -41,6 +77,16 @@ extern "C" cudaError_t test_count_wrong_slots(epx_group_t g, uint64_t value, int
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   count_wrong_slots_kernel<<<1, 1, 0, stream>>>(ctx, value, wrong_dev);
+  return cudaGetLastError();
+}
+
+extern "C" cudaError_t test_expert_ready_sums(const uint32_t *ready, const int *begin,
+                                              const int *count, int L, int cap, const void *x,
+                                              int row_bytes, uint32_t *sums, int *late,
+                                              uint64_t budget_ns, cudaStream_t stream) {
+  const int blocks = L < 16 ? L : 16;
+  expert_ready_sums_kernel<<<blocks, 256, 0, stream>>>(
+      ready, begin, count, L, cap, (const uint32_t *)x, row_bytes / 4, sums, late, budget_ns);
   return cudaGetLastError();
 }
 
