@@ -116,13 +116,14 @@ __device__ __forceinline__ void copy_token_to_rows(int row, unsigned others, int
 }
 
 /* One received token's fan-out (one warp): its payload and FP8 scale words from its first row
- * (list entry 0, where the sender wrote it) to its other rows, then its rows counted as
- * complete for their experts (expand_arrival.cuh; L: local experts). Rows at or past the
+ * (list entry 0, where the sender wrote it) to its other rows, then its rows added to the
+ * warp's batch of complete rows (expand_arrival.cuh; L: local experts). Rows at or past the
  * capacity are -1 in the list and skipped (a token whose entry 0 is -1 has no row at all: later
  * entries are in higher segments). landed: read through L2 (DURING). */
 template <bool kLanded>
 __device__ __forceinline__ void fan_out_token(const epx__kernel_ctx_t &ctx,
-                                              const epx__recv_meta_t *meta, int L, const int *list,
+                                              const epx__recv_meta_t *meta, int L,
+                                              epx::expand::ArrivalBatch &batch, const int *list,
                                               int K, int cap, int4 *x, uint32_t *scales, int n16,
                                               int scale_cols, int lane) {
   int row = lane < K ? (kLanded ? __ldcg(list + lane) : list[lane]) : -1;
@@ -132,7 +133,7 @@ __device__ __forceinline__ void fan_out_token(const epx__kernel_ctx_t &ctx,
   if (first < 0) return;
   if (others != 0)
     copy_token_to_rows<kLanded>(row, others, first, x, scales, n16, scale_cols, lane);
-  epx::expand::count_token_rows(ctx, meta, L, row);
+  epx::expand::add_token_rows(ctx, meta, L, batch, row, lane);
 }
 
 /* DURING's fan-out blocks (those whose start ticket comes after the sending blocks'). Work order:
@@ -164,6 +165,8 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
       (volatile uint32_t *)(base + L.expand_ready_offset) + L.recv_capacity;
   const epx__control_t *ctrl = epx::control_of(ctx, me);
   const uint32_t epoch = meta->epoch;
+  const int L_experts = xa.d.num_experts / R;
+  epx::expand::ArrivalBatch batch;
   int q_max = 0;
   for (int s = 0; s < R; s++)
     q_max = max(q_max, (meta->rank_prefix[s + 1] - meta->rank_prefix[s] + G - 1) / G);
@@ -222,10 +225,11 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
         const int row = __shfl_sync(kFull, i, __ffs(m) - 1);
         const uint64_t t_copy = epx::trace_begin(ctx);
         if (lane == 0) epx::trace_end(ctx, t_wait, EPX_TRACE_EXPAND_FAN_OUT_WAIT, row);
-        fan_out_token<true>(ctx, meta, xa.d.num_experts / R, token_rows + (size_t)row * K, K, cap,
-                            x, scales, n16, scale_cols, lane);
+        fan_out_token<true>(ctx, meta, L_experts, batch, token_rows + (size_t)row * K, K, cap, x,
+                            scales, n16, scale_cols, lane);
         if (lane == 0) epx::trace_end(ctx, t_copy, EPX_TRACE_EXPAND_FAN_OUT_TOKEN, row);
       }
+      epx::expand::flush_arrivals(ctx, L_experts, batch, lane); /* this landed set's rows */
     }
   }
 }
@@ -433,10 +437,15 @@ __global__ void __launch_bounds__(kThreads)
   int4 *x = (int4 *)(base + L.expand_x_offset);
   uint32_t *scales = (uint32_t *)(base + L.expand_scales_offset);
   const int warps = gridDim.x * kWarps;
-  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < num_recv; i += warps)
-    fan_out_token<false>(ctx, meta, fa.num_local_experts, token_rows + (size_t)i * fa.top_k,
+  /* One token's rows counted at once: a batch kept over the loop took 84 registers a thread
+   * (one 512-thread block an SM, the grid in two waves) against 64 (two, one wave). */
+  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < num_recv; i += warps) {
+    epx::expand::ArrivalBatch batch;
+    fan_out_token<false>(ctx, meta, fa.num_local_experts, batch, token_rows + (size_t)i * fa.top_k,
                          fa.top_k, (int)L.expand_rows, x, scales, fa.row_bytes / 16, fa.scale_cols,
                          threadIdx.x % 32);
+    epx::expand::flush_arrivals(ctx, fa.num_local_experts, batch, threadIdx.x % 32);
+  }
 }
 
 }  // namespace epx::normal

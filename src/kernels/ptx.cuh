@@ -57,15 +57,18 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t *p) {
   return v;
 }
 
-__device__ __forceinline__ void st_release_gpu_u32(uint32_t *p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
-/* Add, returning the old value: a release of this thread's earlier writes (and of what it saw
- * through a barrier) and an acquire of every earlier add's. */
-__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu_u32(uint32_t *p, uint32_t v) {
+__device__ __forceinline__ void st_relaxed_gpu_u32(uint32_t *p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/* Add, returning the old value; orders nothing else (a fence before or after does). */
+__device__ __forceinline__ uint32_t atom_add_relaxed_gpu_u32(uint32_t *p, uint32_t v) {
   uint32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
                : "=r"(old)
                : "l"(p), "r"(v)
                : "memory");
