@@ -664,9 +664,14 @@ static int capacity_exceeded_mode(epx_test_rank_t *t, int fan_out) {
   } else {
     EXPECT_STATUS(st, EPX_OK);
   }
-  /* Rows below the capacity are the oracle's. */
+  /* Rows below the capacity are the oracle's, and every expert's arrival signal is up: its rows
+   * below the capacity are complete (none, for an expert past it). */
   int *info = fetch(res.recv_src_info, 100 * 4, sizeof(int));
-  EXPECT(info != NULL);
+  uint32_t *ready = fetch(res.expert_ready, (size_t)w.L, sizeof(uint32_t));
+  EXPECT(info != NULL && ready != NULL);
+  for (int j = 0; j < w.L; j++)
+    EXPECTF(ready[j] == 1u, "expert_ready[%d] = %u, want 1", j, ready[j]);
+  free(ready);
   for (int i = 0; i < 100 && i < ref.num_rows; i++)
     EXPECTF(info[4 * i] == ref.src_rank[i] && info[4 * i + 1] == ref.src_token[i],
             "row %d from (%d, %d), want (%d, %d)", i, info[4 * i], info[4 * i + 1], ref.src_rank[i],
@@ -731,6 +736,12 @@ EPX_DYING_PEER_TEST(expand_during_after_peer_killed, 120) {
   EXPECT_OK(epx_group_get_async_error(g, &err));
   EXPECT_EQ_INT(err.status, EPX_ERR_TIMEOUT);
   EXPECT_EQ_INT(err.peer, dead);
+  /* the failed count exchange left every arrival signal at 0 (no expert claims its rows) */
+  uint32_t *ready = fetch(res.expert_ready, (size_t)w.L, sizeof(uint32_t));
+  EXPECT(ready != NULL);
+  for (int j = 0; j < w.L; j++)
+    EXPECTF(ready[j] == 0u, "expert_ready[%d] = %u, want 0", j, ready[j]);
+  free(ready);
   const double t2 = epx_test_now_s();
   EXPECT_OK(epx_handle_destroy(h));
   EXPECT_OK(epx_group_destroy(g));
