@@ -549,16 +549,22 @@ typedef struct epx_dispatch_expand_result {
   const int *recv_rank_prefix;    /* device [R+1]: received tokens of source s are
                                      [prefix[s], prefix[s+1]) in token_rows */
   const int *num_recv_device;     /* device int: tokens received */
-  /* Arrival signals (docs/moe.md, "Arrival signals"): expert_ready[j] becomes 1 once every row
-   * of local expert j below the capacity has landed and been fanned out, before the dispatch
-   * ends: a kernel that acquire-loads 1 (ld.acquire.gpu), or a stream after
-   * cuStreamWaitValue32(expert_ready + j, 1, CU_STREAM_WAIT_VALUE_EQ), reads the expert's rows
-   * complete. An expert with no rows is 1 from the start; all stay 0 after a failed count
-   * exchange (a waiter needs its own time budget). The call's count exchange resets them, so
-   * a waiter on another stream must be ordered after it: with sync_counts = 1 anything queued
-   * after the call returns is; otherwise wait for counts_event. Valid until the next dispatch of
-   * the group, as the rows. Today's sending order (by token) completes most experts near the
-   * end of the transfer. */
+  /* Arrival signals (docs/moe.md, "Arrival signals"): expert_ready[j] becomes 1 once every real
+   * row of local expert j below the capacity (payload, scales, src_info, weight) has landed and
+   * been fanned out, before the dispatch ends: a kernel that acquire-loads 1 (ld.acquire.gpu)
+   * and then reads the rows with ordinary loads (not ld.global.nc / __ldg), or a stream after
+   * cuStreamWaitValue32(expert_ready + j, 1, CU_STREAM_WAIT_VALUE_EQ), sees them complete.
+   * Padding rows' src_info and weights are complete only when the dispatch ends. An expert with
+   * no rows is 1 from the start. The words say something only for a call that succeeds: after
+   * a failed count exchange on this rank they all stay 0, after a peer's failure some may stay
+   * 0 and others rise; check the call's status and the group's async error. So a waiter needs
+   * its own time budget, and a kernel that spins on them must leave the dispatch its SMs (the
+   * dispatch grid is config.num_sms blocks, 2 x num_sms or more with the DURING fan-out, each
+   * needing a whole SM). The call's count exchange resets them, so a waiter on another stream
+   * must be ordered after it: with sync_counts = 1 anything queued after the call returns is;
+   * otherwise wait for counts_event (under stream capture, from a stream forked into the same
+   * capture). Valid until the next dispatch of the group, as the rows. Today's sending order
+   * (by token) completes most experts near the end of the transfer (docs/moe.md). */
   const uint32_t *expert_ready; /* device [L] uint32, in the workspace */
   cudaEvent_t counts_event;     /* recorded on the call's stream after its count exchange */
 } epx_dispatch_expand_result_t;

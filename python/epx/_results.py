@@ -50,10 +50,12 @@ class ExpandResult(typing.NamedTuple):
     num_recv_device: typing.Any  # [1] i32
     num_recv_per_expert: typing.Optional[list]  # host expert_count (sync_counts) or None
     capacity: int  # config expand_max_rows
-    # [L] i32 (C's uint32): 1 once local expert j's rows are complete, before the dispatch ends
-    # (epx.h's expert_ready). With sync_counts, work queued on any stream after the call may
-    # wait on it; without, only work ordered after the call's count exchange (C's counts_event).
+    # [L] i32 (C's uint32): 1 once local expert j's real rows are complete, before the dispatch
+    # ends (epx.h's expert_ready, its whole contract). With sync_counts, work queued on any
+    # stream after the call may wait on it; without, only work ordered after the call's count
+    # exchange: counts_event below, a raw cudaEvent_t (torch cannot wrap it; the C API can).
     expert_ready: typing.Any = None
+    counts_event: int = 0
 
 
 class LLDispatchResult:

@@ -389,7 +389,8 @@ class Group:
             num_recv_device=self._view(r.num_recv_device, i32, (1,), owner=h),
             num_recv_per_expert=list(per_expert) if per_expert is not None else None,
             capacity=cap,
-            expert_ready=self._view(r.expert_ready, i32, (L,), L * 4))
+            expert_ready=self._view(r.expert_ready, i32, (L,), L * 4),
+            counts_event=r.counts_event or 0)
 
     def combine_expand(self, h, x, *, weighted=True, out=None, stream=None):
         """Return expert outputs in the expert-major layout (x [num_rows, H] bf16, row for row as

@@ -175,7 +175,8 @@ typedef struct epx__ws_layout {
   size_t expand_ready_offset;      /* [R x max_tokens + 1] uint32 (EPX_EXPAND_FAN_OUT_DURING):
                                       word i, the notify epoch of the last call whose sender
                                       finished plain row i's token here; the last word, the
-                                      epoch of a call whose fan-out gave up waiting */
+                                      epoch of a call whose fan-out or whose wait for the
+                                      sources gave up */
   size_t expand_words_offset;      /* [E][layout_tiles] scan words, in the layout region */
   size_t expand_arrival_offset;    /* [2][L] uint32, this rank's own (no peer touches them):
                                       arrived[j], rows of local expert j complete in this call,

@@ -46,32 +46,39 @@ __device__ __forceinline__ void block_share(int n, int *begin, int *end) {
  * s; each source signals once per sending block, `senders` of them, config.num_sms on every
  * rank), then consume the signals. A source that gave this call's exchange up after ours
  * completed sent nothing: raised as a timeout. aborted: our own exchange failed, wait for
- * nothing. */
-__device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
+ * nothing. Returns, in that warp, whether every source delivered (false: a wait ran out, a
+ * source gave up, or aborted); true in every other thread. */
+__device__ __forceinline__ bool wait_sources(const epx__kernel_ctx_t &ctx,
                                              const epx__recv_meta_t *meta, bool aborted,
                                              int senders, int block) {
   const int R = ctx.num_ranks, me = ctx.rank, tid = threadIdx.x;
-  if (block != 0 || tid >= 32) return;
+  if (block != 0 || tid >= 32) return true;
   const uint64_t t_wait = epx::trace_begin(ctx);
+  bool delivered = !aborted;
   if (tid < R) {
     epx__control_t *ctrl = epx::control_of(ctx, me);
     const unsigned long long expected = ctrl->dispatch_expected[tid] + (unsigned)senders;
-    if (!aborted &&
-        epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected,
-                      EPX_STAGE_DISPATCH, tid) &&
-        tid != me && *(volatile unsigned int *)&ctrl->notify_abort[tid] == meta->epoch)
-      /* tid gave up this call's exchange after ours completed: it sent us nothing. Its abort
-       * word was written before its done signals, which we have seen. */
-      epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, tid, -1, meta->epoch);
+    if (!aborted) {
+      delivered = epx::wait_geq(ctx, (const uint64_t *)&ctrl->dispatch_done[tid], expected,
+                                EPX_STAGE_DISPATCH, tid);
+      if (delivered && tid != me &&
+          *(volatile unsigned int *)&ctrl->notify_abort[tid] == meta->epoch) {
+        /* tid gave up this call's exchange after ours completed: it sent us nothing. Its abort
+         * word was written before its done signals, which we have seen. */
+        epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_DISPATCH, tid, -1, meta->epoch);
+        delivered = false;
+      }
+    }
     ctrl->dispatch_expected[tid] = expected;
   }
   epx::trace_end_last(ctx, t_wait, EPX_TRACE_DISPATCH_WAIT, tid < R ? tid : -1);
+  return __all_sync(0xffffffffu, delivered);
 }
 
 /* The same when every block of the grid sends. */
-__device__ __forceinline__ void wait_sources(const epx__kernel_ctx_t &ctx,
+__device__ __forceinline__ bool wait_sources(const epx__kernel_ctx_t &ctx,
                                              const epx__recv_meta_t *meta, bool aborted) {
-  wait_sources(ctx, meta, aborted, (int)gridDim.x, (int)blockIdx.x);
+  return wait_sources(ctx, meta, aborted, (int)gridDim.x, (int)blockIdx.x);
 }
 
 }  // namespace epx::dispatch

@@ -421,7 +421,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   epx::dispatch::signal_done(ctx);
   if (tid == 0) epx::trace_end(ctx, t_send, EPX_TRACE_DISPATCH_SEND, end - begin);
-  epx::dispatch::wait_sources(ctx, meta, aborted, senders, role);
+  /* A source that did not deliver: mark the call given up (DURING's fan-out stops at once,
+   * AFTER's counts no arrival: its rows may be the previous call's). */
+  if (!epx::dispatch::wait_sources(ctx, meta, aborted, senders, role) && tid == 0)
+    *(volatile uint32_t *)((uint32_t *)(ctx.peer_base[me] + L.normal_offset +
+                                        L.expand_ready_offset) +
+                           L.recv_capacity) = meta->epoch;
 }
 
 /* AFTER's fan-out: for each received token, its payload (and FP8 scale words) from its first
@@ -430,9 +435,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 __global__ void __launch_bounds__(kThreads)
     expand_fan_out(epx__kernel_ctx_t ctx, epx__expand_fan_out_launch_args_t fa) {
   const epx__recv_meta_t *meta = fa.meta;
-  const int num_recv = meta->aborted ? 0 : meta->num_recv;
   const epx__ws_layout_t &L = ctx.layout;
   char *base = ctx.peer_base[ctx.rank] + L.normal_offset;
+  /* the dispatch gave up (a source did not deliver): its lists may be the previous call's */
+  const uint32_t gave_up = ((const uint32_t *)(base + L.expand_ready_offset))[L.recv_capacity];
+  const int num_recv = meta->aborted || gave_up == meta->epoch ? 0 : meta->num_recv;
   const int *token_rows = (const int *)(base + L.expand_token_rows_offset);
   int4 *x = (int4 *)(base + L.expand_x_offset);
   uint32_t *scales = (uint32_t *)(base + L.expand_scales_offset);

@@ -63,7 +63,7 @@ cudaError_t test_count_wrong_slots(epx_group_t g, uint64_t value, int *wrong_dev
 /* A consumer of epx_dispatch_expand's arrival signals: for each local expert j, wait (at most
  * budget_ns in all) for ready[j] == 1, then sums[j] = the wrapping sum of the 32-bit words of
  * its rows [begin[j], min(begin[j] + count[j], cap)) of x (row_bytes each); late[j] = 1 where
- * the wait ran out (sums[j] 0). */
+ * the wait ran out (sums[j] 0), 2 where the first look saw 0 and the wait ended, else 0. */
 cudaError_t test_expert_ready_sums(const uint32_t *ready, const int *begin, const int *count, int L,
                                    int cap, const void *x, int row_bytes, uint32_t *sums, int *late,
                                    uint64_t budget_ns, cudaStream_t stream);

@@ -22,7 +22,8 @@ __global__ void count_wrong_slots_kernel(epx__kernel_ctx_t ctx, uint64_t value, 
 }
 
 /* Block b takes local experts b, b + gridDim.x, ...: waits (bounded) for expert_ready[j] == 1,
- * then sums the 32-bit words of the expert's rows [begin[j], min(begin[j] + count[j], cap)). */
+ * then sums the 32-bit words of the expert's rows [begin[j], min(begin[j] + count[j], cap)).
+ * late[j]: 1 the wait ran out, 2 the first look saw 0 (the probe overlapped the dispatch). */
 __global__ void expert_ready_sums_kernel(const uint32_t *ready, const int *begin, const int *count,
                                          int L, int cap, const uint32_t *x, int row_words,
                                          uint32_t *sums, int *late, uint64_t budget_ns) {
@@ -31,8 +32,8 @@ __global__ void expert_ready_sums_kernel(const uint32_t *ready, const int *begin
   const uint64_t t0 = epx::globaltimer_ns();
   for (int j = blockIdx.x; j < L; j += gridDim.x) {
     if (threadIdx.x == 0) {
-      int out = 0;
-      while (epx::ld_acquire_gpu_u32(ready + j) != 1u)
+      int out = epx::ld_acquire_gpu_u32(ready + j) != 1u ? 2 : 0;
+      while (out == 2 && epx::ld_acquire_gpu_u32(ready + j) != 1u)
         if (epx::globaltimer_ns() - t0 > budget_ns) {
           out = 1;
           break;
@@ -42,7 +43,7 @@ __global__ void expert_ready_sums_kernel(const uint32_t *ready, const int *begin
     __syncthreads();
     uint32_t s = 0;
     const int b = begin[j], e = min(b + count[j], cap);
-    if (!waited_out)
+    if (waited_out != 1)
       for (long long i = (long long)b * row_words + threadIdx.x; i < (long long)e * row_words;
            i += blockDim.x)
         s += x[i];
