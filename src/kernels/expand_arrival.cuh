@@ -22,6 +22,7 @@
 #define EPX_KERNELS_EXPAND_ARRIVAL_CUH_
 
 #include "kernels/ptx.cuh"
+#include "kernels/segment.cuh"
 #include "kernels/trace.cuh"
 #include "workspace.h"
 
@@ -45,20 +46,6 @@ __device__ __forceinline__ void reset_arrival(const epx__kernel_ctx_t &ctx, int 
   uint32_t *arrived = arrival_words(ctx);
   arrived[j] = 0;
   arrived[L + j] = !failed && rows_written(begin, count, (int)ctx.layout.expand_rows) == 0;
-}
-
-/* The local expert whose segment holds row r: the last j with begin[j] <= r (an empty segment
- * shares its begin with the next one, which is then the last). */
-__device__ __forceinline__ int expert_of_row(const epx__recv_meta_t *meta, int L, int r) {
-  int lo = 0, hi = L - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (meta->expand_begin[mid] <= r)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
 }
 
 /* A warp's complete rows not yet counted: lane i holds slot i < n (its row's local expert and
@@ -108,7 +95,7 @@ __device__ __forceinline__ void add_token_rows(const epx__kernel_ctx_t &ctx,
   if (b.n + c > 32) flush_arrivals(ctx, L, b, lane);
   int j = -1, want = 0;
   if (row >= 0) {
-    j = expert_of_row(meta, L, row);
+    j = segment_of(meta->expand_begin, L, row); /* written by notify: read-only here */
     want = rows_written(meta->expand_begin[j], meta->expand_count[j], (int)ctx.layout.expand_rows);
   }
   /* slot b.n + r takes the row of the r-th lane holding one */
