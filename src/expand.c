@@ -113,7 +113,6 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
   epx__dispatch_launch_args_t d;
   EPX_CHECK(epx__dispatch_check_inputs(g, fn, a, stream, &d));
 
-  const int error_before = ((volatile epx__error_record_t *)g->error_host)->status;
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   h->num_tokens = a->num_tokens;
@@ -160,7 +159,6 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
   }
   h->expand = 1;
   pending->d = d;
-  pending->error_before = error_before;
   pending->sync_counts = a->sync_counts;
   pending->num_recv_per_expert = a->num_recv_per_expert;
   return EPX_OK;
@@ -176,7 +174,7 @@ epx_status_t epx__dispatch_expand_finish(epx_group_t g, epx_handle_t h,
     /* The one host synchronization: wait for the count exchange, not for the data. */
     epx_async_error_t err;
     int timed_out = 0;
-    EPX_CHECK(epx__handle_wait_counts(g, h, pending->error_before, &timed_out, &err));
+    EPX_CHECK(epx__handle_wait_counts(g, h, &timed_out, &err));
     if (timed_out) {
       fill_result(g, h, &pending->d, -1, -1, out);
       return epx__set_error(EPX_ERR_TIMEOUT,

@@ -2,6 +2,7 @@
  * handle.c - epx_handle_create / epx_handle_destroy: the device buffers that keep the routing
  * of one normal-mode dispatch for its combine and cached dispatches (handle.h).
  */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "arg_check.h"
@@ -124,10 +125,13 @@ epx_status_t epx__handle_enqueue_notify(epx_group_t g, epx_handle_t h, const epx
   return EPX_OK;
 }
 
-epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int error_before,
-                                     int *timed_out, epx_async_error_t *err) {
+epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int *timed_out,
+                                     epx_async_error_t *err) {
   CUDA_CHECK(cudaEventSynchronize(h->counts_ready));
-  *timed_out = !error_before && epx_group_get_async_error(g, err) == EPX_OK &&
-               err->status == EPX_ERR_TIMEOUT && err->stage == EPX_STAGE_NOTIFY;
+  /* notify writes num_recv -1 when the exchange failed: this call's own answer, also when an
+   * earlier error is still on record (before, such a call returned EPX_OK with num_recv 0) */
+  *timed_out = ((const volatile int *)h->host_counts)[0] < 0;
+  if (*timed_out && epx_group_get_async_error(g, err) != EPX_OK)
+    snprintf(err->message, sizeof err->message, "the count exchange failed");
   return EPX_OK;
 }

@@ -72,8 +72,6 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
   epx__dispatch_launch_args_t d;
   EPX_CHECK(epx__dispatch_check_inputs(g, fn, a, stream, &d));
 
-  /* Whether an async error was on record before this call (see the count check below). */
-  const int error_before = ((volatile epx__error_record_t *)g->error_host)->status;
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
   h->num_tokens = a->num_tokens;
@@ -100,7 +98,7 @@ EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_di
      * timed-out exchange returns the timeout, not a num_recv that looks valid. */
     epx_async_error_t err;
     int timed_out = 0;
-    EPX_CHECK(epx__handle_wait_counts(g, h, error_before, &timed_out, &err));
+    EPX_CHECK(epx__handle_wait_counts(g, h, &timed_out, &err));
     if (timed_out) {
       fill_result(g, h, d.x_is_fp8, d.scales_packed, -1, out);
       return epx__set_error(EPX_ERR_TIMEOUT,

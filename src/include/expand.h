@@ -21,7 +21,6 @@ extern "C" {
 /* What the first half leaves for the second. */
 typedef struct {
   epx__dispatch_launch_args_t d; /* the payload's format, for the result's scale pointers */
-  int error_before;              /* the group's async error status before anything was queued */
   int sync_counts;
   int *num_recv_per_expert; /* args->num_recv_per_expert (host), filled by the second half */
 } epx__expand_pending_t;

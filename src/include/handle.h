@@ -39,12 +39,12 @@ void epx__handle_free_host(epx_handle_t h);
 epx__routing_t epx__handle_routing(epx_handle_t h);
 
 /* After queuing a dispatch with sync_counts: the host waits for its count exchange (not its
- * data). *timed_out = 1 when the exchange timed out in this call (error_before: the group's
- * async record was clean before it; the counts it never received read 0, so none are valid):
- * *err is then the record, for the caller's message. Else the counts in host_counts are the
+ * data). *timed_out = 1 when the exchange failed in this call (notify wrote num_recv -1; so
+ * an earlier error still on record cannot hide it): *err is then the group's record, for the
+ * caller's message (it may name the earlier error). Else the counts in host_counts are the
  * call's. Returns EPX_ERR_CUDA if the wait itself fails. */
-epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int error_before,
-                                     int *timed_out, epx_async_error_t *err);
+epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int *timed_out,
+                                     epx_async_error_t *err);
 
 /* The layout's arguments of a dispatch of a into this handle (its routing arrays as outputs). */
 epx_layout_args_t epx__handle_layout_args(epx_handle_t h, const epx_dispatch_args_t *a);

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     meta->num_recv = prefix;
     meta->epoch = epoch;
     meta->aborted = timed_out;
-    if (a.host_counts) a.host_counts[0] = prefix;
+    if (a.host_counts) a.host_counts[0] = timed_out ? -1 : prefix; /* -1: the host's "failed" */
     epx::trace_end(ctx, t_start, EPX_TRACE_NOTIFY, prefix);
   }
   if (tid < R * R) {
