@@ -437,7 +437,7 @@ typedef struct epx_dispatch_result {
  * Expert ids out of range are reported asynchronously (stage LAYOUT) and treated as empty. A
  * peer that does not arrive within timeout_ms is reported asynchronously (EPX_ERR_TIMEOUT); with
  * sync_counts = 1 a count exchange that timed out also makes this call return EPX_ERR_TIMEOUT
- * (result->num_recv = -1) when no error was on record before it.
+ * (result->num_recv = -1), also with an earlier error still on record.
  * With num_worst_tokens, a real receive count above it is reported asynchronously
  * (EPX_ERR_INVALID_ARGUMENT, stage DISPATCH, value = the count); every row is still written.
  * The DeepEP-parity options (rank mask, worst-case rows, int64 ids, strided / packed scales,
