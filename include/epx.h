@@ -433,7 +433,11 @@ typedef struct epx_dispatch_result {
  * trip) to fill result->num_recv and args->num_recv_per_expert; nothing else blocks the host.
  *   handle - [IN/OUT] records this routing for epx_combine and epx_dispatch_cached.
  *   result - [OUT] where the received data is.
- * Returns EPX_OK once queued, or EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent).
+ * Returns EPX_OK once queued, or EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent;
+ * except num_tokens > config.max_tokens_per_rank, which can come on one rank alone: that rank
+ * still runs its count exchange, refused, so every other rank's call fails at once with
+ * EPX_ERR_TIMEOUT, stage NOTIFY, naming it, and an empty dispatch; its result and handle are
+ * then those of a failed count exchange, num_recv = -1).
  * Expert ids out of range are reported asynchronously (stage LAYOUT) and treated as empty. A
  * peer that does not arrive within timeout_ms is reported asynchronously (EPX_ERR_TIMEOUT); with
  * sync_counts = 1 a count exchange that timed out also makes this call return EPX_ERR_TIMEOUT
@@ -585,7 +589,8 @@ typedef struct epx_dispatch_expand_result {
  * raises EPX_ERR_INVALID_ARGUMENT asynchronously (stage DISPATCH, position = capacity, value =
  * the rows needed), and with sync_counts = 1 the call returns EPX_ERR_INVALID_ARGUMENT with
  * result filled in (num_rows = the rows needed).
- * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent);
+ * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument (nothing sent, but
+ * for too many tokens, as epx_dispatch: the result then num_rows = num_recv = -1);
  * EPX_ERR_INVALID_USAGE (group without config.expand_max_rows, sync_counts on a capturing
  * stream); EPX_ERR_TIMEOUT as epx_dispatch. Capturable with sync_counts = 0. */
 epx_status_t epx_dispatch_expand(epx_group_t group, epx_handle_t handle,

@@ -101,17 +101,51 @@ int epx__expand_publish_batch(int64_t want) {
   return want < 1 ? 1 : want > 32 ? 32 : (int)want;
 }
 
+/* An expert-major dispatch with more tokens than the group holds, refused on this rank while its
+ * peers may have started theirs: as epx_dispatch's (normal.c), the refused count exchange fails
+ * every rank's call at once and the empty dispatch kernel (its sending blocks only: they alone
+ * signal) keeps the completion counters in step. */
+static epx_status_t tell_peers_refused(epx_group_t g, epx_handle_t h,
+                                       epx_dispatch_expand_result_t *out, cudaStream_t stream) {
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  EPX_CHECK(epx__handle_enqueue_refusal(g, h, 1, &ctx, stream));
+  epx__expand_dispatch_launch_args_t xa;
+  memset(&xa, 0, sizeof xa);
+  xa.d.routing = epx__handle_routing(h);
+  xa.d.hidden = g->config.hidden;
+  xa.d.top_k = g->config.top_k;
+  xa.d.num_experts = g->config.num_experts;
+  xa.d.num_blocks = g->config.num_sms;
+  xa.expand_pos = h->expand_pos;
+  xa.publish_batch = 1;
+  EPX_CHECK(epx__expand_dispatch_launch(&ctx, &xa, stream));
+  fill_result(g, h, &xa.d, -1, -1, out); /* as a failed count exchange leaves it */
+  return EPX_OK;
+}
+
+static epx_status_t refuse_for_all(epx_group_t g, epx_handle_t h, epx_dispatch_expand_result_t *out,
+                                   cudaStream_t stream, epx_status_t refused) {
+  if (epx__stream_is_capturing(stream)) return refused; /* nothing would run now */
+  char why[768];
+  snprintf(why, sizeof why, "%s", epx_last_error());
+  return epx__handle_refused(refused, why, tell_peers_refused(g, h, out, stream));
+}
+
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
                                           const epx_dispatch_args_t *a,
-                                          const epx_dispatch_expand_result_t *out,
-                                          cudaStream_t stream, int local_blocks,
-                                          epx__expand_pending_t *pending) {
+                                          epx_dispatch_expand_result_t *out, cudaStream_t stream,
+                                          int local_blocks, epx__expand_pending_t *pending) {
   const char *fn = kDispatchFn;
   memset(pending, 0, sizeof *pending);
   EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, out));
   EPX_CHECK(check_expand_args(g, fn, a));
   epx__dispatch_launch_args_t d;
-  EPX_CHECK(epx__dispatch_check_inputs(g, fn, a, stream, &d));
+  const epx_status_t checked = epx__dispatch_check_inputs(g, fn, a, stream, &d);
+  if (checked != EPX_OK)
+    return a->num_tokens > g->config.max_tokens_per_rank
+               ? refuse_for_all(g, h, out, stream, checked)
+               : checked;
 
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);

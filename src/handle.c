@@ -118,11 +118,48 @@ epx_status_t epx__handle_enqueue_notify(epx_group_t g, epx_handle_t h, const epx
                                         a->expert_alignment,
                                         g->config.max_tokens_per_rank,
                                         a->sync_counts ? h->host_counts_dev : NULL,
-                                        expand};
+                                        expand,
+                                        0};
   EPX_CHECK(epx__notify_launch(ctx, &na, stream));
   /* expand: also the result's counts_event (its arrival signals are reset by this kernel) */
   if (a->sync_counts || expand) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream));
   return EPX_OK;
+}
+
+epx_status_t epx__handle_enqueue_refusal(epx_group_t g, epx_handle_t h, int expand,
+                                         const epx__kernel_ctx_t *ctx, cudaStream_t stream) {
+  /* The handle holds the call as the peers' handles do: an empty dispatch whose count exchange
+   * failed (meta aborted), so whatever the ranks do next with a failed call (combine it or
+   * not), this rank can do too. */
+  h->num_tokens = 0;
+  h->num_worst_tokens = 0;
+  h->recv_topk_idx_int64 = 0;
+  h->expand = expand;
+  const epx__notify_launch_args_t na = {epx__handle_routing(h),
+                                        g->config.num_experts,
+                                        0,
+                                        g->config.max_tokens_per_rank,
+                                        NULL,
+                                        expand,
+                                        1};
+  EPX_CHECK(epx__notify_launch(ctx, &na, stream));
+  if (expand) CUDA_CHECK(cudaEventRecord(h->counts_ready, stream)); /* the result's counts_event */
+  return EPX_OK;
+}
+
+epx_status_t epx__handle_refused(epx_status_t refused, const char *why, epx_status_t told) {
+  if (told != EPX_OK) {
+    char failed[512]; /* epx__set_error writes the buffer epx_last_error() reads */
+    snprintf(failed, sizeof failed, "%s", epx_last_error());
+    return epx__set_error(refused,
+                          "%s (telling the other ranks failed: %s; their calls time out, and the "
+                          "group's counters may be out of step: destroy it on every rank)",
+                          why, failed);
+  }
+  return epx__set_error(refused,
+                        "%s (every rank's call fails: the others get EPX_ERR_TIMEOUT, stage "
+                        "NOTIFY, naming this rank)",
+                        why);
 }
 
 epx_status_t epx__handle_wait_counts(epx_group_t g, epx_handle_t h, int *timed_out,

@@ -65,12 +65,41 @@ static epx_status_t enqueue_layout(epx_group_t g, epx_handle_t h, const epx_disp
   return epx__layout_enqueue(g, &la, stream);
 }
 
+/* A dispatch with more tokens than the group holds, refused on this rank while its peers may
+ * have started theirs: the refused count exchange fails every rank's call at once, and the empty
+ * dispatch kernel keeps the completion counters in step, so the group stays usable. */
+static epx_status_t tell_peers_refused(epx_group_t g, epx_handle_t h, epx_dispatch_result_t *out,
+                                       cudaStream_t stream) {
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  EPX_CHECK(epx__handle_enqueue_refusal(g, h, 0, &ctx, stream));
+  epx__dispatch_launch_args_t d;
+  memset(&d, 0, sizeof d);
+  dispatch_args_of(g, h, &d);
+  d.write_meta = 1;
+  EPX_CHECK(epx__dispatch_launch(&ctx, &d, stream));
+  fill_result(g, h, 0, 0, -1, out); /* as a failed count exchange leaves it */
+  return EPX_OK;
+}
+
+static epx_status_t refuse_for_all(epx_group_t g, epx_handle_t h, epx_dispatch_result_t *out,
+                                   cudaStream_t stream, epx_status_t refused) {
+  if (epx__stream_is_capturing(stream)) return refused; /* nothing would run now */
+  char why[768];
+  snprintf(why, sizeof why, "%s", epx_last_error());
+  return epx__handle_refused(refused, why, tell_peers_refused(g, h, out, stream));
+}
+
 EPX_EXPORT epx_status_t epx_dispatch(epx_group_t g, epx_handle_t h, const epx_dispatch_args_t *a,
                                      epx_dispatch_result_t *out, cudaStream_t stream) {
   static const char fn[] = "epx_dispatch";
   EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, out));
   epx__dispatch_launch_args_t d;
-  EPX_CHECK(epx__dispatch_check_inputs(g, fn, a, stream, &d));
+  const epx_status_t checked = epx__dispatch_check_inputs(g, fn, a, stream, &d);
+  if (checked != EPX_OK)
+    return a->num_tokens > g->config.max_tokens_per_rank
+               ? refuse_for_all(g, h, out, stream, checked)
+               : checked;
 
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);

@@ -369,6 +369,11 @@ class _FakeEpxGroup:
         assert (topk_idx is None) == (is_token_in_rank is not None)
         assert sync_counts == (num_worst_tokens == 0)
         t = x.size(0)
+        if t > self.max_tokens:  # as C: refused here, after telling the peers in the count exchange
+            self.world.log.append(("refused", t))
+            from epx import errors
+            raise errors.EpxInvalidArgument(errors.EPX_ERR_INVALID_ARGUMENT,
+                                            f"epx_dispatch: args->num_tokens = {t}: more than {self.max_tokens}")
         h.rows = t
         self.ws_x[:t] = x.float()
         self.ws_src[:t] = torch.arange(t, dtype=torch.int32)
@@ -564,10 +569,12 @@ def test_buffer_normal_plumbing(fake):
     _, _, _, _, handle3, _ = buf.dispatch(x, num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=topk_w)
     assert id(handle3.epx_handle) in freed and len(buf._normal._handles) == 4
 
-    # Too many tokens for the group: refused naming the budget.
+    # Too many tokens for the group: the call reaches EPX (which fails it on every rank at once),
+    # and the Buffer's error names the budget.
     big = torch.zeros(group.max_tokens + 1, H, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         buf.dispatch(big, num_tokens_per_expert=ntpe, topk_idx=torch.zeros(big.size(0), K, dtype=torch.int64))
+    assert fake.log[-1] == ("refused", group.max_tokens + 1)
 
     # Another hidden size: the group is replaced and old handles are refused by name.
     x2 = torch.zeros(T, 2 * H, dtype=torch.bfloat16)

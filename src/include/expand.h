@@ -26,15 +26,16 @@ typedef struct {
 } epx__expand_pending_t;
 
 /* Checks every argument (epx_dispatch_expand's refusals, by name; out: the result the second
- * half will fill, checked here) and queues the layout, notify, dispatch and fan-out on stream;
+ * half will fill, checked here, and filled here only by the refusal of too many tokens, which
+ * still queues a refused count exchange: handle.h) and queues the layout, notify, dispatch and
+ * fan-out on stream;
  * no host wait. local_blocks: the blocks of the fan-out, a local HBM pass (0: two per SM of the
  * GPU, for a dispatch alone on the GPU; the prefill layer passes its communication's share when
  * GEMMs run beside it, so the fan-out does not hold every SM while they wait to start). */
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
                                           const epx_dispatch_args_t *a,
-                                          const epx_dispatch_expand_result_t *out,
-                                          cudaStream_t stream, int local_blocks,
-                                          epx__expand_pending_t *pending);
+                                          epx_dispatch_expand_result_t *out, cudaStream_t stream,
+                                          int local_blocks, epx__expand_pending_t *pending);
 /* With sync_counts: waits for this dispatch's count exchange (bounded by the notify's budget,
  * EPX_ERR_TIMEOUT when it ran out) and fills num_recv_per_expert; then fills *out and refuses
  * a row count past the capacity, as epx_dispatch_expand does. */

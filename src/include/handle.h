@@ -56,4 +56,16 @@ epx_status_t epx__handle_enqueue_notify(epx_group_t g, epx_handle_t h, const epx
                                         int expand, const epx__kernel_ctx_t *ctx,
                                         cudaStream_t stream);
 
+/* For a dispatch this rank refuses after its peers may have started theirs (more tokens than
+ * config.max_tokens_per_rank: the one refusal that depends on the data, so it can come on one
+ * rank alone): queues the count exchange in its refused form (every peer's call fails at once,
+ * naming this rank, instead of waiting out its budget) and leaves the handle without routing.
+ * The caller then queues its empty dispatch kernel (the meta says aborted), which keeps the
+ * completion counters in step, and returns `refused` with the refusal's message. */
+epx_status_t epx__handle_enqueue_refusal(epx_group_t g, epx_handle_t h, int expand,
+                                         const epx__kernel_ctx_t *ctx, cudaStream_t stream);
+/* The refusal's status with its message `why`, saying whether the peers were told (told: the
+ * status of queuing the refusal and the empty dispatch; its message is the last error). */
+epx_status_t epx__handle_refused(epx_status_t refused, const char *why, epx_status_t told);
+
 #endif /* EPX_HANDLE_H_ */

@@ -70,6 +70,9 @@ typedef struct epx__notify_launch_args {
                        the real counts, then the rows); or NULL */
   int expand;       /* 1: epx_dispatch_expand's exchange: all E counts to every rank, and the
                        meta's expand_* fields (notify.cu) */
+  int refused;      /* 1: this rank refused its call (too many tokens): it tells every peer it
+                       gives up (its abort word, then count words of 0), waits for nothing and
+                       marks the meta aborted, so every rank's call fails at once (notify.cu) */
 } epx__notify_launch_args_t;
 
 typedef struct epx__dispatch_launch_args {

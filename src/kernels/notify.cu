@@ -134,15 +134,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     epoch = ctrl->notify_epoch + 1 == 0 ? 1 : ctrl->notify_epoch + 1; /* 0: "never" (wrap) */
     ctrl->notify_epoch = epoch;
-    timed_out = 0;
+    timed_out = a.refused;
   }
   for (int j = tid; j < epr; j += kThreads) expert_sum[j] = 0;
+  /* Refused: the abort word at every peer before any count word (the barrier and the release
+   * of each count word order it), so a peer that reads this call's counts sees it gave up. */
+  if (a.refused && tid < R && tid != me) {
+    *(volatile unsigned int *)&epx::control_of(ctx, tid)->notify_abort[me] = epoch;
+    __threadfence_system();
+  }
   __syncthreads();
 
   for (int i = tid; i < R * words; i += kThreads) {
     const int r = i / words, w = i % words;
-    const int v = w < R ? a.routing.num_tokens_per_rank[w]
-                        : a.routing.num_tokens_per_expert[kExpand ? w - R : r * epr + (w - R)];
+    const int v = a.refused ? 0
+                  : w < R   ? a.routing.num_tokens_per_rank[w]
+                            : a.routing.num_tokens_per_expert[kExpand ? w - R : r * epr + (w - R)];
     unsigned long long *dst =
         (unsigned long long *)(ctx.peer_base[r] + ctx.layout.notify_offset) + me * words + w;
     epx::st_release_sys((uint64_t *)dst, ((uint64_t)epoch << 32) | (uint32_t)v);
@@ -150,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const uint64_t *inbox = (const uint64_t *)(ctx.peer_base[me] + ctx.layout.notify_offset);
   const uint64_t t_wait = epx::trace_begin(ctx);
-  for (int i = tid; i < R * words; i += kThreads) {
+  for (int i = tid; !a.refused && i < R * words; i += kThreads) { /* refused: wait for nothing */
     const int s = i / words, w = i % words;
     uint64_t v;
     const epx::WaitResult waited = epx::wait_until(

@@ -26,6 +26,9 @@
  *                               counts) and an async INVALID_ARGUMENT, no row past the capacity
  *   expand_during_after_peer_killed  DURING, the last rank killed after a good call: the
  *                               next call times out within about a budget, naming the peer
+ *   expand_too_many_tokens_fails_every_rank  one rank over max_tokens_per_rank: it gets
+ *                               INVALID_ARGUMENT, the others TIMEOUT naming it at once; then
+ *                               the group works (both fan-out modes)
  * expand_cases, expand_loop and expand_capacity_exceeded run with both fan-out modes
  * (config.expand_fan_out AFTER and DURING). `epx_test --filter expand` runs them; passed on
  * 4x H200 at 2 and 4 ranks with both modes (b7d616d, docs/results/b7d616d-4xH200-expand-during-
@@ -713,6 +716,72 @@ static int capacity_exceeded_mode(epx_test_rank_t *t, int fan_out) {
 EPX_GPU_TEST(expand_capacity_exceeded, 300) {
   for (int m = 0; m < 2; m++)
     if (capacity_exceeded_mode(t, kFanOuts[m]) != TEST_PASS) return TEST_FAIL;
+  return TEST_PASS;
+}
+
+/* The last rank passes max_tokens_per_rank + 1 tokens (budget 3 s), with each fan-out mode: it
+ * gets EPX_ERR_INVALID_ARGUMENT, every other rank EPX_ERR_TIMEOUT (stage NOTIFY, naming it)
+ * well inside the budget, with every arrival signal 0; then every rank's next expand dispatch
+ * and combine are right (the counters stayed in step). */
+static int too_many_tokens_mode(epx_test_rank_t *t, int fan_out) {
+  const int R = t->num_ranks, me = t->rank, over = R - 1;
+  uint64_t rng = t->seed;
+  const world_spec_t spec = {64, 256, 16, 4, ROUTE_UNIFORM, 64, -1};
+  world_t w;
+  world_make(&w, R, &spec, WORLD_NORMAL, &rng);
+  epx_group_t g;
+  epx_handle_t h;
+  if (expand_group_make(t, w.M, w.H, w.E, w.K, 0, fan_out, 3000, &g, &h) != TEST_PASS)
+    return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)worst_rows(R, w.M, w.E, w.K), &d) != TEST_PASS)
+    return TEST_FAIL;
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = d.x;
+  a.topk_idx = d.idx;
+  a.topk_weights = (const float *)d.w;
+  a.num_tokens = me == over ? w.M + 1 : w.ranks[me].num_tokens;
+  epx_dispatch_expand_result_t res;
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  const double t0 = epx_test_now_s();
+  const epx_status_t st = epx_dispatch_expand(g, h, &a, &res, t->stream);
+  printf("  rank %d (%s): %s: %s\n", me, fan_out_name(fan_out), epx_status_string(st),
+         epx_last_error());
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  const double took = epx_test_now_s() - t0;
+  EXPECTF(took < 1.0, "rank %d: the failed call took %.3f s (budget 3 s)", me, took);
+  epx_async_error_t err;
+  EXPECT_OK(epx_group_get_async_error(g, &err));
+  if (me == over) {
+    EXPECT_STATUS(st, EPX_ERR_INVALID_ARGUMENT);
+    EXPECT(strstr(epx_last_error(), "num_tokens") != NULL);
+    EXPECTF(err.status == EPX_OK, "rank %d: the refusing rank's record: %s", me, err.message);
+  } else {
+    EXPECT_STATUS(st, EPX_ERR_TIMEOUT);
+    EXPECTF(err.status == EPX_ERR_TIMEOUT && err.stage == EPX_STAGE_NOTIFY && err.peer == over,
+            "rank %d: record %d stage %d peer %d, want TIMEOUT at NOTIFY naming %d", me,
+            (int)err.status, (int)err.stage, err.peer, over);
+    uint32_t *ready = fetch(res.expert_ready, (size_t)w.L, sizeof(uint32_t));
+    EXPECT(ready != NULL);
+    for (int j = 0; j < w.L; j++)
+      EXPECTF(ready[j] == 0u, "expert_ready[%d] = %u, want 0", j, ready[j]);
+    free(ready);
+    EXPECT_OK(epx_group_clear_async_error(g));
+  }
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  if (expand_once(t, g, h, &w, &d, 0, 0, 1, 1, 1, "after the refusal") != TEST_PASS)
+    return TEST_FAIL;
+  EXPECT_NO_ASYNC_ERROR(g, "after the refusal");
+  world_dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+EPX_PEER_TEST(expand_too_many_tokens_fails_every_rank, 120) {
+  for (int m = 0; m < 2; m++)
+    if (too_many_tokens_mode(t, kFanOuts[m]) != TEST_PASS) return TEST_FAIL;
   return TEST_PASS;
 }
 

@@ -21,6 +21,9 @@
  *   normal_late_rank_gets_an_error    one rank 1.5 s late (budget 0.5 s): every rank gets
  *                                     EPX_ERR_TIMEOUT, none wrong rows; then clear and recover
  *   normal_epoch_wraps                4 dispatches and combines across the notify epoch's wrap
+ *   normal_too_many_tokens_fails_every_rank  one rank passes more tokens than the group holds:
+ *                                     it gets INVALID_ARGUMENT, every other rank TIMEOUT naming
+ *                                     it at once (not after the budget); then the group works
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -555,6 +558,72 @@ EPX_PEER_TEST(normal_late_rank_gets_an_error, 120) {
   if (normal_combine_and_check(t, &f, "after the late rank") != TEST_PASS) return TEST_FAIL;
   EXPECT_OK(epx_group_get_async_error(g, &err));
   EXPECTF(err.status == EPX_OK, "rank %d: after recovery: %s", me, err.message);
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  return normal_fixture_free(&f, c.name);
+}
+
+/* The last rank passes max_tokens_per_rank + 1 tokens, the others their usual ones, budget 3 s.
+ * The last rank's epx_dispatch returns EPX_ERR_INVALID_ARGUMENT naming the token count; every
+ * other rank's returns EPX_ERR_TIMEOUT (stage NOTIFY, naming the last rank) well inside the
+ * budget: the refused rank still ran its count exchange, telling its peers it gave up. Without
+ * clearing anything (the refusing rank's record is clean), the next dispatch and combine of
+ * every rank are right: the counters stayed in step. Then the same with sync_counts = 0. */
+EPX_PEER_TEST(normal_too_many_tokens_fails_every_rank, 120) {
+  const int R = t->num_ranks, me = t->rank, over = R - 1;
+  uint64_t rng = t->seed;
+  const normal_case_t c = {"too many", {64, 512, 4 * R, 2, ROUTE_UNIFORM, 64, -1}, 0};
+  normal_fixture_t f;
+  if (normal_fixture_make(t, &c.world, 3000, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  const world_t *const w = &f.w;
+  const epx_group_t g = f.g;
+  const epx_handle_t h = f.h;
+  const world_dev_t d = f.d;
+  for (int sync = 1; sync >= 0; sync--) {
+    epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+    a.x = d.x;
+    a.topk_idx = d.idx;
+    a.topk_weights = (const float *)d.w;
+    a.num_tokens = me == over ? w->M + 1 : w->ranks[me].num_tokens;
+    a.sync_counts = sync;
+    epx_dispatch_result_t res;
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    const double t0 = epx_test_now_s();
+    const epx_status_t st = epx_dispatch(g, h, &a, &res, t->stream);
+    printf("  rank %d (sync_counts %d): %s: %s\n", me, sync, epx_status_string(st),
+           epx_last_error());
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    const double took = epx_test_now_s() - t0;
+    EXPECTF(took < 1.0, "rank %d: the failed call took %.3f s (budget 3 s)", me, took);
+    epx_async_error_t err;
+    EXPECT_OK(epx_group_get_async_error(g, &err));
+    if (me == over) {
+      EXPECT_STATUS(st, EPX_ERR_INVALID_ARGUMENT);
+      EXPECT(strstr(epx_last_error(), "num_tokens") != NULL);
+      EXPECTF(err.status == EPX_OK, "rank %d: the refusing rank's record: %s", me, err.message);
+    } else {
+      EXPECT_STATUS(st, sync ? EPX_ERR_TIMEOUT : EPX_OK);
+      EXPECT_EQ_INT(err.status, EPX_ERR_TIMEOUT);
+      EXPECT_EQ_INT(err.stage, EPX_STAGE_NOTIFY);
+      EXPECT_EQ_INT(err.peer, over);
+      EXPECT_OK(epx_group_clear_async_error(g));
+    }
+    /* The next call of every rank is right. */
+    if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+    a.num_tokens = w->ranks[me].num_tokens;
+    a.sync_counts = 1;
+    EXPECT_OK(epx_dispatch(g, h, &a, &res, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    epx_ref_recv_t ref;
+    memset(&ref, 0, sizeof ref);
+    EXPECT(epx_ref_dispatch(&w->ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+    EXPECT_EQ_INT(res.num_recv, ref.num_recv);
+    if (normal_check_recv(w, me, &res, 0, 1, &ref, "after the refusal") != TEST_PASS)
+      return TEST_FAIL;
+    epx_ref_recv_free(&ref);
+    if (normal_combine_and_check(t, &f, "after the refusal") != TEST_PASS) return TEST_FAIL;
+    EXPECT_OK(epx_group_get_async_error(g, &err));
+    EXPECTF(err.status == EPX_OK, "rank %d: after the refusal: %s", me, err.message);
+  }
   if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
   return normal_fixture_free(&f, c.name);
 }

@@ -58,6 +58,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..errors import EpxInvalidArgument
 from .config import Config
 from .utils import (EPX_MAX_RANKS, EPX_MAX_TOKENS_PER_RANK, EPX_MAX_TOP_K, EventHandle, EventOverlap,
                     as_cuda_event, core, current_stream, new_stream, record_stream, stream_ctx)
@@ -441,16 +442,21 @@ class Buffer:
                                f"must make the same calls with the same shapes")
         return max(t for _, t in items)
 
+    def _too_many_tokens(self, fn: str, num_tokens: int, state: _GroupState) -> str:
+        return (f"Buffer.{fn}: {num_tokens} tokens on this rank: the EPX group serves at most {state.max_tokens} "
+                f"per rank (the most that num_nvl_bytes = {self.num_nvl_bytes} holds at hidden {state.hidden}); "
+                f"create the Buffer with more num_nvl_bytes")
+
     def _normal_state(self, fn: str, *, num_experts: int, num_tokens: int, hidden: Optional[int] = None,
                       top_k: Optional[int] = None) -> _GroupState:
         """The normal group for a call of these shapes (hidden None: layout; top_k None: routing
         by rank mask), created (collectively) when the current one does not serve them."""
         state = self._normal
         if state is not None and state.serves(num_experts, hidden, top_k):
-            if num_tokens > state.max_tokens:
-                raise ValueError(f"Buffer.{fn}: {num_tokens} tokens on this rank: the EPX group serves at most "
-                                 f"{state.max_tokens} per rank (the most that num_nvl_bytes = {self.num_nvl_bytes} "
-                                 f"holds at hidden {state.hidden}); create the Buffer with more num_nvl_bytes")
+            # A dispatch over the limit goes on to EPX, which refuses it on every rank at once
+            # (this rank tells its peers in the count exchange); a layout is this rank's alone.
+            if num_tokens > state.max_tokens and fn != "dispatch":
+                raise ValueError(self._too_many_tokens(fn, num_tokens, state))
             return state
         if hidden is None and state is not None and not state.provisional:
             hidden = state.hidden
@@ -646,6 +652,11 @@ class Buffer:
                 expert_alignment=expert_alignment, sync_counts=num_worst_tokens == 0,
                 num_worst_tokens=num_worst_tokens, recv_topk_idx_dtype=torch.int64, stream=call.comm)
             lease = _Lease(state, epx_handle)
+        except EpxInvalidArgument as e:
+            state.give_back(epx_handle)
+            if num_tokens > state.max_tokens:  # refused by EPX on every rank (the others: EpxTimeout)
+                raise ValueError(self._too_many_tokens(fn, num_tokens, state)) from e
+            raise
         except BaseException:
             state.give_back(epx_handle)
             raise
