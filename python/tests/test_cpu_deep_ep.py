@@ -569,12 +569,28 @@ def test_buffer_normal_plumbing(fake):
     _, _, _, _, handle3, _ = buf.dispatch(x, num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=topk_w)
     assert id(handle3.epx_handle) in freed and len(buf._normal._handles) == 4
 
-    # Too many tokens for the group: the call reaches EPX (which fails it on every rank at once),
-    # and the Buffer's error names the budget.
-    big = torch.zeros(group.max_tokens + 1, H, dtype=torch.bfloat16)
+    # Too many tokens for the group: the layout is computed in torch (EPX's holds max_tokens),
+    # bit for bit the definition (tests/ref: once per listed expert and rank, ids outside [0, E)
+    # empty); the dispatch reaches EPX (which fails it on every rank at once), and the Buffer's
+    # error names the budget.
+    n_big = group.max_tokens + 1
+    big_idx = torch.randint(-1, E + 2, (n_big, K), dtype=torch.int64)
+    big_idx[0] = torch.tensor([3, 3])  # an expert listed twice counts once
+    calls_before = len(fake.log)
+    b_ntpr, b_rdma, b_ntpe, b_in_rank, b_ev = buf.get_dispatch_layout(big_idx, E)
+    assert len(fake.log) == calls_before and b_rdma is None and b_ev.event is None
+    want_in_rank = torch.zeros(n_big, 2, dtype=torch.bool)
+    want_ntpe = torch.zeros(E, dtype=torch.int32)
+    for t in range(n_big):
+        for e in {int(v) for v in big_idx[t] if 0 <= int(v) < E}:
+            want_ntpe[e] += 1
+            want_in_rank[t, e // (E // 2)] = True
+    assert torch.equal(b_in_rank, want_in_rank) and torch.equal(b_ntpe, want_ntpe)
+    assert torch.equal(b_ntpr, want_in_rank.sum(0, dtype=torch.int32)) and b_ntpr.dtype == torch.int32
+    big = torch.zeros(n_big, H, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         buf.dispatch(big, num_tokens_per_expert=ntpe, topk_idx=torch.zeros(big.size(0), K, dtype=torch.int64))
-    assert fake.log[-1] == ("refused", group.max_tokens + 1)
+    assert fake.log[-1] == ("refused", n_big)
 
     # Another hidden size: the group is replaced and old handles are refused by name.
     x2 = torch.zeros(T, 2 * H, dtype=torch.bfloat16)

@@ -206,6 +206,18 @@ def fit_max_tokens(size_of: Callable[[int], int], budget: int, need: int,
     return lo
 
 
+def _layout_in_torch(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """EPX's layout (tests/ref: a token counts once per expert and rank it lists; ids outside
+    [0, E) are empty slots) in torch, for more tokens than the group holds: (num_tokens_per_rank
+    [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)."""
+    T, E = topk_idx.size(0), num_experts
+    ids = topk_idx.long()
+    ids = torch.where((ids >= 0) & (ids < E), ids, torch.full_like(ids, E))  # E: the empty slot
+    listed = torch.zeros(T, E + 1, dtype=torch.bool, device=topk_idx.device).scatter_(1, ids, True)[:, :E]
+    in_rank = listed.view(T, num_ranks, E // num_ranks).any(2)
+    return in_rank.sum(0, dtype=torch.int32), listed.sum(0, dtype=torch.int32), in_rank
+
+
 def _split_x(x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
@@ -453,10 +465,10 @@ class Buffer:
         by rank mask), created (collectively) when the current one does not serve them."""
         state = self._normal
         if state is not None and state.serves(num_experts, hidden, top_k):
-            # A dispatch over the limit goes on to EPX, which refuses it on every rank at once
-            # (this rank tells its peers in the count exchange); a layout is this rank's alone.
-            if num_tokens > state.max_tokens and fn != "dispatch":
-                raise ValueError(self._too_many_tokens(fn, num_tokens, state))
+            # More tokens than the group holds: never refused here, on this rank alone, while the
+            # others go on into the dispatch. get_dispatch_layout computes such a layout in torch
+            # and the dispatch goes on to EPX, which refuses it on every rank at once (this rank
+            # tells its peers in the count exchange).
             return state
         if hidden is None and state is not None and not state.provisional:
             hidden = state.hidden
@@ -566,6 +578,11 @@ class Buffer:
             raise ValueError(f"Buffer.{fn}: topk_idx: expected [num_tokens, num_topk], got shape {tuple(topk_idx.shape)}")
         state = self._normal_state(fn, num_experts=int(num_experts), num_tokens=topk_idx.size(0),
                                    top_k=topk_idx.size(1))
+        if topk_idx.size(0) > state.max_tokens:  # EPX's layout holds at most max_tokens (above)
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            per_rank, per_expert, in_rank = _layout_in_torch(topk_idx, int(num_experts), self.group_size)
+            return per_rank, None, per_expert, in_rank, EventOverlap(EventHandle() if async_finish else None)
         if previous_event is None and not async_finish and not allocate_on_comm_stream:
             # Same effect as DeepEP's detour through the communication stream (which waits for the
             # current stream and is waited for), without the two cross-stream waits: the layout
