@@ -167,11 +167,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           /* stop at this call's word or a newer one (wrap-safe); a newer one fails the call */
           return (int32_t)((uint32_t)(v >> 32) - epoch) >= 0;
         },
-        epx::NeverAbandon());
+        /* Another word's wait failed the call: this word is not needed. Without it a thread
+         * whose words come from k dead peers waited k budgets, one after another. */
+        [&] { return *(volatile int *)&timed_out != 0; });
     /* A newer call's word: s gave up on this call (its dispatch timed out on this rank, or a
      * call was refused on some ranks only) and went on. Its count is not this call's: fail
      * the call here as a peer's timeout does, never place rows with it. */
-    if (waited != epx::WaitResult::kReady || (uint32_t)(v >> 32) != epoch) {
+    if (waited == epx::WaitResult::kAbandoned) {
+      v = 0; /* the call failed already, and the record names why */
+    } else if (waited != epx::WaitResult::kReady || (uint32_t)(v >> 32) != epoch) {
       epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_NOTIFY, s, -1, epoch);
       timed_out = 1;
       v = 0;

@@ -26,6 +26,8 @@
  *                               counts) and an async INVALID_ARGUMENT, no row past the capacity
  *   expand_during_after_peer_killed  DURING, the last rank killed after a good call: the
  *                               next call times out within about a budget, naming the peer
+ *   expand_two_absent_ranks_cost_one_budget  (4 ranks or more) two ranks skip a call: the
+ *                               others' count exchange fails within one budget, not two
  *   expand_too_many_tokens_fails_every_rank  one rank over max_tokens_per_rank: it gets
  *                               INVALID_ARGUMENT, the others TIMEOUT naming it at once; then
  *                               the group works (both fan-out modes)
@@ -782,6 +784,55 @@ static int too_many_tokens_mode(epx_test_rank_t *t, int fan_out) {
 EPX_PEER_TEST(expand_too_many_tokens_fails_every_rank, 120) {
   for (int m = 0; m < 2; m++)
     if (too_many_tokens_mode(t, kFanOuts[m]) != TEST_PASS) return TEST_FAIL;
+  return TEST_PASS;
+}
+
+/* At 4 ranks or more, ranks 1 and R - 1 skip an expert-major dispatch (sync counts, budget
+ * 500 ms): every other rank's call returns EPX_ERR_TIMEOUT, stage NOTIFY, naming one of them,
+ * within about one budget. Its count exchange has R x (R + E) words, several a thread, and
+ * threads 0-7 (R 4) hold words of both absent ranks: before, each such thread waited out two
+ * budgets one after the other. */
+EPX_GPU_TEST_MIN_RANKS(expand_two_absent_ranks_cost_one_budget, 4, 120) {
+  const int R = t->num_ranks, me = t->rank, absent_a = 1, absent_b = R - 1;
+  const int budget_ms = 500;
+  uint64_t rng = t->seed;
+  const world_spec_t spec = {64, 256, 256, 8, ROUTE_UNIFORM, 64, -1};
+  world_t w;
+  world_make(&w, R, &spec, WORLD_NORMAL, &rng);
+  epx_group_t g;
+  epx_handle_t h;
+  if (expand_group_make(t, w.M, w.H, w.E, w.K, 0, EPX_EXPAND_FAN_OUT_AFTER, budget_ms, &g, &h) !=
+      TEST_PASS)
+    return TEST_FAIL;
+  world_dev_t d;
+  if (world_dev_make(&w, me, (size_t)worst_rows(R, w.M, w.E, w.K), &d) != TEST_PASS)
+    return TEST_FAIL;
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  if (me != absent_a && me != absent_b) {
+    epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+    a.x = d.x;
+    a.topk_idx = d.idx;
+    a.topk_weights = (const float *)d.w;
+    a.num_tokens = w.ranks[me].num_tokens;
+    epx_dispatch_expand_result_t res;
+    const double t0 = epx_test_now_s();
+    EXPECT_STATUS(epx_dispatch_expand(g, h, &a, &res, t->stream), EPX_ERR_TIMEOUT);
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    const double took = epx_test_now_s() - t0;
+    printf("  rank %d: returned after %.3f s: %s\n", me, took, epx_last_error());
+    EXPECTF(took < 1.7 * budget_ms * 1e-3, "rank %d: %.3f s for a budget of %d ms", me, took,
+            budget_ms);
+    epx_async_error_t err;
+    EXPECT_OK(epx_group_get_async_error(g, &err));
+    EXPECTF(err.status == EPX_ERR_TIMEOUT && err.stage == EPX_STAGE_NOTIFY &&
+                (err.peer == absent_a || err.peer == absent_b),
+            "rank %d: record %d stage %d peer %d", me, (int)err.status, (int)err.stage, err.peer);
+  }
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  world_dev_free(&d);
+  world_free(&w);
+  EXPECT_OK(epx_handle_destroy(h));
+  EXPECT_OK(epx_group_destroy(g));
   return TEST_PASS;
 }
 
