@@ -300,6 +300,16 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   a.topk_weights = (const float *)d.w;
   a.num_tokens = 64;
   epx_dispatch_result_t res;
+  /* Before any dispatch (the too-many-tokens case below is one: it fails every rank's call but
+   * leaves the handle holding that empty, failed exchange, as the peers' handles do). */
+  EXPECT_STATUS(epx_combine(g, h, NULL, t->stream), EPX_ERR_INVALID_ARGUMENT);
+  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
+  ca.x = d.y;
+  ca.out = d.out;
+  EXPECT_STATUS(epx_combine(g, h, &ca, t->stream),
+                EPX_ERR_INVALID_USAGE); /* nothing dispatched yet */
+  EXPECT_STATUS(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream),
+                EPX_ERR_INVALID_USAGE);
   bad_args_t bad[8];
   int nb = 0;
   bad[nb] = bad_case("too many tokens", a, "num_tokens"), bad[nb++].args.num_tokens = 65;
@@ -319,14 +329,6 @@ EPX_GPU_TEST(normal_refuses_bad_arguments, 120) {
   EXPECT_STATUS(epx_dispatch(g, h2, &a, &res, t->stream),
                 EPX_ERR_INVALID_USAGE); /* another group's handle */
   EXPECT(strstr(epx_last_error(), "another group") != NULL);
-  EXPECT_STATUS(epx_combine(g, h, NULL, t->stream), EPX_ERR_INVALID_ARGUMENT);
-  epx_combine_args_t ca = EPX_COMBINE_ARGS_INIT;
-  ca.x = d.y;
-  ca.out = d.out;
-  EXPECT_STATUS(epx_combine(g, h, &ca, t->stream),
-                EPX_ERR_INVALID_USAGE); /* nothing dispatched yet */
-  EXPECT_STATUS(epx_dispatch_cached(g, h, d.x, EPX_DTYPE_BF16, NULL, &res, t->stream),
-                EPX_ERR_INVALID_USAGE);
 
   /* A payload on another GPU (the next rank's) is refused by name, nothing sent. A one-rank
    * group has no other GPU to try. */
