@@ -33,6 +33,10 @@ typedef struct epx__trace_rank {
   long long offset_ns[2];              /* this rank's clock minus rank 0's at those points */
   long long spread_ns;                 /* max - min of the offset over the sync rounds */
   long long timer_tick_ns;             /* the GPU timer's step, 0 if unknown */
+  /* Per sync and round: this rank's stamp minus rank 0's, what the median is taken over (kept
+   * for the JSON, so a bad alignment can be traced to the rounds that caused it). */
+  long long round_offset_ns[2][EPX_TRACE_SYNC_ROUNDS];
+  unsigned round_used[2]; /* bit k: round k had both stamps */
 } epx__trace_rank_t;
 
 /* Offset of one rank's clock from the reference's, from the exits of the same barrier rounds:

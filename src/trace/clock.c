@@ -40,9 +40,16 @@ void epx__trace_clock_model(const unsigned long long *mine, const unsigned long 
   int anchors = 0;
   memset(r->sync_local_ns, 0, sizeof r->sync_local_ns);
   memset(r->offset_ns, 0, sizeof r->offset_ns);
+  memset(r->round_offset_ns, 0, sizeof r->round_offset_ns);
+  memset(r->round_used, 0, sizeof r->round_used);
   r->spread_ns = 0;
   for (int s = 0; s < 2; s++) {
     const unsigned long long *m = mine + s * K, *r0 = ref + s * K;
+    for (int k = 0; k < K; k++)
+      if (m[k] && r0[k]) {
+        r->round_offset_ns[s][k] = (long long)(m[k] - r0[k]);
+        r->round_used[s] |= 1u << k;
+      }
     long long offset, spread;
     if (!epx__trace_clock_offset(m, r0, K, &offset, &spread)) continue;
     unsigned long long last = 0; /* the anchor: this rank's last valid stamp */

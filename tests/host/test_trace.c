@@ -155,6 +155,21 @@ EPX_HOST_TEST(trace_clock_offset_median_and_spread, 10) {
   const unsigned long long none[3] = {0, 0, 0};
   EXPECT_EQ_INT(epx__trace_clock_offset(none, ref, 3, &off, &spread), 0);
   EXPECT_EQ_INT(off, 0);
+
+  /* The model keeps every round's offset (for the file): round 2 of the start sync has no stamp,
+   * the dump sync none at all. */
+  enum { K = EPX_TRACE_SYNC_ROUNDS };
+  unsigned long long r0[2 * K], r1[2 * K];
+  memset(r0, 0, sizeof r0);
+  memset(r1, 0, sizeof r1);
+  for (int k = 0; k < K; k++) r0[k] = 1000 * (k + 1), r1[k] = 1000 * (k + 1) + 7 * k;
+  r1[2] = 0;
+  epx__trace_rank_t model;
+  epx__trace_clock_model(r1, r0, &model);
+  EXPECT_EQ_INT(model.round_used[0], ((1u << K) - 1u) & ~4u);
+  EXPECT_EQ_INT(model.round_used[1], 0);
+  EXPECT_EQ_INT(model.round_offset_ns[0][K - 1], 7 * (K - 1));
+  EXPECT_EQ_INT(model.round_offset_ns[0][1], 7);
   return TEST_PASS;
 }
 
