@@ -222,7 +222,8 @@ class Group:
                                   _stream_ptr(stream))
         if r.capacity > 0:
             # C filled the result (also before a count timeout): the handle is this call's.
-            h.num_tokens, h.num_recv, h.num_worst_tokens = T, r.num_recv, num_worst_tokens
+            h.num_tokens, h.num_recv, h.num_worst_tokens = (self._tokens_held(T), r.num_recv,
+                                                             num_worst_tokens)
             # Valid device memory for combine's empty inputs (a rank that received no rows
             # passes empty tensors, whose data_ptr() is 0, and C refuses NULL).
             h._recv_x_ptr, h._recv_weights_ptr = r.recv_x, r.recv_topk_weights
@@ -322,6 +323,12 @@ class Group:
         return out, out_w
 
     # -- expert-major normal mode -----------------------------------------------------------
+    def _tokens_held(self, T):
+        """The token count C's handle holds after a dispatch of T tokens that C queued: T, or
+        0 when T is over max_tokens_per_rank (C refused it but still ran the failed, empty
+        exchange on every rank, so a combine may follow, over no tokens)."""
+        return T if T <= self._dims.max_tokens_per_rank else 0
+
     def dispatch_expand(self, h, x, topk_idx, topk_weights=None, *, x_scales=None,
                         expert_alignment=1, sync_counts=True, stream=None):
         """Send this rank's tokens to their experts' ranks in the expert-major layout
@@ -358,7 +365,7 @@ class Group:
             # every rank: the handle describes this dispatch either way.
             # Rows past the capacity (a call that overflowed it) were not written, and the
             # combine_expand every rank must still make reads at most the capacity's.
-            h.num_tokens, h.num_recv, h.num_worst_tokens = T, r.num_recv, 0
+            h.num_tokens, h.num_recv, h.num_worst_tokens = self._tokens_held(T), r.num_recv, 0
             h.num_rows, h._recv_x_ptr = min(r.num_rows, r.capacity), r.recv_x
             h._recv_weights_ptr = r.recv_weights  # (combine's empty recv_topk_weights, below)
         elif status != errors.EPX_OK:

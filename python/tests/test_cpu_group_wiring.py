@@ -110,8 +110,9 @@ class FakeLib:
             counts = (ctypes.c_int * L).from_address(a.num_recv_per_expert)
             counts[:] = list(range(1, L + 1))
         num_recv = 7 if a.sync_counts else (a.num_worst_tokens or -1)
-        if self.dispatch_status == epx.errors.EPX_ERR_TIMEOUT:
-            num_recv = -1
+        if self.dispatch_status in (epx.errors.EPX_ERR_TIMEOUT,
+                                    epx.errors.EPX_ERR_INVALID_ARGUMENT):
+            num_recv = -1  # a failed count exchange (a refusal that still fills: too many tokens)
         if self.dispatch_fills:
             self._fill_dispatch(a, r._obj, num_recv)
         return self.dispatch_status
@@ -437,6 +438,17 @@ def test_a_failed_dispatch_leaves_no_stale_routing(fake):
     assert (h.num_tokens, h.num_recv) == (9, -1)
     out, _ = g.combine(h, torch.zeros((CAP, H), dtype=torch.bfloat16))
     assert out.shape == (9, H)
+    # over max_tokens_per_rank: C refuses but runs the failed, empty exchange (every rank's call
+    # fails at once), and its handle holds 0 tokens, so a combine after it returns no rows
+    # instead of M + 1 rows of uninitialized memory
+    xb, idxb = torch.zeros((M + 1, H), dtype=torch.bfloat16), torch.zeros((M + 1, K),
+                                                                          dtype=torch.int32)
+    fake.dispatch_status = epx.errors.EPX_ERR_INVALID_ARGUMENT
+    with pytest.raises(epx.EpxError):
+        g.dispatch(h, xb, idxb)
+    assert (h.num_tokens, h.num_recv) == (0, -1)
+    out, _ = g.combine(h, torch.zeros((CAP, H), dtype=torch.bfloat16))
+    assert out.shape == (0, H)
     g.destroy()
 
 
