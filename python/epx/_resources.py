@@ -33,9 +33,34 @@ def _release_handle(state, group_state):
     return None if status == errors.EPX_OK else errors.error_for(status, _capi.last_error())
 
 
+def borrowed_comm_gone(state, fn):
+    """The error for a call on a group whose borrowed communicator's process group was destroyed
+    first (torch destroyed the communicator, and with it what EPX registered on it), else None."""
+    alive = state["comm_alive"]
+    if alive is None or alive():
+        return None
+    return errors.EpxInvalidUsage(
+        errors.EPX_ERR_INVALID_USAGE,
+        "%s: the process group whose NCCL communicator this group borrowed "
+        "(borrow_nccl_comm=True) was destroyed before the group; the group can no longer be "
+        "used, and its memory is left allocated (destroy the EPX group before "
+        "torch.distributed.destroy_process_group)" % fn)
+
+
 def _release_group(state):
     """Handles, then the group (collective), then the communicator EPX created. Returns the
     first error instead of raising (a GC callback has nobody to raise to)."""
+    if state["group"] is None:
+        return None
+    gone = borrowed_comm_gone(state, "Group.destroy")
+    if gone is not None:
+        # epx_group_destroy would release memory registered on a communicator that no longer
+        # exists: leave it all (a leak, reported) rather than touch freed NCCL state.
+        state["group"] = None
+        for h in list(state["handles"]):
+            h.ptr = None
+        state["handles"].clear()
+        return gone
     first = None
     for h in list(state["handles"]):
         err = _release_handle(h, state)  # every handle, whichever failed before
@@ -57,8 +82,10 @@ class _GroupResources:
     """Owns the epx_group_t and (unless borrowed) the ncclComm_t. Views of the workspace keep
     this alive, not the Group, so a dropped Group with no views left is collected."""
 
-    def __init__(self, gptr, comm, owns_comm):
-        self.state = {"group": gptr, "comm": comm, "owns_comm": owns_comm, "handles": set()}
+    def __init__(self, gptr, comm, owns_comm, comm_alive=None):
+        # comm_alive: for a borrowed communicator, whether its process group still exists
+        self.state = {"group": gptr, "comm": comm, "owns_comm": owns_comm, "handles": set(),
+                      "comm_alive": comm_alive}
         self.release = weakref.finalize(self, _release_group, self.state)
         self.release.atexit = False  # never a collective while the interpreter shuts down
 

@@ -16,6 +16,7 @@ check_*), _results.py (Layout, DispatchResult, LLDispatchResult, Hook), _resourc
 and the native lifetime).
 """
 import ctypes
+import functools
 import os
 
 from . import _capi, _nccl, _tensors, errors
@@ -26,14 +27,24 @@ from ._checks import (Dims, _scale_strides, check_cached_args, check_combine_arg
                       check_ll_dispatch_args, check_scales)
 from ._config import (DTYPE_NAMES, LL_ROUTE_NAMES, MODE_NAMES, config_dict,  # noqa: F401
                       make_config, workspace_size)
-from ._resources import Handle, _GroupResources
+from ._resources import Handle, _GroupResources, borrowed_comm_gone
 from ._results import DispatchResult, ExpandResult, Hook, Layout, LLDispatchResult
 from ._tensors import _torch, data_ptr, invalid_argument
 from ._tensors import stream_ptr as _stream_ptr
 
 
+def _process_group_alive(dist, pg):
+    """Whether pg is still one of torch.distributed's process groups (destroy_process_group
+    removes it, and destroys its communicator with it)."""
+    if not dist.is_initialized():
+        return False
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return True if pg_map is None else pg in pg_map  # a torch without the map: not known
+
+
 def _borrowed_comm(dist, torch, group):
-    """The ncclComm_t of a ProcessGroupNCCL (torch's private _comm_ptr)."""
+    """The ncclComm_t of a ProcessGroupNCCL (torch's private _comm_ptr), and a callable that
+    says whether that process group (so the communicator) still exists."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
         backend = pg._get_backend(torch.device("cuda"))
@@ -54,7 +65,7 @@ def _borrowed_comm(dist, torch, group):
     if not comm:
         raise errors.EpxNcclError(errors.EPX_ERR_NCCL,
                                   "Group(borrow_nccl_comm=True): _comm_ptr() returned NULL")
-    return comm
+    return comm, functools.partial(_process_group_alive, dist, pg)
 
 
 class Group:
@@ -79,8 +90,9 @@ class Group:
                           expand_fan_out=expand_fan_out)
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
+        comm_alive = None
         if borrow_nccl_comm:
-            comm = _borrowed_comm(dist, torch, group)
+            comm, comm_alive = _borrowed_comm(dist, torch, group)
         else:
             unique_id = [_nccl.get_unique_id() if rank == 0 else None]
             src = 0 if group is None else dist.get_global_rank(group, 0)
@@ -93,7 +105,7 @@ class Group:
             if not borrow_nccl_comm:
                 _nccl.comm_abort(comm)  # every rank failed alike (EPX agrees first)
             raise err
-        self._res = _GroupResources(gptr.value, comm, not borrow_nccl_comm)
+        self._res = _GroupResources(gptr.value, comm, not borrow_nccl_comm, comm_alive)
         self._views = {}
         self._moe_workspace = None  # moe_decode's scratch, grown on demand
         out = ctypes.c_int()
@@ -118,6 +130,9 @@ class Group:
         if gptr is None:
             raise errors.EpxInvalidUsage(errors.EPX_ERR_INVALID_USAGE,
                                          "%s: the group was destroyed" % fn)
+        gone = borrowed_comm_gone(self._res.state, fn)
+        if gone is not None:
+            raise gone
         return gptr
 
     @property

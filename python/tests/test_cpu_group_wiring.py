@@ -3,6 +3,7 @@ and answers with host memory, torch.distributed runs gloo with one rank, tensors
 Checks that each call fills the C args as epx.h says, shapes its views right, keeps handles and
 hooks straight, and releases handles, group and communicator in order."""
 import ctypes
+import functools
 import gc
 import math
 
@@ -476,3 +477,28 @@ def test_an_empty_x_with_an_unknown_count_is_refused(fake):
         g.combine(h, torch.empty((0, H), dtype=torch.bfloat16))
     g.combine(h, torch.zeros((CAP, H), dtype=torch.bfloat16))  # the delivered rows: accepted
     g.destroy()
+
+
+def test_a_borrowed_communicator_destroyed_first_is_refused(fake, monkeypatch):
+    """With borrow_nccl_comm=True the process group must outlive the EPX group: once
+    destroy_process_group took the communicator (and what EPX registered on it), every call is
+    refused by name, and destroy leaves the group's memory instead of releasing it through NCCL
+    state that no longer exists."""
+    sub = dist.new_group([0])
+    alive = functools.partial(G._process_group_alive, dist, sub)
+    monkeypatch.setattr(G, "_borrowed_comm", lambda d, t, group: (0xB0, alive))
+    g = make_group(group=sub, borrow_nccl_comm=True)
+    h = g.handle()
+    x, idx = torch.zeros((5, H), dtype=torch.bfloat16), torch.zeros((5, K), dtype=torch.int32)
+    g.dispatch(h, x, idx)  # alive: calls go through
+    assert alive() and G._process_group_alive(dist, dist.distributed_c10d._get_default_group())
+    dist.destroy_process_group(sub)
+    assert not alive()
+    with pytest.raises(epx.EpxInvalidUsage, match="borrowed .*destroyed before the group"):
+        g.dispatch(h, x, idx)
+    with pytest.raises(epx.EpxInvalidUsage, match="Group.destroy: .*left allocated"):
+        g.destroy()
+    assert not [c for c in fake.calls if c[0] in ("group_destroy", "handle_destroy",
+                                                  "comm_destroy", "comm_abort")]
+    g.destroy()  # idempotent: nothing left to release
+    h.destroy()
