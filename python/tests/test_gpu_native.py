@@ -635,7 +635,7 @@ def _n_errors(ctx):
 
 
 def _n_communicators(ctx):
-    dist, epx = ctx.dist, ctx.epx
+    dist, epx, torch = ctx.dist, ctx.epx, ctx.torch
     world = ctx.world(40)
     gloo = dist.new_group(backend="gloo")
     with epx.Group(N_M, N_H, ctx.E, N_K, group=gloo) as g2:
@@ -646,6 +646,24 @@ def _n_communicators(ctx):
         h3 = g3.handle()
         dispatch_and_combine(ctx, g3, h3, world, "borrowed NCCL communicator")
         h3.destroy()
+
+    # The borrowed communicator's process group destroyed before the EPX group (against the
+    # documented order): every call, and destroy, is refused by name, and nothing touches the
+    # destroyed communicator (the group's memory is left allocated).
+    c = ctx.checks
+    nccl_sub = dist.new_group(backend="nccl")
+    g4 = epx.Group(N_M, N_H, ctx.E, N_K, group=nccl_sub, borrow_nccl_comm=True)
+    h4 = g4.handle()
+    dispatch_and_combine(ctx, g4, h4, world, "borrowed from a subgroup")
+    torch.cuda.synchronize()
+    dist.destroy_process_group(nccl_sub)
+    x, idx, _ = inputs(ctx, world)
+    c.raises(epx.EpxInvalidUsage, lambda: g4.dispatch(h4, x, idx),
+             "dispatch after the borrowed communicator's group was destroyed",
+             contains=("destroyed before the group",))
+    c.raises(epx.EpxInvalidUsage, g4.destroy, "destroy after it", contains=("left allocated",))
+    g4.destroy()  # idempotent
+    ctx.barrier()
 
 
 # ---------------------------------------------------------------------------------------------
