@@ -53,6 +53,7 @@ def _release_group(state):
     if state["group"] is None:
         return None
     gone = borrowed_comm_gone(state, "Group.destroy")
+    state["comm_alive"] = None  # (it holds the process group; nothing checks it from here on)
     if gone is not None:
         # epx_group_destroy would release memory registered on a communicator that no longer
         # exists: leave it all (a leak, reported) rather than touch freed NCCL state.

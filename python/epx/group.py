@@ -35,7 +35,9 @@ from ._tensors import stream_ptr as _stream_ptr
 
 def _process_group_alive(dist, pg):
     """Whether pg is still one of torch.distributed's process groups (destroy_process_group
-    removes it, and destroys its communicator with it)."""
+    removes it, and destroys its communicator with it). torch shuts the group down before it
+    removes it from the map, so a garbage collection inside destroy_process_group itself could
+    still see it alive; calls made by the application after it returns cannot."""
     if not dist.is_initialized():
         return False
     pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)

@@ -95,6 +95,8 @@ class MoePrefill:
         if self._plan is None:
             raise errors.EpxInvalidUsage(errors.EPX_ERR_INVALID_USAGE,
                                          "%s: the plan was destroyed" % fn)
+        for g in self._groups:  # runs on their workspaces: each must still be usable (not
+            g._ptr(fn)  # destroyed, its borrowed communicator still there)
         return self._plan
 
     def __call__(self, x, topk_idx, topk_weights=None, *, overlap=True, out=None, stream=None):

@@ -15,6 +15,7 @@ dist = pytest.importorskip("torch.distributed")
 import epx  # noqa: E402
 from epx import _capi, _nccl, _tensors  # noqa: E402
 from epx import group as G  # noqa: E402
+from epx.moe_prefill import MoePrefill  # noqa: E402
 
 H, E, K, R, M = 256, 8, 2, 2, 16  # hidden, experts, top-k, ranks, max tokens per rank
 L, CAP = E // R, R * M  # local experts, normal-mode receive capacity
@@ -496,6 +497,11 @@ def test_a_borrowed_communicator_destroyed_first_is_refused(fake, monkeypatch):
     assert not alive()
     with pytest.raises(epx.EpxInvalidUsage, match="borrowed .*destroyed before the group"):
         g.dispatch(h, x, idx)
+    # a prefill plan over the group runs on its workspace: refused too (its _ptr alone here)
+    plan = MoePrefill.__new__(MoePrefill)
+    plan._plan, plan._groups = 0x5, [g]
+    with pytest.raises(epx.EpxInvalidUsage, match="MoePrefill: .*destroyed before the group"):
+        plan._ptr("MoePrefill")
     with pytest.raises(epx.EpxInvalidUsage, match="Group.destroy: .*left allocated"):
         g.destroy()
     assert not [c for c in fake.calls if c[0] in ("group_destroy", "handle_destroy",

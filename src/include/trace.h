@@ -44,9 +44,10 @@ typedef struct epx__trace_rank {
  * the spread (max - min) of those differences. Returns the rounds used (0: no offset). */
 int epx__trace_clock_offset(const unsigned long long *mine, const unsigned long long *ref,
                             int rounds, long long *offset_ns, long long *spread_ns);
-/* Rank r's clock model (sync_local_ns, offset_ns, spread_ns, clock_valid) from the round
- * stamps of its two measurements, mine[2][EPX_TRACE_SYNC_ROUNDS], and rank 0's, ref[2][same]
- * (at trace start, at dump). A measurement with no usable round gives no anchor. */
+/* Rank r's clock model (sync_local_ns, offset_ns, spread_ns, clock_valid, and the per-round
+ * round_offset_ns / round_used behind them) from the round stamps of its two measurements,
+ * mine[2][EPX_TRACE_SYNC_ROUNDS], and rank 0's, ref[2][same] (at trace start, at dump). A
+ * measurement with no usable round gives no anchor. */
 void epx__trace_clock_model(const unsigned long long *mine, const unsigned long long *ref,
                             epx__trace_rank_t *r);
 /* A time of rank r's clock on rank 0's clock. */

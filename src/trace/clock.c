@@ -14,6 +14,8 @@
 
 #include "trace.h"
 
+_Static_assert(EPX_TRACE_SYNC_ROUNDS <= 32, "round_used holds one bit a round");
+
 static int compare_ll(const void *a, const void *b) {
   const long long x = *(const long long *)a, y = *(const long long *)b;
   return (x > y) - (x < y);

@@ -185,6 +185,9 @@ EPX_HOST_TEST(trace_clocks_are_aligned, 10) {
   r1.sync_local_ns[1] = S1 + o1;
   r1.offset_ns[0] = o0;
   r1.offset_ns[1] = o1;
+  r1.round_used[0] = 0x3u; /* rounds 0 and 1 of the start sync; the rest null */
+  r1.round_offset_ns[0][0] = o0;
+  r1.round_offset_ns[0][1] = o0 + 10;
   /* Midway, the offset is halfway; before and after the window it is held. */
   const unsigned long long mid = S0 + 500000;
   EXPECT_EQ_INT(epx__trace_align(&r1, mid + o0 + 200), (long long)mid);
@@ -217,6 +220,7 @@ EPX_HOST_TEST(trace_clocks_are_aligned, 10) {
   EXPECT_EQ_INT(dur1, dur0);
   /* The offsets are in the file for the reader. */
   EXPECT(strstr(text, "\"clock_offset_ns\":[5000000,5000400]") != NULL);
+  EXPECT(strstr(text, "\"clock_round_offsets_ns\":[[5000000,5000010,null") != NULL);
   json_free(root);
   free(text);
   return TEST_PASS;
