@@ -239,8 +239,9 @@ class Group:
                                   _stream_ptr(stream))
         if r.capacity > 0:
             # C filled the result (also before a count timeout): the handle is this call's.
-            h.num_tokens, h.num_recv, h.num_worst_tokens = (self._tokens_held(T), r.num_recv,
-                                                             num_worst_tokens)
+            held = self._tokens_held(T)
+            h.num_tokens, h.num_recv = held, r.num_recv
+            h.num_worst_tokens = num_worst_tokens if held == T else 0  # (C's, after a refusal)
             # Valid device memory for combine's empty inputs (a rank that received no rows
             # passes empty tensors, whose data_ptr() is 0, and C refuses NULL).
             h._recv_x_ptr, h._recv_weights_ptr = r.recv_x, r.recv_topk_weights

@@ -447,8 +447,8 @@ def test_a_failed_dispatch_leaves_no_stale_routing(fake):
                                                                           dtype=torch.int32)
     fake.dispatch_status = epx.errors.EPX_ERR_INVALID_ARGUMENT
     with pytest.raises(epx.EpxError):
-        g.dispatch(h, xb, idxb)
-    assert (h.num_tokens, h.num_recv) == (0, -1)
+        g.dispatch(h, xb, idxb, num_worst_tokens=CAP)
+    assert (h.num_tokens, h.num_recv, h.num_worst_tokens) == (0, -1, 0)
     out, _ = g.combine(h, torch.zeros((CAP, H), dtype=torch.bfloat16))
     assert out.shape == (0, H)
     g.destroy()
