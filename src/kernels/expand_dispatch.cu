@@ -91,6 +91,14 @@ __device__ __forceinline__ void copy_row_to_slots(const int4 *src, int4 *const *
   }
 }
 
+/* The word after this rank's ready words: the notify epoch of a call whose fan-out (DURING) or
+ * whose wait for the sources gave up; AFTER's fan-out then counts nothing. */
+__device__ __forceinline__ volatile uint32_t *gave_up_word(const epx__kernel_ctx_t &ctx) {
+  const epx__ws_layout_t &L = ctx.layout;
+  return (volatile uint32_t *)(ctx.peer_base[ctx.rank] + L.normal_offset + L.expand_ready_offset) +
+         L.recv_capacity;
+}
+
 /* A received token's payload and FP8 scale words from its first row to its other rows (the
  * lanes' rows, others: the lanes holding one, not lane 0). WARP-COLLECTIVE. */
 template <bool kLanded>
@@ -160,9 +168,7 @@ __device__ __forceinline__ void fan_out_during(const epx__kernel_ctx_t &ctx,
   int4 *x = (int4 *)(base + L.expand_x_offset);
   uint32_t *scales = (uint32_t *)(base + L.expand_scales_offset);
   const uint32_t *ready = (const uint32_t *)(base + L.expand_ready_offset);
-  /* the word after the ready words: the epoch of a call whose fan-out gave up */
-  volatile uint32_t *gave_up =
-      (volatile uint32_t *)(base + L.expand_ready_offset) + L.recv_capacity;
+  volatile uint32_t *gave_up = gave_up_word(ctx);
   const epx__control_t *ctrl = epx::control_of(ctx, me);
   const uint32_t epoch = meta->epoch;
   const int L_experts = xa.d.num_experts / R;
@@ -424,9 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   /* A source that did not deliver: mark the call given up (DURING's fan-out stops at once,
    * AFTER's counts no arrival: its rows may be the previous call's). */
   if (!epx::dispatch::wait_sources(ctx, meta, aborted, senders, role) && tid == 0)
-    *(volatile uint32_t *)((uint32_t *)(ctx.peer_base[me] + L.normal_offset +
-                                        L.expand_ready_offset) +
-                           L.recv_capacity) = meta->epoch;
+    *gave_up_word(ctx) = meta->epoch;
 }
 
 /* AFTER's fan-out: for each received token, its payload (and FP8 scale words) from its first
@@ -438,8 +442,7 @@ __global__ void __launch_bounds__(kThreads)
   const epx__ws_layout_t &L = ctx.layout;
   char *base = ctx.peer_base[ctx.rank] + L.normal_offset;
   /* the dispatch gave up (a source did not deliver): its lists may be the previous call's */
-  const uint32_t gave_up = ((const uint32_t *)(base + L.expand_ready_offset))[L.recv_capacity];
-  const int num_recv = meta->aborted || gave_up == meta->epoch ? 0 : meta->num_recv;
+  const int num_recv = meta->aborted || *gave_up_word(ctx) == meta->epoch ? 0 : meta->num_recv;
   const int *token_rows = (const int *)(base + L.expand_token_rows_offset);
   int4 *x = (int4 *)(base + L.expand_x_offset);
   uint32_t *scales = (uint32_t *)(base + L.expand_scales_offset);

@@ -171,3 +171,23 @@ int normal_combine_and_check(epx_test_rank_t *t, const normal_fixture_t *f, cons
   free(y);
   return normal_check_combine(w, t->rank, f->d.out, NULL, label);
 }
+
+int normal_round_trip_and_check(epx_test_rank_t *t, const normal_fixture_t *f, const char *label) {
+  const world_t *w = &f->w;
+  const int me = t->rank;
+  epx_dispatch_args_t a = EPX_DISPATCH_ARGS_INIT;
+  a.x = f->d.x;
+  a.topk_idx = f->d.idx;
+  a.topk_weights = (const float *)f->d.w;
+  a.num_tokens = w->ranks[me].num_tokens;
+  epx_dispatch_result_t res;
+  EXPECT_OK(epx_dispatch(f->g, f->h, &a, &res, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  epx_ref_recv_t ref;
+  memset(&ref, 0, sizeof ref);
+  EXPECT(epx_ref_dispatch(&w->ref, me, EPX_REF_PAYLOAD_BF16, 1, &ref) == 0);
+  EXPECT_EQ_INT(res.num_recv, ref.num_recv);
+  if (normal_check_recv(w, me, &res, 0, 1, &ref, label) != TEST_PASS) return TEST_FAIL;
+  epx_ref_recv_free(&ref);
+  return normal_combine_and_check(t, f, label);
+}

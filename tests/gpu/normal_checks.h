@@ -50,5 +50,8 @@ int normal_fixture_free(normal_fixture_t *f, const char *label);
 /* Combine the received rows sent back as the expert output y (normal_expert_output) unweighted,
  * into a poisoned out, and check it against the reference. */
 int normal_combine_and_check(epx_test_rank_t *t, const normal_fixture_t *f, const char *label);
+/* The group works: a dispatch of this rank's tokens (counts synchronized) checked against the
+ * reference, then normal_combine_and_check. */
+int normal_round_trip_and_check(epx_test_rank_t *t, const normal_fixture_t *f, const char *label);
 
 #endif /* EPX_TESTS_NORMAL_CHECKS_H_ */
