@@ -1138,13 +1138,27 @@ typedef struct epx_moe_prefill_args {
   const float *topk_weights;  /* [IN] [T, K] float32 gate weights, or NULL (all 1) */
   int num_tokens;             /* T: chain, 0..max_tokens_per_rank; overlapped, 0..num_chunks x
                                  max_tokens_per_rank (each chunk at most max_tokens_per_rank) */
-  int overlap;                /* 1: chunks pipelined over the plan's two groups; 0: chain (one
-                                 dispatch, FFN and combine on group 0, on stream) */
+  int overlap;                /* EPX_MOE_OVERLAP_CHUNKS (1): chunks pipelined over the plan's two
+                                 groups; EPX_MOE_CHAIN (0): one dispatch, FFN and combine on
+                                 group 0, on stream; EPX_MOE_OVERLAP_PHASES (2): one dispatch on
+                                 group 0, the down projection in phases by source rank, each
+                                 phase's rows sent back while the next computes */
   void *out;                  /* [OUT] [T, H] BF16, 16-byte aligned */
   void *workspace;            /* device scratch of epx_moe_prefill_workspace_size bytes, 256-byte
                                  aligned; not shared by two calls in flight */
   size_t workspace_bytes;
 } epx_moe_prefill_args_t;
+
+/* epx_moe_prefill_args_t.overlap */
+#define EPX_MOE_CHAIN 0
+#define EPX_MOE_OVERLAP_CHUNKS 1
+/* One dispatch of all T <= max_tokens_per_rank tokens on group 0 and gate/up over every row;
+ * then, for each source rank s (this rank + 1 first, itself last), the down projection of the
+ * rows s sent and their expert-side reduce, after which a gate word lets the combine, already
+ * running on the plan's communication stream, send them back (docs/moe.md, "Phases by source").
+ * Needs EPX's grouped FP8 GEMM (epx_moe_prefill_info_t.ffn_backend EPX_MOE_FFN_EPX_GROUPED):
+ * else EPX_ERR_UNSUPPORTED. */
+#define EPX_MOE_OVERLAP_PHASES 2
 
 #define EPX_MOE_PREFILL_ARGS_INIT \
   { sizeof(epx_moe_prefill_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, 1, NULL, NULL, 0 }

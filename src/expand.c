@@ -246,10 +246,9 @@ EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
   return epx__combine_expand_blocked(g, h, a, 0, 0, 0, stream);
 }
 
-epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
-                                         const epx_combine_expand_args_t *a, int block_rows,
-                                         int local_blocks, int rows_invalid, cudaStream_t stream) {
-  static const char fn[] = "epx_combine_expand";
+/* The checks every expert-major combine makes before anything is queued. */
+static epx_status_t check_combine_expand(const char *fn, epx_group_t g, epx_handle_t h,
+                                         const epx_combine_expand_args_t *a) {
   EPX_CHECK(epx__handle_check(g, h));
   EPX_CHECK(epx__check_not_null(fn, "args", a));
   EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_combine_expand_args_t),
@@ -261,43 +260,97 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
   /* The rows may be 0 on this rank, but the pointer must still be valid memory. */
   EPX_CHECK(epx__check_device_ptr(fn, "args->x", a->x, 16));
   if (h->num_tokens > 0) EPX_CHECK(epx__check_device_ptr(fn, "args->out", a->out, 16));
-  EPX_CHECK(epx__check_flag(fn, "args->weighted", a->weighted));
-  epx__kernel_ctx_t ctx;
-  epx__group_kernel_ctx(g, &ctx);
-  /* The partial rows go where epx_dispatch's received rows would be (BF16: the group has it). */
-  void *partial = g->workspace + g->layout.normal_offset + g->layout.recv_x_offset;
-  /* The reduce is local HBM traffic: alone on the GPU, every SM, two blocks each. At
-   * config.num_sms blocks (24) it was latency-bound: 1.58 ms of the 2.10 ms combine at EP4,
-   * 4096 tokens, H 7168 (bench, 98d7421), against about 0.05 ms of bytes. Beside GEMMs the
-   * caller passes fewer (local_blocks). */
-  const epx__expand_reduce_launch_args_t ra = {
-      h->meta,
-      a->x,
-      partial,
-      a->weighted,
-      g->config.hidden,
-      g->config.top_k,
-      local_blocks > 0 ? local_blocks : 2 * g->num_device_sms,
-      block_rows,
-      g->config.num_experts / g->num_ranks};
-  /* Past here the peers wait for this combine: a failed reduce still sends, its rows marked */
-  const epx_status_t reduced = epx__expand_reduce_launch(&ctx, &ra, stream);
+  return epx__check_flag(fn, "args->weighted", a->weighted);
+}
+
+/* The partial rows go where epx_dispatch's received rows would be (BF16: the group has it). */
+static void *partial_rows(epx_group_t g) {
+  return g->workspace + g->layout.normal_offset + g->layout.recv_x_offset;
+}
+
+/* The expert-side reduce's launch: every received token (source < 0) or one source's. The reduce
+ * is local HBM traffic: alone on the GPU, every SM, two blocks each. At config.num_sms blocks
+ * (24) it was latency-bound: 1.58 ms of the 2.10 ms combine at EP4, 4096 tokens, H 7168 (bench,
+ * 98d7421), against about 0.05 ms of bytes. Beside GEMMs the caller passes fewer (local_blocks). */
+static epx__expand_reduce_launch_args_t reduce_args(epx_group_t g, epx_handle_t h, const void *y,
+                                                    int weighted, int block_rows, int local_blocks,
+                                                    int source) {
+  epx__expand_reduce_launch_args_t ra;
+  memset(&ra, 0, sizeof ra);
+  ra.meta = h->meta;
+  ra.x = y;
+  ra.partial = partial_rows(g);
+  ra.weighted = weighted;
+  ra.hidden = g->config.hidden;
+  ra.top_k = g->config.top_k;
+  ra.num_blocks = local_blocks > 0 ? local_blocks : 2 * g->num_device_sms;
+  ra.block_rows = block_rows;
+  ra.num_local_experts = g->config.num_experts / g->num_ranks;
+  ra.one_source = source >= 0;
+  ra.source = source >= 0 ? source : 0;
+  return ra;
+}
+
+/* The normal combine of the partial rows, unweighted. */
+static epx__combine_launch_args_t combine_args(epx_group_t g, epx_handle_t h, void *out,
+                                               int rows_invalid) {
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);
   c.routing = epx__handle_routing(h);
-  c.x = partial;
+  c.x = partial_rows(g);
   c.idx_is_int64 = 1;
-  c.out = a->out;
+  c.out = out;
   c.hidden = g->config.hidden;
   c.top_k = g->config.top_k;
   c.num_experts = g->config.num_experts;
   c.max_tokens = g->config.max_tokens_per_rank;
   c.num_blocks = g->config.num_sms;
-  c.rows_invalid = rows_invalid || reduced != EPX_OK;
+  c.rows_invalid = rows_invalid;
+  return c;
+}
+
+epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
+                                         const epx_combine_expand_args_t *a, int block_rows,
+                                         int local_blocks, int rows_invalid, cudaStream_t stream) {
+  static const char fn[] = "epx_combine_expand";
+  EPX_CHECK(check_combine_expand(fn, g, h, a));
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  const epx__expand_reduce_launch_args_t ra =
+      reduce_args(g, h, a->x, a->weighted, block_rows, local_blocks, -1);
+  /* Past here the peers wait for this combine: a failed reduce still sends, its rows marked */
+  const epx_status_t reduced = epx__expand_reduce_launch(&ctx, &ra, stream);
+  const epx__combine_launch_args_t c =
+      combine_args(g, h, a->out, rows_invalid || reduced != EPX_OK);
   char reduce_failure[256] = "";
   if (reduced != EPX_OK) snprintf(reduce_failure, sizeof reduce_failure, "%s", epx_last_error());
   const epx_status_t combined = epx__combine_launch(&ctx, &c, NULL, stream);
   if (reduced == EPX_OK) return combined;
   /* the reduce's failure is the one returned, with its message (the combine's may be newer) */
   return combined == EPX_OK ? reduced : epx__set_error(reduced, "%s", reduce_failure);
+}
+
+epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
+                                       const epx_combine_expand_args_t *a, const unsigned *gate,
+                                       unsigned gate_value, cudaStream_t stream) {
+  static const char fn[] = "epx_combine_expand";
+  EPX_CHECK(check_combine_expand(fn, g, h, a));
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  epx__combine_launch_args_t c = combine_args(g, h, a->out, 0);
+  c.gate = gate;
+  c.gate_value = gate_value;
+  return epx__combine_launch(&ctx, &c, NULL, stream);
+}
+
+epx_status_t epx__expand_reduce_source(epx_group_t g, epx_handle_t h, const void *y, int weighted,
+                                       int source, const int *parts, const int *part_out,
+                                       int local_blocks, cudaStream_t stream) {
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(g, &ctx);
+  epx__expand_reduce_launch_args_t ra = reduce_args(g, h, y, weighted, 0, local_blocks, source);
+  ra.parts = parts;
+  ra.part_out = part_out;
+  ra.num_parts = g->config.num_experts; /* L x R */
+  return epx__expand_reduce_launch(&ctx, &ra, stream);
 }

@@ -193,14 +193,120 @@ static epx_status_t ffn_batched(epx_moe_prefill_t p, const epx__moe_rows_t *rows
   return epx__moe_gemm_bf16_batched(p, &dn, 0, ws + l->blas, stream);
 }
 
+/* The workspace check every FFN entry makes. */
+static epx_status_t ffn_layout(epx_moe_prefill_t p, size_t ws_bytes, epx__moe_ws_layout_t *l) {
+  *l = epx__moe_plan_ws_layout(p);
+  if (ws_bytes < l->total)
+    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_ffn: workspace of %zu bytes, %zu needed",
+                          ws_bytes, l->total);
+  return EPX_OK;
+}
+
+/* The row kernel's launch over a chunk's segments (or, in phases, its parts); each use sets what
+ * it does. */
+static epx__moe_rows_launch_args_t rows_args(epx_moe_prefill_t p, const epx__moe_rows_t *rows,
+                                             int sms) {
+  epx__moe_rows_launch_args_t ra;
+  memset(&ra, 0, sizeof ra);
+  ra.num_rows = rows->num_rows;
+  ra.num_experts = p->L;
+  ra.begin = rows->begin_dev;
+  ra.count = rows->count_dev;
+  ra.num_blocks = 2 * (sms ? sms : p->device_sms);
+  return ra;
+}
+
+/* The down projection (h -> y [rows, H] BF16). */
+static projection_t down_projection(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int sms,
+                                    char *ws, const epx__moe_ws_layout_t *l) {
+  const epx_experts_t *w = &p->experts;
+  const int H = p->H, I = p->I, fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
+  const size_t elem = fp8 ? 1 : 2;
+  const projection_t dn = {.which = 1,
+                           .w = (const char *)w->down,
+                           .w_stride = (size_t)H * I * elem,
+                           .w_scales = fp8 ? p->scales[1] : NULL,
+                           .ws_stride = fp8 ? (size_t)(H / 128) * p->scales_kb[1] : 0,
+                           .x = ws + l->h,
+                           .x_row = (size_t)I * elem,
+                           .x_scales = fp8 ? (const float *)(ws + l->hs) : NULL,
+                           .xs_row = (size_t)I / 128,
+                           .y = (char *)rows->y,
+                           .y_row = (size_t)H * 2,
+                           .n = H,
+                           .k = I,
+                           .fp8 = fp8,
+                           .sm_target = sms};
+  return dn;
+}
+
+/* x's FP8 form where the weights are FP8, gate/up, then SwiGLU into h (over the parts in
+ * phases: h's FP8 scales are then laid out per part, as each phase's down projection reads). */
+static epx_status_t ffn_up(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int sms, char *ws,
+                           const epx__moe_ws_layout_t *l, const int *lane, cudaStream_t stream) {
+  const epx_experts_t *w = &p->experts;
+  const int H = p->H, I = p->I;
+  const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
+  const size_t gu_elem = fp8 && p->gu_fp32 ? 4 : 2, w_elem = fp8 ? 1 : 2;
+  epx__moe_rows_launch_args_t ra = rows_args(p, rows, sms);
+
+  /* gate/up: x (BF16 rows, or their FP8 quantization) -> gu [rows, 2I] */
+  const int x_fp8 = rows->x_scales != NULL; /* FP8 came over the wire: codes as they are */
+  if (x_fp8 && !fp8)
+    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_ffn: FP8 rows with BF16 weights");
+  if (fp8 && x_fp8) { /* only the scales move, into the per-segment layout */
+    const epx__moe_segment_scales_launch_args_t sa = {
+        rows->x_scales, (float *)(ws + l->xs), rows->num_rows,  H / 128,
+        p->L,           rows->begin_dev,       rows->count_dev, ra.num_blocks};
+    EPX_CHECK(epx__moe_segment_scales_launch(&sa, stream));
+  } else if (fp8) { /* x quantized per 128 channels into the per-segment scale layout */
+    ra.in = rows->x;
+    ra.quantize = 1;
+    ra.out = ws + l->xq;
+    ra.scales = (float *)(ws + l->xs);
+    ra.cols = H;
+    EPX_CHECK(epx__moe_rows_launch(&ra, stream));
+  }
+  const projection_t gu = {.which = 0,
+                           .w = (const char *)w->gate_up,
+                           .w_stride = (size_t)2 * I * H * w_elem,
+                           .w_scales = fp8 ? p->scales[0] : NULL,
+                           .ws_stride = fp8 ? (size_t)(2 * I / 128) * p->scales_kb[0] : 0,
+                           .x = fp8 && !x_fp8 ? ws + l->xq : (const char *)rows->x,
+                           .x_row = (size_t)H * w_elem, /* FP8 codes or BF16, as the weights */
+                           .x_scales = fp8 ? (const float *)(ws + l->xs) : NULL,
+                           .xs_row = (size_t)H / 128,
+                           .y = ws + l->gu,
+                           .y_row = (size_t)2 * I * gu_elem,
+                           .n = 2 * I,
+                           .k = H,
+                           .fp8 = fp8,
+                           .sm_target = sms};
+  EPX_CHECK(project(p, &gu, rows, lane, ws + l->blas, stream));
+
+  /* SwiGLU: gu -> h [rows, I] (BF16, or FP8 with per-segment, or per-part, scales) */
+  ra.in = ws + l->gu;
+  ra.in_fp32 = fp8 && p->gu_fp32;
+  ra.swiglu = 1;
+  ra.quantize = fp8;
+  ra.out = ws + l->h;
+  ra.scales = fp8 ? (float *)(ws + l->hs) : NULL;
+  ra.cols = I;
+  if (rows->num_sources > 0) { /* h in the phases' rows */
+    ra.num_experts = p->L * rows->num_sources;
+    ra.begin = rows->parts_dev;
+    ra.count = rows->part_count_dev;
+    ra.out_begin = rows->part_out_dev;
+  }
+  return epx__moe_rows_launch(&ra, stream);
+}
+
 epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
                           char *ws, size_t ws_bytes, int *y_block_rows, cudaStream_t stream) {
   *y_block_rows = 0;
   if (rows->num_rows <= 0) return EPX_OK;
-  const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
-  if (ws_bytes < l.total)
-    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_ffn: workspace of %zu bytes, %zu needed",
-                          ws_bytes, l.total);
+  epx__moe_ws_layout_t l;
+  EPX_CHECK(ffn_layout(p, ws_bytes, &l));
   const epx_experts_t *w = &p->experts;
   if (p->backend == EPX_MOE_FFN_EPX) {
     epx_experts_ffn_args_t f = EPX_EXPERTS_FFN_ARGS_INIT;
@@ -214,8 +320,7 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
     f.workspace_bytes = p->ffn_bytes;
     return epx_experts_ffn(w, &f, stream);
   }
-  const int H = p->H, I = p->I, sms = overlapped ? p->gemm_sms : 0;
-  const int fp8 = w->weight_dtype == EPX_DTYPE_FP8_E4M3;
+  const int sms = overlapped ? p->gemm_sms : 0;
   if (p->grouped) { /* BF16 weights (the plan checked) */
     const int block =
         epx__moe_block_rows(rows->count, rows->begin, p->L, p->rows, (size_t)rows->x_capacity);
@@ -229,77 +334,44 @@ epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int 
   }
   int lane[EPX_MAX_EXPERTS];
   epx__moe_assign_lanes(rows->count, p->L, p->lanes, lane);
-  const size_t gu_elem = fp8 && p->gu_fp32 ? 4 : 2, h_elem = fp8 ? 1 : 2, w_elem = fp8 ? 1 : 2;
-  /* The row kernel's launch over this chunk's segments; each use below sets what it does. */
-  epx__moe_rows_launch_args_t ra;
-  memset(&ra, 0, sizeof ra);
-  ra.num_rows = rows->num_rows;
-  ra.num_experts = p->L;
-  ra.begin = rows->begin_dev;
-  ra.count = rows->count_dev;
-  ra.num_blocks = 2 * (overlapped ? p->gemm_sms : p->device_sms);
-
-  /* gate/up: x (BF16 rows, or their FP8 quantization) -> gu [rows, 2I] */
-  const int x_fp8 = rows->x_scales != NULL; /* FP8 came over the wire: codes as they are */
-  if (x_fp8 && !fp8)
-    return epx__set_error(EPX_ERR_INTERNAL, "epx__moe_ffn: FP8 rows with BF16 weights");
-  if (fp8 && x_fp8) { /* only the scales move, into the per-segment layout */
-    const epx__moe_segment_scales_launch_args_t sa = {
-        rows->x_scales, (float *)(ws + l.xs), rows->num_rows,  H / 128,
-        p->L,           rows->begin_dev,      rows->count_dev, ra.num_blocks};
-    EPX_CHECK(epx__moe_segment_scales_launch(&sa, stream));
-  } else if (fp8) { /* x quantized per 128 channels into the per-segment scale layout */
-    ra.in = rows->x;
-    ra.quantize = 1;
-    ra.out = ws + l.xq;
-    ra.scales = (float *)(ws + l.xs);
-    ra.cols = H;
-    EPX_CHECK(epx__moe_rows_launch(&ra, stream));
-  }
-  const projection_t gu = {.which = 0,
-                           .w = (const char *)w->gate_up,
-                           .w_stride = (size_t)2 * I * H * w_elem,
-                           .w_scales = fp8 ? p->scales[0] : NULL,
-                           .ws_stride = fp8 ? (size_t)(2 * I / 128) * p->scales_kb[0] : 0,
-                           .x = fp8 && !x_fp8 ? ws + l.xq : (const char *)rows->x,
-                           .x_row = (size_t)H * w_elem, /* FP8 codes or BF16, as the weights */
-                           .x_scales = fp8 ? (const float *)(ws + l.xs) : NULL,
-                           .xs_row = (size_t)H / 128,
-                           .y = ws + l.gu,
-                           .y_row = (size_t)2 * I * gu_elem,
-                           .n = 2 * I,
-                           .k = H,
-                           .fp8 = fp8,
-                           .sm_target = sms};
-  EPX_CHECK(project(p, &gu, rows, lane, ws + l.blas, stream));
-
-  /* SwiGLU: gu -> h [rows, I] (BF16, or FP8 with per-segment scales) */
-  ra.in = ws + l.gu;
-  ra.in_fp32 = fp8 && p->gu_fp32;
-  ra.swiglu = 1;
-  ra.quantize = fp8;
-  ra.out = ws + l.h;
-  ra.scales = fp8 ? (float *)(ws + l.hs) : NULL;
-  ra.cols = I;
-  EPX_CHECK(epx__moe_rows_launch(&ra, stream));
-
-  /* down: h -> y [rows, H] BF16 */
-  const projection_t dn = {.which = 1,
-                           .w = (const char *)w->down,
-                           .w_stride = (size_t)H * I * w_elem,
-                           .w_scales = fp8 ? p->scales[1] : NULL,
-                           .ws_stride = fp8 ? (size_t)(H / 128) * p->scales_kb[1] : 0,
-                           .x = ws + l.h,
-                           .x_row = (size_t)I * h_elem,
-                           .x_scales = fp8 ? (const float *)(ws + l.hs) : NULL,
-                           .xs_row = (size_t)I / 128,
-                           .y = (char *)rows->y,
-                           .y_row = (size_t)H * 2,
-                           .n = H,
-                           .k = I,
-                           .fp8 = fp8,
-                           .sm_target = sms};
+  EPX_CHECK(ffn_up(p, rows, sms, ws, &l, lane, stream));
+  const projection_t dn = down_projection(p, rows, sms, ws, &l);
   return project(p, &dn, rows, lane, ws + l.blas, stream);
+}
+
+/* Phases need one launch per projection over every expert: EPX's grouped FP8 GEMM (no lanes). */
+static epx_status_t check_phased(epx_moe_prefill_t p, const epx__moe_rows_t *rows) {
+  if (!p->fp8_grouped || rows->num_sources <= 0)
+    return epx__set_error(EPX_ERR_INTERNAL,
+                          "epx__moe_ffn_phased: needs EPX's grouped FP8 GEMM and the parts");
+  return EPX_OK;
+}
+
+epx_status_t epx__moe_ffn_phased_up(epx_moe_prefill_t p, const epx__moe_rows_t *rows, char *ws,
+                                    size_t ws_bytes, cudaStream_t stream) {
+  EPX_CHECK(check_phased(p, rows));
+  if (rows->num_rows <= 0) return EPX_OK;
+  epx__moe_ws_layout_t l;
+  EPX_CHECK(ffn_layout(p, ws_bytes, &l));
+  int lane[EPX_MAX_EXPERTS] = {0}; /* (one launch a projection: no lanes) */
+  return ffn_up(p, rows, 0, ws, &l, lane, stream);
+}
+
+epx_status_t epx__moe_ffn_phased_down(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int source,
+                                      int sm_target, char *ws, cudaStream_t stream) {
+  EPX_CHECK(check_phased(p, rows));
+  if (rows->num_rows <= 0) return EPX_OK;
+  const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p); /* (checked by _up) */
+  /* source's block of the phases' rows: its parts of every expert, end to end */
+  epx__moe_rows_t phase = *rows;
+  const int *begin = rows->phase_begin + (size_t)source * (p->L + 1);
+  if (begin[p->L] == begin[0]) return EPX_OK; /* no rows from source */
+  phase.begin = begin;
+  phase.begin_dev = rows->phase_begin_dev + (size_t)source * (p->L + 1);
+  phase.num_rows = rows->phase_rows;
+  int lane[EPX_MAX_EXPERTS] = {0};
+  const projection_t dn = down_projection(p, &phase, sm_target, ws, &l);
+  return project(p, &dn, &phase, lane, ws + l.blas, stream);
 }
 
 epx_status_t epx__moe_gemm_reference(epx_moe_prefill_t p, const epx__moe_rows_t *rows, char *ws,

@@ -201,7 +201,9 @@ static epx_status_t plan_free(epx_moe_prefill_t p) {
     if (p->scales[i]) keep_release(&first, CUDA_STATUS(cudaFree(p->scales[i])));
   }
   if (p->ones) keep_release(&first, CUDA_STATUS(cudaFree(p->ones)));
-  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done};
+  if (p->phase_parts) keep_release(&first, CUDA_STATUS(cudaFree(p->phase_parts)));
+  if (p->gates) keep_release(&first, CUDA_STATUS(cudaFree(p->gates)));
+  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done, &p->phase_up};
   for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
     if (*events[i]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(*events[i])));
   for (int c = 0; c < EPX__MOE_MAX_CHUNKS; c++) {
@@ -365,9 +367,15 @@ static epx_status_t plan_build(const char *fn, epx_moe_prefill_t p, int asked) {
    * and the GEMMs wait for them. */
   CUDA_CHECK(cudaStreamCreateWithPriority(&p->comm, cudaStreamNonBlocking, greatest));
   CUDA_CHECK(cudaStreamCreateWithPriority(&p->compute, cudaStreamNonBlocking, least));
-  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done};
+  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done, &p->phase_up};
   for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
     CUDA_CHECK(cudaEventCreateWithFlags(events[i], cudaEventDisableTiming));
+  /* Phases by source: the parts and the phases' rows (moe_prefill.h) and this rank's gate words,
+   * 0 ("no call yet": every call's value is not 0) */
+  const size_t E = (size_t)p->L * p->R;
+  CUDA_CHECK(cudaMalloc((void **)&p->phase_parts, (3 * E + 1 + p->R * (p->L + 1)) * sizeof(int)));
+  CUDA_CHECK(cudaMalloc((void **)&p->gates, (size_t)p->R * sizeof(unsigned)));
+  CUDA_CHECK(cudaMemset(p->gates, 0, (size_t)p->R * sizeof(unsigned)));
   for (int c = 0; c < EPX__MOE_MAX_CHUNKS; c++) {
     CUDA_CHECK(cudaEventCreateWithFlags(&p->dispatched[c], cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&p->ffn_done[c], cudaEventDisableTiming));
@@ -482,7 +490,8 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
     if (st == EPX_OK)
       st = repack_scales(experts->down_scales, p->L, p->H, p->I, &p->scales[1], &p->scales_kb[1]);
   }
-  /* The uploads above (the weights of 1, the repacked scales) ran on the legacy stream, which
+  /* The uploads above (the weights of 1, the repacked scales, the zeroed gates) ran on the legacy
+   * stream, which
    * the plan's non-blocking streams do not wait for, nor may the caller's stream: a first call
    * must not read them half-written. */
   if (st == EPX_OK) st = CUDA_STATUS(cudaDeviceSynchronize());
@@ -554,14 +563,23 @@ static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_mo
                           fn);
   EPX_CHECK(epx__check_struct_size(fn, "args", a->size, sizeof(epx_moe_prefill_args_t),
                                    "EPX_MOE_PREFILL_ARGS_INIT"));
-  EPX_CHECK(epx__check_flag(fn, "args->overlap", a->overlap));
-  if (a->overlap && p->num_groups < 2)
+  EPX_ARG_CHECK(a->overlap >= EPX_MOE_CHAIN && a->overlap <= EPX_MOE_OVERLAP_PHASES,
+                "%s: args->overlap = %d: must be EPX_MOE_CHAIN (0), EPX_MOE_OVERLAP_CHUNKS (1) or "
+                "EPX_MOE_OVERLAP_PHASES (2)",
+                fn, a->overlap);
+  if (a->overlap == EPX_MOE_OVERLAP_PHASES && !p->fp8_grouped)
+    return epx__set_error(EPX_ERR_UNSUPPORTED,
+                          "%s: args->overlap = EPX_MOE_OVERLAP_PHASES needs EPX's grouped FP8 GEMM "
+                          "(FP8 weights, ffn_backend EPX_MOE_FFN_EPX_GROUPED or AUTO's choice of "
+                          "it; epx_moe_prefill_get_info says which runs)",
+                          fn);
+  if (a->overlap == EPX_MOE_OVERLAP_CHUNKS && p->num_groups < 2)
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "%s: args->overlap = 1 with a plan of one group: overlapped calls "
                           "alternate two groups (epx_moe_prefill_create with num_groups = 2)",
                           fn);
   const int M = p->groups[0]->config.max_tokens_per_rank;
-  const int n = a->overlap ? p->num_chunks : 1;
+  const int n = a->overlap == EPX_MOE_OVERLAP_CHUNKS ? p->num_chunks : 1;
   EPX_CHECK(epx__check_token_count(fn, "args->num_tokens", a->num_tokens, n * M));
   EPX_CHECK(epx__check_index_dtype(fn, "args->topk_idx_dtype", a->topk_idx_dtype));
   if (a->num_tokens > 0) {
@@ -577,7 +595,7 @@ static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_mo
                 "%s: args->workspace_bytes = %zu: must be at least %zu "
                 "(epx_moe_prefill_workspace_size)",
                 fn, a->workspace_bytes, l->total);
-  for (int i = 0; i < (a->overlap ? 2 : 1); i++)
+  for (int i = 0; i < (a->overlap == EPX_MOE_OVERLAP_CHUNKS ? 2 : 1); i++)
     EPX_CHECK(epx__group_check_collective(p->groups[i], fn));
   return EPX_OK;
 }
@@ -679,57 +697,159 @@ static void enqueue_dispatch(chunk_call_t *k, int c) {
   k->tok_first[s] = t0;
 }
 
-/* Wait for chunk c's counts and queue its FFN on the compute stream once its rows are in; the
- * FFN's end is recorded whatever failed, for the combine to wait on. */
-static void run_ffn(chunk_call_t *k, int c) {
+/* Wait for chunk c's counts; where they came, *rows describes its rows (begin: the caller's
+ * [L + 1]) and 1 is returned; else 0, the failure kept. */
+static int chunk_rows(chunk_call_t *k, int c, int *begin, epx__moe_rows_t *rows) {
   epx_moe_prefill_t p = k->p;
   const int s = c % 2, L = p->L;
   const epx_dispatch_expand_result_t *res = &k->res[s];
-  k->y_block_rows[s] = 0;
-  k->y_valid[s] = 0;
   epx_status_t st = k->enqueued[s] ? epx__dispatch_expand_finish(p->groups[s], p->handles[s],
                                                                  &k->pending[s], &k->res[s])
                                    : EPX_ERR_INTERNAL; /* (its failure is already kept) */
   if (k->enqueued[s]) keep_first(k, st);
-  if (st == EPX_OK) {
-    int begin[EPX_MAX_EXPERTS + 1];
-    begin[0] = 0;
-    for (int j = 0; j < L; j++)
-      begin[j + 1] =
-          begin[j] + (k->counts[s][j] + EPX__MOE_ALIGN - 1) / EPX__MOE_ALIGN * EPX__MOE_ALIGN;
-    if (begin[L] != res->num_rows) {
-      keep_first(k, epx__set_error(EPX_ERR_INTERNAL,
-                                   "epx_moe_prefill: chunk %d: %d rows from the counts, %d from "
-                                   "the dispatch",
-                                   c, begin[L], res->num_rows));
-    } else {
-      const epx__moe_rows_t rows = {.x = res->recv_x,
-                                    .x_scales = res->recv_x_scales, /* NULL: BF16 rows */
-                                    .num_rows = res->num_rows,
-                                    .x_capacity = res->capacity,
-                                    .count = k->counts[s],
-                                    .begin = begin,
-                                    .count_dev = res->expert_count_device,
-                                    .begin_dev = res->expert_begin_device,
-                                    .y = k->ws + k->l.y[s]};
-      /* Without the wait the FFN would read rows still arriving: skip it then. */
-      const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(k->compute, p->dispatched[c], 0));
-      keep_first(k, ws_st);
-      if (ws_st == EPX_OK) {
-        const epx_status_t ffn =
-            c == epx__moe_test_fail_chunk
-                ? epx__set_error(EPX_ERR_INTERNAL,
-                                 "epx_moe_prefill: chunk %d: an FFN failure injected by a test", c)
-                : epx__moe_ffn(p, &rows, k->a->overlap, k->ws, k->a->workspace_bytes,
-                               &k->y_block_rows[s], k->compute);
-        keep_first(k, ffn);
-        k->y_valid[s] = ffn == EPX_OK;
-      }
+  if (st != EPX_OK) return 0;
+  begin[0] = 0;
+  for (int j = 0; j < L; j++)
+    begin[j + 1] =
+        begin[j] + (k->counts[s][j] + EPX__MOE_ALIGN - 1) / EPX__MOE_ALIGN * EPX__MOE_ALIGN;
+  if (begin[L] != res->num_rows) {
+    keep_first(k, epx__set_error(EPX_ERR_INTERNAL,
+                                 "epx_moe_prefill: chunk %d: %d rows from the counts, %d from "
+                                 "the dispatch",
+                                 c, begin[L], res->num_rows));
+    return 0;
+  }
+  memset(rows, 0, sizeof *rows);
+  rows->x = res->recv_x;
+  rows->x_scales = res->recv_x_scales; /* NULL: BF16 rows */
+  rows->num_rows = res->num_rows;
+  rows->x_capacity = res->capacity;
+  rows->count = k->counts[s];
+  rows->begin = begin;
+  rows->count_dev = res->expert_count_device;
+  rows->begin_dev = res->expert_begin_device;
+  rows->y = k->ws + k->l.y[s];
+  return 1;
+}
+
+/* Wait for chunk c's counts and queue its FFN on the compute stream once its rows are in; the
+ * FFN's end is recorded whatever failed, for the combine to wait on. */
+static void run_ffn(chunk_call_t *k, int c) {
+  epx_moe_prefill_t p = k->p;
+  const int s = c % 2;
+  k->y_block_rows[s] = 0;
+  k->y_valid[s] = 0;
+  int begin[EPX_MAX_EXPERTS + 1];
+  epx__moe_rows_t rows;
+  if (chunk_rows(k, c, begin, &rows)) {
+    /* Without the wait the FFN would read rows still arriving: skip it then. */
+    const epx_status_t ws_st = CUDA_STATUS(cudaStreamWaitEvent(k->compute, p->dispatched[c], 0));
+    keep_first(k, ws_st);
+    if (ws_st == EPX_OK) {
+      const epx_status_t ffn =
+          c == epx__moe_test_fail_chunk
+              ? epx__set_error(EPX_ERR_INTERNAL,
+                               "epx_moe_prefill: chunk %d: an FFN failure injected by a test", c)
+              : epx__moe_ffn(p, &rows, k->a->overlap, k->ws, k->a->workspace_bytes,
+                             &k->y_block_rows[s], k->compute);
+      keep_first(k, ffn);
+      k->y_valid[s] = ffn == EPX_OK;
     }
   }
   const epx_status_t rec = CUDA_STATUS(cudaEventRecord(p->ffn_done[c], k->compute));
   keep_first(k, rec);
   if (rec != EPX_OK) k->y_valid[s] = 0; /* the combine could not wait for the FFN's end */
+}
+
+/* EPX_MOE_OVERLAP_PHASES (docs/moe.md, "Phases by source"): one dispatch on group 0 (queued by
+ * the caller), then on the compute stream the parts, gate/up and the row kernel over every row
+ * and, per source s in the combine's order (this rank + 1 first, this rank last), s's down
+ * projection, its expert-side reduce and its gate word; the gated combine waits on the
+ * communication stream for the row kernel's end (so it takes its SMs from the down projections,
+ * which run on the others) and sends each source's rows once its gate opens. Every gate is
+ * written whatever failed (bit 31 set where the rows are not valid: they go marked, and the peers
+ * leave them out), so no peer waits for rows that never come. */
+static void run_phases(chunk_call_t *k) {
+  epx_moe_prefill_t p = k->p;
+  epx_group_t g = p->groups[0];
+  epx_handle_t h = p->handles[0];
+  const int L = p->L, R = p->R, me = g->rank;
+  int begin[EPX_MAX_EXPERTS + 1];
+  epx__moe_rows_t rows;
+  int valid = chunk_rows(k, 0, begin, &rows);
+  if (!k->queued[0]) return; /* no dispatch went out: no combine either (as chain calls) */
+  p->gate_value = (p->gate_value + 1) & 0x7fffffffu;
+  if (p->gate_value == 0) p->gate_value = 1;
+  if (valid && epx__moe_test_fail_chunk == 0) { /* a test's failure: every gate marked */
+    keep_first(k, epx__set_error(EPX_ERR_INTERNAL,
+                                 "epx_moe_prefill: an FFN failure injected by a test (phases)"));
+    valid = 0;
+  }
+  if (valid) {
+    const epx_status_t st = CUDA_STATUS(cudaStreamWaitEvent(k->compute, p->dispatched[0], 0));
+    keep_first(k, st);
+    valid = st == EPX_OK;
+  }
+  /* The phases' rows on the host (the GEMMs' widths; the kernels' copy: the parts kernel), from
+   * the rows of each source for each expert that notify left with the counts. Where they do not
+   * fit the FFN's rows (each part rounded up to 4: at most 3 L R more than the dispatch's), the
+   * FFN runs whole and the reduces and gates follow it: the same combine, no overlap. */
+  int *dev = p->phase_parts, phase_begin[EPX_MAX_RANKS * (EPX_MAX_EXPERTS + 1)];
+  const volatile int *by_source = (const volatile int *)h->host_counts + 2 + L;
+  int row = 0;
+  for (int s = 0; s < R; s++) {
+    for (int j = 0; j < L; j++)
+      phase_begin[s * (L + 1) + j] = row, row += (by_source[j * R + s] + 3) / 4 * 4;
+    phase_begin[s * (L + 1) + L] = row;
+  }
+  const int phased = valid && (size_t)row <= p->rows;
+  if (phased) {
+    rows.num_sources = R;
+    rows.phase_rows = row;
+    rows.phase_begin = phase_begin;
+    rows.parts_dev = dev;
+    rows.part_count_dev = dev + L * R + 1;
+    rows.part_out_dev = dev + 2 * L * R + 1;
+    rows.phase_begin_dev = dev + 3 * L * R + 1;
+    const epx__moe_phase_parts_args_t pa = {h->host_counts_dev + 2 + L,
+                                            rows.begin_dev,
+                                            dev,
+                                            (int *)rows.part_count_dev,
+                                            (int *)rows.part_out_dev,
+                                            (int *)rows.phase_begin_dev,
+                                            L,
+                                            R};
+    epx_status_t st = epx__moe_phase_parts_launch(&pa, k->compute);
+    if (st == EPX_OK)
+      st = epx__moe_ffn_phased_up(p, &rows, k->ws, k->a->workspace_bytes, k->compute);
+    keep_first(k, st);
+    valid = st == EPX_OK;
+  } else if (valid) { /* (y in the dispatch's row order: the reduces map nothing) */
+    int y_block_rows = 0;
+    const epx_status_t st =
+        epx__moe_ffn(p, &rows, 0, k->ws, k->a->workspace_bytes, &y_block_rows, k->compute);
+    keep_first(k, st);
+    valid = st == EPX_OK;
+  }
+  /* The combine after the row kernel (or whatever ran before a failure) */
+  keep_first(k, epx__moe_order_after(k->comm, k->compute, p->phase_up));
+  epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
+  ca.x = rows.y = k->ws + k->l.y[0];
+  ca.weighted = 1;
+  ca.out = k->a->out;
+  keep_first(k, epx__combine_expand_gated(g, h, &ca, p->gates, p->gate_value, k->comm));
+  const int sms = p->device_sms - g->config.num_sms; /* the combine holds the others */
+  for (int i = 0; i < R; i++) {
+    const int s = (me + 1 + i) % R;
+    epx_status_t st = valid ? EPX_OK : EPX_ERR_INTERNAL;
+    if (valid && phased) st = epx__moe_ffn_phased_down(p, &rows, s, sms, k->ws, k->compute);
+    if (valid && st == EPX_OK)
+      st = epx__expand_reduce_source(g, h, rows.y, 1, s, phased ? rows.parts_dev : NULL,
+                                     phased ? rows.part_out_dev : NULL, 2 * sms, k->compute);
+    if (valid) keep_first(k, st);
+    const unsigned mark = st == EPX_OK ? 0u : 1u << 31;
+    keep_first(k, epx__moe_gate_launch(p->gates + s, p->gate_value | mark, k->compute));
+  }
 }
 
 /* Queue chunk c's combine once its FFN is done (queued even after an FFN failure: every peer
@@ -756,7 +876,7 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
   EPX_CHECK(plan_check(fn, p));
   const epx__moe_ws_layout_t l = epx__moe_plan_ws_layout(p);
   EPX_CHECK(check_call(fn, p, a, &l, stream));
-  const int n = a->overlap ? p->num_chunks : 1;
+  const int n = a->overlap == EPX_MOE_OVERLAP_CHUNKS ? p->num_chunks : 1;
   /* Chain: every step on the caller's stream. Overlapped: the plan's two streams, after and
    * before the caller's (no early return from here on: the peers wait for every step). */
   chunk_call_t k;
@@ -774,12 +894,16 @@ EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefi
    * free again). Chunk c+1's dispatch is queued before the host waits for chunk c's counts and
    * queues chunk c's GEMMs, so its transfer runs while the host is still queueing them. */
   enqueue_dispatch(&k, 0);
-  for (int c = 0; c < n; c++) {
-    if (c >= 1) enqueue_combine(&k, c - 1);
-    if (c + 1 < n) enqueue_dispatch(&k, c + 1);
-    run_ffn(&k, c);
+  if (a->overlap == EPX_MOE_OVERLAP_PHASES) {
+    run_phases(&k);
+  } else {
+    for (int c = 0; c < n; c++) {
+      if (c >= 1) enqueue_combine(&k, c - 1);
+      if (c + 1 < n) enqueue_dispatch(&k, c + 1);
+      run_ffn(&k, c);
+    }
+    enqueue_combine(&k, n - 1);
   }
-  enqueue_combine(&k, n - 1);
   if (a->overlap) { /* the caller's stream after both, whatever failed before */
     keep_first(&k, epx__moe_order_after(stream, p->comm, p->comm_done));
     keep_first(&k, epx__moe_order_after(stream, p->compute, p->compute_done));

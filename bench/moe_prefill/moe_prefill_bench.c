@@ -13,12 +13,15 @@
  *           not in this row; else BF16); the combine sums BF16 expert-output rows
  *   cublas  plain cuBLAS on the same GEMM shapes: one gate/up and one down GEMM of all the
  *           rows at once on one expert's weights (epx__moe_gemm_reference)
+ *   phases  epx_moe_prefill, overlap = EPX_MOE_OVERLAP_PHASES (EPX's grouped FP8 GEMM only, else
+ *           -1): one dispatch, gate/up, then the down projection and the combine by source rank
  *
  * Every variant is timed whole with CUDA events on each rank's stream around the call (the
  * layer waits on the host for each chunk's count exchange, so nothing is graph-captured), after
  * a group barrier; rank 0 prints median and min over --iters. Columns: lay/max = layer /
  * max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target >= 1.15),
- * cub/gem = cublas / gemms (target >= 0.70); after each row a "# host" line: the median host
+ * cub/gem = cublas / gemms (target >= 0.70), pha/max and chn/pha the same two ratios for
+ * phases; after each row a "# host" line: the median host
  * time of each variant's call (gemms: what queueing one FFN costs); ln = the plan's GEMM lanes
  * (--gemm-lanes, a list to compare them in one run); ffn = cublas (per-expert GEMMs,
  * EPX_MOE_FFN_CUBLAS), group
@@ -71,9 +74,9 @@ static const char *ffn_name(int backend) {
                                                  : "epx";
 }
 
-enum { V_LAYER, V_CHAIN, V_GEMMS, V_COMM, V_CUBLAS, NUM_VARIANTS };
-static const char *const kVariantNames[NUM_VARIANTS] = {"layer", "chain", "gemms", "comm",
-                                                        "cublas"};
+enum { V_LAYER, V_CHAIN, V_GEMMS, V_COMM, V_CUBLAS, V_PHASES, NUM_VARIANTS };
+static const char *const kVariantNames[NUM_VARIANTS] = {"layer", "chain",  "gemms",
+                                                        "comm",  "cublas", "phases"};
 
 typedef struct {
   epx_group_t g[3]; /* two for the plan, one holding the gemms variant's rows */
@@ -113,10 +116,13 @@ static epx__moe_rows_t held_rows(const bench_ctx_t *c) {
 }
 
 static int run_variant(bench_ctx_t *c, int v, cudaStream_t stream) {
-  if (v == V_LAYER || v == V_CHAIN) {
+  if (v == V_LAYER || v == V_CHAIN || v == V_PHASES) {
     epx_moe_prefill_args_t a = EPX_MOE_PREFILL_ARGS_INIT;
     a.x = c->x, a.topk_idx = c->ids, a.topk_weights = c->w, a.num_tokens = c->T;
-    a.overlap = v == V_LAYER, a.out = c->out, a.workspace = c->ws, a.workspace_bytes = c->ws_bytes;
+    a.overlap = v == V_LAYER    ? EPX_MOE_OVERLAP_CHUNKS
+                : v == V_PHASES ? EPX_MOE_OVERLAP_PHASES
+                                : EPX_MOE_CHAIN;
+    a.out = c->out, a.workspace = c->ws, a.workspace_bytes = c->ws_bytes;
     BENCH_EPX(epx_moe_prefill(c->plan, &a, stream));
     return 0;
   }
@@ -315,6 +321,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   for (int v = 0; v < NUM_VARIANTS; v++) {
     med[v] = mn[v] = host[v] = -1.f;
     if (v == V_CUBLAS && !reference_ok) continue;
+    if (v == V_PHASES && info.ffn_backend != EPX_MOE_FFN_EPX_GROUPED) continue; /* (refused) */
     if (time_variant(&c, v, stream, o, &med[v], &mn[v], &host[v])) return -1;
   }
   for (int i = 0; i < 3; i++) {
@@ -331,17 +338,20 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
            ffn_name(info.ffn_backend), info.gemm_lanes, info.gemm_sms,
            info.dispatch_dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16", c.held.num_rows);
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9.1f %9.1f", med[v], mn[v]);
-    printf(" %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
-           med[V_CUBLAS] > 0 ? med[V_CUBLAS] / med[V_GEMMS] : -1.f);
+    printf(" %8.3f %8.3f %8.3f %8.3f %8.3f\n", med[V_LAYER] / base, med[V_CHAIN] / med[V_LAYER],
+           med[V_CUBLAS] > 0 ? med[V_CUBLAS] / med[V_GEMMS] : -1.f,
+           med[V_PHASES] > 0 ? med[V_PHASES] / base : -1.f,
+           med[V_PHASES] > 0 ? med[V_CHAIN] / med[V_PHASES] : -1.f);
     printf(
-        "# host us per call (median; layer, chain, comm include their count waits): layer "
-        "%.1f chain %.1f gemms %.1f comm %.1f\n",
-        host[V_LAYER], host[V_CHAIN], host[V_GEMMS], host[V_COMM]);
+        "# host us per call (median; layer, chain, phases, comm include their count waits): layer "
+        "%.1f chain %.1f phases %.1f gemms %.1f comm %.1f\n",
+        host[V_LAYER], host[V_CHAIN], host[V_PHASES], host[V_GEMMS], host[V_COMM]);
     fflush(stdout);
   }
   /* After the row is out: a failure here costs the timelines, not the figures. */
   if (o->timeline)
-    for (int v = V_LAYER; v <= V_CHAIN; v++) {
+    for (int v = V_LAYER; v <= V_PHASES; v++) {
+      if (v != V_LAYER && v != V_CHAIN && (v != V_PHASES || med[V_PHASES] < 0)) continue;
       char tag[128];
       snprintf(tag, sizeof tag, "%s-%s-T%d-R%d-%s-ln%d-sms%d-%s", s->name, fp8 ? "fp8" : "bf16", T,
                R, ffn_name(info.ffn_backend), info.gemm_lanes, info.gemm_sms, kVariantNames[v]);
@@ -381,7 +391,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
     printf("%-9s %-4s %5s %3s %-6s %2s %3s %-4s %6s", "shape", "dt", "T", "R", "ffn", "ln", "sms",
            "wire", "rows");
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
-    printf(" %8s %8s %8s\n", "lay/max", "chn/lay", "cub/gem");
+    printf(" %8s %8s %8s %8s %8s\n", "lay/max", "chn/lay", "cub/gem", "pha/max", "chn/pha");
   }
   int rc = 0;
   for (int i = 0; i < o->m.num_shapes && !rc; i++)

@@ -121,6 +121,15 @@ struct epx_moe_prefill {
    * scales, FP8 wire) with each projection one launch of EPX's grouped FP8 GEMM
    * (kernels/moe_gemm_fp8.cu) instead of a cuBLASLt call per expert; one lane. */
   int fp8_grouped;
+  /* Phases by source (args->overlap = EPX_MOE_OVERLAP_PHASES; docs/moe.md "Phases by source"):
+   * phase_parts device: parts [E + 1], part counts [E], part_out [E], phase begins
+   * [R (L + 1)] (E = L R; api.h's epx__moe_phase_parts_args_t); gates device [R], this
+   * rank's gate word of each source, and the value the next call writes (never 0, 31 bits);
+   * phase_up: the compute stream's point where the gated combine may start. */
+  int *phase_parts;
+  unsigned *gates;
+  unsigned gate_value;
+  cudaEvent_t phase_up;
 };
 
 /* The workspace layout of a plan's calls (epx__moe_ws_layout with the plan's values). */
@@ -137,6 +146,17 @@ typedef struct {
   const int *count_dev;  /* device [L] */
   const int *begin_dev;  /* device [L + 1] */
   void *y;               /* [num_rows, H] BF16: the experts' outputs */
+  /* Phases by source (num_sources > 0; EPX's grouped FP8 GEMM only): the segments cut into
+   * parts, part (j, s) the rows of source s for expert j, and the phases' own row order of h
+   * and y (api.h's epx__moe_phase_parts_args_t). The row kernel writes h there; the down
+   * projection runs one source's block of it at a time. */
+  int num_sources;
+  int phase_rows;             /* rows of that order (each part rounded up to 4) */
+  const int *phase_begin;     /* host [R (L + 1)] */
+  const int *phase_begin_dev; /* device [R (L + 1)] */
+  const int *parts_dev;       /* device [L R + 1] */
+  const int *part_count_dev;  /* device [L R] */
+  const int *part_out_dev;    /* device [L R] */
 } epx__moe_rows_t;
 
 /* The FFN of one chunk on stream (src/moe_ffn.c): every local expert on its rows, y written for
@@ -146,6 +166,13 @@ typedef struct {
  * blocked (expert j's rows from j x that), for epx__combine_expand_blocked. */
 epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
                           char *ws, size_t ws_bytes, int *y_block_rows, cudaStream_t stream);
+/* The FFN in phases by source (rows->num_sources > 0, EPX's grouped FP8 GEMM): _up runs gate/up
+ * over every row and the row kernel over the parts, into the phases' rows; _down the down
+ * projection of source s's block of them on sm_target SMs (0: all), writing y there. */
+epx_status_t epx__moe_ffn_phased_up(epx_moe_prefill_t p, const epx__moe_rows_t *rows, char *ws,
+                                    size_t ws_bytes, cudaStream_t stream);
+epx_status_t epx__moe_ffn_phased_down(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int source,
+                                      int sm_target, char *ws, cudaStream_t stream);
 
 /* The plain cuBLAS reference of the FFN's GEMMs: one gate/up GEMM and one down GEMM of
  * rows->num_rows rows on expert 0's weights (the same shapes in one call each, no SwiGLU, no

@@ -66,7 +66,7 @@ typedef struct epx__routing {
 typedef struct epx__notify_launch_args {
   epx__routing_t routing;
   int num_experts, expert_alignment, max_tokens;
-  int *host_counts; /* device alias of mapped host [2 + E/R]: num_recv, per-expert (expand:
+  int *host_counts; /* device alias of mapped host [2 + E/R + E]: num_recv, per-expert (expand:
                        the real counts, then the rows); or NULL */
   int expand;       /* 1: epx_dispatch_expand's exchange: all E counts to every rank, and the
                        meta's expand_* fields (notify.cu) */
@@ -129,6 +129,13 @@ typedef struct epx__expand_reduce_launch_args {
    * [j * block_rows, j * block_rows + count[j]) (the prefill layer's batched GEMM): expanded row
    * r of segment j (meta->expand_begin) is x row j * block_rows + r - expand_begin[j]. */
   int block_rows, num_local_experts;
+  /* one_source = 1: only the tokens received from rank `source` (their plain rows
+   * [rank_prefix[source], rank_prefix[source + 1]) of meta; the prefill layer's phases) */
+  int one_source, source;
+  /* The phases' rows (epx__moe_phase_parts_args_t; NULL: none): expanded row r of part q
+   * (parts [num_parts + 1]) is x row part_out[q] + r - parts[q] */
+  const int *parts, *part_out;
+  int num_parts;
 } epx__expand_reduce_launch_args_t;
 
 epx_status_t epx__expand_dispatch_launch(const epx__kernel_ctx_t *ctx,
@@ -159,6 +166,13 @@ typedef struct epx__combine_launch_args {
   int rows_invalid; /* 1: this rank's rows are not valid (a step before the combine failed here):
                        they are sent marked, and every peer leaves them out of its sums and records
                        EPX_ERR_PEER_DATA (stage COMBINE, this rank) */
+  /* Gated (the prefill layer's phases, docs/moe.md "Phases by source"): NULL, or this rank's
+   * [R] words, written on this GPU while the combine runs. The rows received from source s are
+   * sent back (s remote) or summed (s = this rank) only once gate[s]'s low 31 bits equal
+   * gate_value (a bounded wait); bit 31 set says they are not valid: they go marked, as with
+   * rows_invalid. The send order is then source by source, this rank + 1 first. */
+  const unsigned *gate;
+  unsigned gate_value;
 } epx__combine_launch_args_t;
 
 /* What a normal combine adds for DeepEP parity (src/kernels/combine_extras.cuh); a separate
@@ -299,6 +313,10 @@ typedef struct epx__moe_rows_launch_args {
   const int *begin; /* device [num_experts + 1] */
   const int *count; /* device [num_experts] */
   int num_blocks;
+  /* NULL, or device [num_experts]: segment j's real rows go to out row out_begin[j] + (r -
+   * begin[j]) (the phases' rows, epx__moe_phase_parts_args_t), its scales at out_begin[j] * G +
+   * g * S4 + (r - begin[j]), S4 = count[j] rounded up to 4; padding rows are not written */
+  const int *out_begin;
 } epx__moe_rows_launch_args_t;
 
 epx_status_t epx__moe_rows_launch(const epx__moe_rows_launch_args_t *args, cudaStream_t stream);
@@ -359,8 +377,13 @@ typedef struct epx__moe_gemm_fp8_args {
   void *y;
   int y_fp32;
   int n, k, num_experts;
-  const int *begin; /* device [num_experts + 1] */
-  int x_rows;       /* rows x has (reads past them are zeros); 0: nothing to do */
+  const int
+      *begin; /* device [num_experts + 1], or [(num_experts - 1) * seg_stride + seg_first + 2] */
+  /* Segment j is [begin[i], begin[i + 1]), i = j * seg_stride + seg_first (0 and 0: i = j). The
+   * prefill layer's phases: begin partitions the rows into (expert, source) parts, expert-major,
+   * and a launch takes one source's part of every expert (stride R, first = the source). */
+  int seg_stride, seg_first;
+  int x_rows; /* rows x has (reads past them are zeros); 0: nothing to do */
   int num_ctas;
   int tile_x;       /* rows of x of a tile, at most, and the wgmma width every tile runs at:
                        one of EPX__MOE_TILE_X_WIDTHS, 64 to 160 (moe_tiles.h) */
@@ -371,6 +394,29 @@ typedef struct epx__moe_gemm_fp8_args {
    * from which a benchmark reads the SM clock the launch ran at (epx_moe_gemm_bench) */
   unsigned long long *clock_probe;
 } epx__moe_gemm_fp8_args_t;
+
+/* The prefill layer's phases by source (moe_phases.cu). parts [L x R + 1]: part (j, s) of local
+ * expert j's segment (rows from source s, expert-major) begins at parts[j R + s] and holds
+ * part_count[j R + s] real rows; the last source's part also holds the segment's padding. */
+typedef struct epx__moe_phase_parts_args {
+  const int *source_counts; /* [L][R] rows of source s for local expert j (the handle's mapped
+                               host counts after an expert-major dispatch) */
+  const int *begin;         /* device [L + 1] the segment begins */
+  int *parts;               /* device [L R + 1] */
+  int *part_count;          /* device [L R] */
+  /* The phases' rows of h and y ("phase rows"): source s's parts, expert by expert, each at a
+   * multiple of 4 rows (the FP8 GEMM copies a segment's scales in 16-byte pieces), sources one
+   * after another: part (j, s) at part_out[j R + s]; phase s's segments as a GEMM takes them
+   * at phase_begin[s (L + 1) + j], j <= L (the last: where s's rows end). */
+  int *part_out;    /* device [L R] */
+  int *phase_begin; /* device [R (L + 1)] */
+  int num_experts, num_sources;
+} epx__moe_phase_parts_args_t;
+
+epx_status_t epx__moe_phase_parts_launch(const epx__moe_phase_parts_args_t *args,
+                                         cudaStream_t stream);
+/* *gate = value, with release at GPU scope, after everything before it on the stream. */
+epx_status_t epx__moe_gate_launch(unsigned *gate, unsigned value, cudaStream_t stream);
 
 int epx__moe_gemm_fp8_supported(int n, int k, int num_experts);
 /* The driver gives cuTensorMapEncodeTiled (the launcher's tensor maps need it). */

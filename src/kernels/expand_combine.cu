@@ -10,8 +10,8 @@
  * each to the token's home rank and sums the ranks' rows there (normal_combine.cu): the home
  * side's reduction is unchanged, and one row per (token, rank) crosses NVLink.
  *
- * The prefill layer's batched GEMM leaves y blocked (api.h, block_rows): each row index is mapped
- * into the block of its local expert before the loads.
+ * The prefill layer's batched GEMM leaves y blocked (api.h, block_rows), and its phases by source
+ * in their own row order (part_out): each row index is mapped there before the loads.
  *
  * Purely local (no peer memory, no waits): num_blocks blocks of kThreads, one warp per
  * received token, grid-strided; lane k < K reads list entry k. Rows past the dispatch's capacity
@@ -41,6 +41,12 @@ __device__ __forceinline__ int blocked_row(const epx__expand_reduce_launch_args_
   return j * a.block_rows + (r - begin[j]);
 }
 
+/* The phases' rows (args' part_out): the x row of expanded row r, in its part's place. */
+__device__ __forceinline__ int phase_row(const epx__expand_reduce_launch_args_t &a, int r) {
+  const int q = epx::segment_of(a.parts, a.num_parts, r);
+  return a.part_out[q] + (r - a.parts[q]);
+}
+
 }  // namespace
 
 namespace epx::normal {
@@ -51,6 +57,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     expand_reduce(epx__kernel_ctx_t ctx, epx__expand_reduce_launch_args_t a) {
   const int lane = threadIdx.x % 32, K = a.top_k, n16 = a.hidden * 2 / 16;
   const int num_recv = a.meta->aborted ? 0 : a.meta->num_recv;
+  /* The tokens [first, last) of the plain order: every one, or one source's */
+  const int first = a.one_source ? min(a.meta->rank_prefix[a.source], num_recv) : 0;
+  const int last = a.one_source ? min(a.meta->rank_prefix[a.source + 1], num_recv) : num_recv;
   const epx__ws_layout_t &L = ctx.layout;
   const char *base = ctx.peer_base[ctx.rank] + L.normal_offset;
   const int *token_rows = (const int *)(base + L.expand_token_rows_offset);
@@ -66,13 +75,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ float list_w[kWarps][EPX_MAX_TOP_K];
   const int warp = threadIdx.x / 32;
   const int4 zero = make_int4(0, 0, 0, 0);
-  for (int i = blockIdx.x * kWarps + warp; i < num_recv; i += warps) {
+  for (int i = first + blockIdx.x * kWarps + warp; i < last; i += warps) {
     const int row = lane < K ? token_rows[(size_t)i * K + lane] : -1;
     const unsigned valid = __ballot_sync(kFull, row >= 0);
     const int nv = __popc(valid);
     if (row >= 0) {
       const int at = __popc(valid & ((1u << lane) - 1u));
-      list_row[warp][at] = a.block_rows > 0 ? blocked_row(a, row) : row;
+      list_row[warp][at] = a.part_out         ? phase_row(a, row)
+                           : a.block_rows > 0 ? blocked_row(a, row)
+                                              : row;
       list_w[warp][at] = a.weighted ? weights[row] : 1.f;
     }
     __syncwarp();
@@ -108,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     __syncwarp(); /* every lane is done with this token's list before the next overwrites it */
   }
-  if (threadIdx.x == 0) epx::trace_end(ctx, t_start, EPX_TRACE_COMBINE_REDUCE, num_recv);
+  if (threadIdx.x == 0) epx::trace_end(ctx, t_start, EPX_TRACE_COMBINE_REDUCE, last - first);
 }
 
 }  // namespace epx::normal

@@ -75,19 +75,24 @@ __global__ void __launch_bounds__(kThreads) moe_rows_kernel(epx__moe_rows_launch
         for (int i = 0; i < 16; i++) f[i] = silu_mul(f[i], u[i]);
       }
     }
+    /* Where the row goes: row r of its segment, or the phases' rows (real rows only) */
+    const int out_seg = a.out_begin ? __ldg(a.out_begin + j) : seg_begin;
+    const size_t o_row = (size_t)out_seg + (r - seg_begin);
     if constexpr (kQuantize) {
       float scale;
       const int4 q = epx::quantize16_float(f, false, &scale); /* every lane: shuffles */
-      if (!active) continue;
-      *(int4 *)((char *)a.out + (size_t)r * a.cols + c0) = q;
+      if (!active || (a.out_begin && !real)) continue;
+      *(int4 *)((char *)a.out + o_row * a.cols + c0) = q;
       if (lane % 8 == 0) {
         /* NOTE: per segment [groups][S] with the segment's rows contiguous (api.h). */
-        const int S = __ldg(a.begin + j + 1) - seg_begin, g = c0 / 128;
-        a.scales[(size_t)seg_begin * groups + (size_t)g * S + (r - seg_begin)] = real ? scale : 1.f;
+        const int S =
+            a.out_begin ? (__ldg(a.count + j) + 3) / 4 * 4 : __ldg(a.begin + j + 1) - seg_begin;
+        a.scales[(size_t)out_seg * groups + (size_t)(c0 / 128) * S + (r - seg_begin)] =
+            real ? scale : 1.f;
       }
     } else {
-      if (!active) continue;
-      int4 *o = (int4 *)((char *)a.out + ((size_t)r * a.cols + c0) * 2);
+      if (!active || (a.out_begin && !real)) continue;
+      int4 *o = (int4 *)((char *)a.out + (o_row * a.cols + c0) * 2);
       o[0] = epx::float8_to_bf16x8(f);
       o[1] = epx::float8_to_bf16x8(f + 8);
     }

@@ -137,6 +137,31 @@ __device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, const C
   return r == epx::WaitResult::kReady;
 }
 
+/* Gated combines (a.gate): wait until source s's rows are written on this GPU, bounded as
+ * wait_chunk. Returns whether they are valid: false for the invalid bit, and after a timeout
+ * (raised here, naming this rank: its own FFN never finished) or another wait's, so that the
+ * rows then go marked instead of never, and the peers record EPX_ERR_PEER_DATA, not a timeout. */
+__device__ __forceinline__ bool wait_gate(const epx__kernel_ctx_t &ctx,
+                                          const epx__combine_launch_args_t &a,
+                                          const CombineView &cv, int s) {
+  constexpr unsigned kInvalidBit = 1u << 31;
+  epx__control_t *ctrl = epx::control_of(ctx);
+  const unsigned aborted = cv.call + 1;
+  unsigned v = 0;
+  const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(
+      ctx.timeout_ns,
+      [&] {
+        v = epx::ld_acquire_gpu_u32((const uint32_t *)a.gate + s);
+        return (v & ~kInvalidBit) == a.gate_value;
+      },
+      [&] { return *(volatile const unsigned *)&ctrl->combine_abort == aborted; });
+  if (r == epx::WaitResult::kTimedOut) {
+    epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, ctx.rank, s, (long long)a.gate_value);
+    atomicExch(&ctrl->combine_abort, aborted);
+  }
+  return r == epx::WaitResult::kReady && !(v & kInvalidBit);
+}
+
 /* ---- Send ------------------------------------------------------------------------------- */
 
 /* The send list of one combine: unit u is rows [p0, p1) of remote source s (see the top). Its
@@ -151,6 +176,10 @@ struct SendPlan {
   int me, R;
   size_t row_bytes;
   long long units;
+  /* Gated: the units go source by source (units_per_source each, this rank + 1 first), each
+   * source's once its gate opens (wait_gate) */
+  bool gated;
+  long long units_per_source;
 };
 
 /* kExtras: the [num_recv, K] top-k weights to send with the rows (NULL: none) and the offset of
@@ -172,8 +201,10 @@ struct SendUnit {
 /* Unit u, or false if it is empty (s has fewer rows). */
 __device__ __forceinline__ bool send_unit(const SendPlan &plan, long long u, SendUnit *su) {
   const int remote = plan.R - 1;
-  su->s = (plan.me + 1 + (int)(u % remote)) % plan.R;
-  su->p0 = (int)(u / remote) * kUnitRows;
+  const long long phase = plan.gated ? u / plan.units_per_source : u % remote;
+  const long long round = plan.gated ? u % plan.units_per_source : u / remote;
+  su->s = (plan.me + 1 + (int)phase) % plan.R;
+  su->p0 = (int)round * kUnitRows;
   const int rows = plan.prefix[su->s + 1] - plan.prefix[su->s];
   su->p1 = min(su->p0 + kUnitRows, rows);
   return su->p0 < rows;
@@ -190,10 +221,12 @@ __device__ __forceinline__ char *unit_dst(const SendPlan &plan, const SendUnit &
  * the unit's writes before this thread (a bulk-group wait). Traced as a span from *mark (the
  * previous unit's signal, or the send's start) to now. */
 __device__ __forceinline__ void signal_unit(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
-                                            const SendUnit &su, uint64_t *mark) {
+                                            const SendUnit &su, unsigned gate_invalid,
+                                            uint64_t *mark) {
   __threadfence_system();
+  const unsigned long long invalid = (gate_invalid >> su.s) & 1u ? kInvalidRows : plan.mark;
   epx::red_release_sys_add(plan.signal[su.s] + su.p0 / EPX_COMBINE_CHUNK_ROWS,
-                           (unsigned long long)(su.p1 - su.p0) + plan.mark);
+                           (unsigned long long)(su.p1 - su.p0) + invalid);
   epx::trace_end(ctx, *mark, EPX_TRACE_COMBINE_UNIT, su.s);
   *mark = epx::trace_begin(ctx);
 }
@@ -211,6 +244,7 @@ struct PieceCursor {
 struct UnitQueue {
   long long id[kUnitQueue];
   int head, tail;
+  unsigned gate_open, gate_invalid; /* gated: sources whose gate this lane saw open; not valid */
 };
 
 __device__ __forceinline__ void cursor_start(const SendPlan &plan, long long u, PieceCursor *c) {
@@ -267,13 +301,19 @@ __device__ __forceinline__ void send_unit_weights(const epx__kernel_ctx_t &ctx,
 }
 
 /* Lane 0 of a send warp: every unit it takes, through `stages` (kStages x kPieceBytes) and
- * their barriers. Returns the number of units sent. */
-template <bool kExtras>
-__device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
-                          SendWeights<kExtras> sw, char *stages, uint64_t *bars) {
+ * their barriers. Returns the number of units sent.
+ * Gated: a unit is loaded only once its source's gate is open. While the load cursor's unit waits
+ * for its gate, the stores already loaded go on; once none is left, every unit is completed and
+ * signalled before the warp waits (so a phase's last rows never wait for the next phase's gate),
+ * then the loads start again. */
+template <bool kExtras, bool kGated>
+__device__ int send_units(const epx__kernel_ctx_t &ctx, const epx__combine_launch_args_t &a,
+                          const CombineView &cv, const SendPlan &plan, SendWeights<kExtras> sw,
+                          char *stages, uint64_t *bars) {
   PieceCursor load, store;
   UnitQueue queue;
   queue.head = queue.tail = 0;
+  queue.gate_open = queue.gate_invalid = 0;
   cursor_seek(plan, &queue, true, &load);
   cursor_seek(plan, &queue, false, &store);
   long long loads = 0, stores = 0;
@@ -282,6 +322,12 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
   long long pending_group[kPendingUnits];
   int num_pending = 0, sent = 0;
   uint64_t mark = epx::trace_begin(ctx);
+  auto gate_closed = [&]() {
+    if constexpr (kGated)
+      return load.valid && !((queue.gate_open >> load.su.s) & 1u);
+    else
+      return false;
+  };
   auto issue_load = [&]() {
     size_t off;
     bool end;
@@ -291,8 +337,26 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
     epx::bulk_load(stages + (size_t)st * kPieceBytes, unit_src(plan, su) + off, bytes, &bars[st]);
     loads++;
   };
-  while (load.valid && loads < kStages) issue_load();
+  auto signal_pending = [&](long long upto) {
+    int kept = 0;
+    for (int i = 0; i < num_pending; i++) {
+      if (pending_group[i] <= upto)
+        signal_unit(ctx, plan, pending[i], queue.gate_invalid, &mark), sent++;
+      else
+        pending[kept] = pending[i], pending_group[kept++] = pending_group[i];
+    }
+    num_pending = kept;
+  };
+  while (load.valid && loads < kStages && !gate_closed()) issue_load();
   while (store.valid) {
+    if (kGated && stores == loads) { /* nothing loaded: the load cursor's unit waits for its gate */
+      epx::bulk_wait_done<0>();
+      signal_pending(stores);
+      const int s = load.su.s;
+      if (!wait_gate(ctx, a, cv, s)) queue.gate_invalid |= 1u << s;
+      queue.gate_open |= 1u << s;
+      while (load.valid && loads - stores < kStages && !gate_closed()) issue_load();
+    }
     const int st = (int)(stores % kStages);
     /* The stage's load has landed: its barrier completed phase `parity` of its use. */
     const uint32_t parity = (uint32_t)((stores / kStages) & 1);
@@ -314,32 +378,26 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const SendPlan &plan,
       pending_group[num_pending++] = stores;
     }
     /* Refill the stage of store (stores - depth) once it has been read: up to kStoreDepth stores
-     * stay in flight while the loads run kStages - kStoreDepth pieces ahead. */
-    if (stores >= kStoreDepth && load.valid) {
+     * stay in flight while the loads run kStages - kStoreDepth pieces ahead. (After a gate's wait
+     * fewer run ahead; the stage refilled is then one read even longer ago.) */
+    if (stores >= kStoreDepth && load.valid && !gate_closed()) {
       epx::bulk_wait_read<kStoreDepth>();
       issue_load();
     }
     if (num_pending && pending_group[0] <= stores - kSignalLag) {
       epx::bulk_wait_done<kSignalLag>();
-      int kept = 0;
-      for (int i = 0; i < num_pending; i++) {
-        if (pending_group[i] <= stores - kSignalLag)
-          signal_unit(ctx, plan, pending[i], &mark), sent++;
-        else
-          pending[kept] = pending[i], pending_group[kept++] = pending_group[i];
-      }
-      num_pending = kept;
+      signal_pending(stores - kSignalLag);
     }
     stores++;
   }
   epx::bulk_wait_done<0>();
-  for (int i = 0; i < num_pending; i++) signal_unit(ctx, plan, pending[i], &mark), sent++;
+  signal_pending(stores);
   return sent;
 }
 
 /* A send warp: once every peer has finished the call that last used this parity (call - 2),
  * lane 0 sends the units it takes into the peers' slabs. */
-template <bool kExtras>
+template <bool kExtras, bool kGated>
 __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
                                              const epx__combine_launch_args_t &a,
                                              const ExtrasOf<kExtras> &x, const CombineView &cv,
@@ -371,7 +429,9 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
       plan.slab[s] = ctx.peer_base[s] + cv.slab + (size_t)me * a.max_tokens * plan.row_bytes;
       plan.signal[s] = (unsigned long long *)(ctx.peer_base[s] + cv.signal) + (size_t)me * chunks;
     }
-    plan.units = (long long)(most_rows + kUnitRows - 1) / kUnitRows * (R - 1);
+    plan.units_per_source = (most_rows + kUnitRows - 1) / kUnitRows;
+    plan.units = plan.units_per_source * (R - 1);
+    plan.gated = kGated;
     SendWeights<kExtras> sw;
     if constexpr (kExtras) {
       sw.src = x.recv_topk_weights;
@@ -382,7 +442,7 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
     SendSmem *smem = (SendSmem *)dyn_smem;
     for (int i = 0; i < kStages; i++) epx::mbarrier_init(&smem->bar[warp][i], 1);
     epx::fence_mbarrier_init();
-    sent = send_units<kExtras>(ctx, plan, sw, smem->stage[warp], smem->bar[warp]);
+    sent = send_units<kExtras, kGated>(ctx, a, cv, plan, sw, smem->stage[warp], smem->bar[warp]);
   }
   if (lane == 0) epx::trace_end(ctx, t_send, EPX_TRACE_COMBINE_SEND, sent);
 }
@@ -474,7 +534,7 @@ __device__ __forceinline__ int tokens_in_units(int first, int stride, int T) {
  * chunk of d carries it, so from then on this warp leaves d out of its sums, and the first lane
  * to see it records EPX_ERR_PEER_DATA naming d. A wait that timed out (or gave up after another
  * one did) does not look for the mark: the TIMEOUT record stands for the call. */
-template <typename IdxT, int kRanks, bool kExtras>
+template <typename IdxT, int kRanks, bool kExtras, bool kGated>
 __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
                                                const epx__combine_launch_args_t &a,
                                                const ExtrasOf<kExtras> &x, const CombineView &cv,
@@ -487,6 +547,9 @@ __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
   const int rows_from_lane = lane < R ? a.routing.meta->count[me][lane] : 0;
   int checked_chunk = -1;
   bool peer_invalid = false; /* lane d: rank d's rows came marked not valid */
+  /* Gated: whether this warp waited for this rank's own rows, and they are not valid (left out
+   * of the sums: this rank's call returns the failure that made them so) */
+  bool own_checked = false, own_invalid = false;
   const int rw = blockIdx.x * kReduceWarps + reduce_warp;
   const uint64_t t_reduce = epx::trace_begin(ctx);
   const int stride = gridDim.x * kReduceWarps * kReduceTokens;
@@ -514,8 +577,16 @@ __device__ __forceinline__ void combine_reduce(const epx__kernel_ctx_t &ctx,
         }
         epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
       }
+      /* Gated: this rank's own rows (read in place) once its last phase is written here */
+      if (kGated && ((mask >> me) & 1u) && !own_checked) {
+        bool ok = true;
+        if (lane == 0) ok = wait_gate(ctx, a, cv, me);
+        own_invalid = !__shfl_sync(0xffffffffu, ok, 0);
+        own_checked = true;
+      }
       __syncwarp(); /* orders every lane's acquire before the warp's loads of the rows */
-      const unsigned use = mask & ~__ballot_sync(0xffffffffu, peer_invalid);
+      const unsigned use =
+          mask & ~__ballot_sync(0xffffffffu, peer_invalid) & ~(own_invalid ? 1u << me : 0u);
       reduce_token<IdxT, kRanks, kExtras>(ctx, a, x, cv, prefix, slab_base, t, use, my_pos, lane);
       if constexpr (kExtras)
         if (x.out_topk_weights)
@@ -570,7 +641,7 @@ __device__ __forceinline__ void combine_finish(const epx__kernel_ctx_t &ctx,
  * (docs/profiling.md, "Kernel names"). */
 namespace epx::normal {
 
-template <typename IdxT, int kRanks, bool kExtras>
+template <typename IdxT, int kRanks, bool kExtras, bool kGated>
 __global__ void __launch_bounds__(kThreads, 1)
     combine(epx__kernel_ctx_t ctx, epx__combine_launch_args_t a, ExtrasOf<kExtras> x) {
   const int R = ctx.num_ranks, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -590,9 +661,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   cv.n16 = a.hidden * 2 / 16;
   cv.experts_per_rank = a.num_experts / R;
   if (warp < kSendWarps)
-    combine_send<kExtras>(ctx, a, x, cv, prefix, warp, lane);
+    combine_send<kExtras, kGated>(ctx, a, x, cv, prefix, warp, lane);
   else
-    combine_reduce<IdxT, kRanks, kExtras>(ctx, a, x, cv, prefix, warp - kSendWarps, lane);
+    combine_reduce<IdxT, kRanks, kExtras, kGated>(ctx, a, x, cv, prefix, warp - kSendWarps, lane);
   combine_finish(ctx, cv);
 }
 
@@ -610,10 +681,21 @@ extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
   const epx__combine_extras_t none = {NULL, NULL, {NULL, NULL}};
   const epx__combine_extras_t &x = extras ? *extras : none;
   const bool any = x.recv_topk_weights || x.bias[0] || x.bias[1];
+  if (args->gate) { /* gated (the prefill layer's phases): its own kernels, without extras */
+    if (any)
+      return epx__set_error(EPX_ERR_INTERNAL,
+                            "epx__combine_launch: a gated combine takes no top-k weights or bias");
+    return EPX_RANKS_SWITCH(ctx->num_ranks, kRanks, [&] {
+      return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
+        return epx::launch<epx::normal::combine<IdxT, kRanks, false, true>>(
+            args->num_blocks, kThreads, sizeof(SendSmem), stream, *ctx, *args, NoExtras());
+      });
+    });
+  }
   return EPX_RANKS_SWITCH(ctx->num_ranks, kRanks, [&] {
     return EPX_INDEX_SWITCH(args->idx_is_int64, IdxT, [&] {
       return EPX_BOOL_SWITCH(any, kExtras, [&] {
-        return epx::launch<epx::normal::combine<IdxT, kRanks, kExtras>>(
+        return epx::launch<epx::normal::combine<IdxT, kRanks, kExtras, false>>(
             args->num_blocks, kThreads, sizeof(SendSmem), stream, *ctx, *args,
             extras_arg<kExtras>(x));
       });

@@ -108,7 +108,12 @@ __device__ void place_expand(const epx__kernel_ctx_t &ctx, const epx__notify_lau
     meta->expand_begin[j] = begin;
     meta->expand_count[j] = total[i];
     epx::expand::reset_arrival(ctx, epr, j, begin, total[i], timed_out);
-    if (a.host_counts) a.host_counts[1 + j] = total[i];
+    if (a.host_counts) {
+      a.host_counts[1 + j] = total[i];
+      /* the rows of each source for j (the prefill layer's phases by source), after the rows */
+      for (int s = 0; s < R; s++)
+        a.host_counts[2 + epr + j * R + s] = timed_out ? 0 : vals[s * words + R + e];
+    }
     if (j == epr - 1) { /* the segment end: the rows of this rank */
       const int rows = begin + (total[i] + align - 1) / align * align;
       meta->expand_begin[epr] = rows;

@@ -15,9 +15,15 @@
  *                                  counts, fewer tokens than chunks, a Qwen3-like shape;
  *                                  and BF16 on cuBLAS's batched GEMM
  *                                  (EPX_MOE_FFN_CUBLAS_GROUPED; the
- *                                  chunks it batched counted per case)
+ *                                  chunks it batched counted per case); where EPX's grouped FP8
+ *                                  GEMM runs, two calls in phases by source too
+ *                                  (EPX_MOE_OVERLAP_PHASES), whose outputs must equal the
+ *                                  chain's bit for bit
  *   moe_prefill_ranks_at_different_times  ranks r x 150 ms apart, four chunks: right outputs,
- *                                  no error, overlapped and chained; BF16 and FP8 weights
+ *                                  no error, overlapped and chained (and in phases with FP8
+ *                                  weights); BF16 and FP8 weights
+ *   moe_prefill_failed_ffn_is_reported  an FFN failure on one rank, overlapped, chained and in
+ *                                  phases: that rank's error, its peers' EPX_ERR_PEER_DATA
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
  *                                  queued, then a call that is right
  *
@@ -276,6 +282,20 @@ static int check_out(const prefill_fixture_t *f, const prefill_oracle_t *o, int 
   return rc;
 }
 
+static const char *mode_name(int overlap) {
+  return overlap == EPX_MOE_OVERLAP_PHASES   ? "phases"
+         : overlap == EPX_MOE_OVERLAP_CHUNKS ? "overlap"
+                                             : "chain";
+}
+
+/* This rank's output rows, copied to the host (NULL on failure). */
+static uint16_t *copy_out(const prefill_fixture_t *f, int me) {
+  const size_t n = (size_t)f->w.ranks[me].num_tokens * f->w.H;
+  uint16_t *h = malloc(n * 2 + 2);
+  if (h && cudaMemcpy(h, f->d.out, n * 2, cudaMemcpyDeviceToHost) != cudaSuccess) free(h), h = NULL;
+  return h;
+}
+
 static int one_call(epx_test_rank_t *t, prefill_fixture_t *f, int overlap, const char *label) {
   const int me = t->rank;
   EXPECT_CUDA(cudaMemsetAsync(f->d.out, 0xff, (size_t)f->w.M * f->w.H * 2, t->stream));
@@ -374,20 +394,41 @@ EPX_GPU_TEST(moe_prefill_matches_reference, 900) {
     /* The oracle takes seconds and longer on a rank with more tokens: meet before the
      * calls, or an early rank's waits run out of their budget on a late one. */
     if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
-    static const int kOverlap[] = {0, 1, 1, 0};
+    /* Phases by source (EPX's grouped FP8 GEMM only) run the chain's arithmetic on each row, so
+     * their outputs must equal the chain's bit for bit (call 0's) */
+    static const int kOverlap[] = {0, 1, 1, 0, 2, 2};
     long long ov_batched = 0, ov_unbatched = 0; /* chunks of the overlapped calls 1 and 2 */
-    for (int call = 0; call < 4; call++) {      /* the same world: one oracle */
+    uint16_t *chain_out = NULL;
+    for (int call = 0; call < 6; call++) { /* the same world: one oracle */
+      if (kOverlap[call] == EPX_MOE_OVERLAP_PHASES && !f.plan->fp8_grouped) continue;
       const long long b0 = f.plan->batched_chunks, u0 = f.plan->unbatched_chunks;
       char label[160];
       snprintf(label, sizeof label, "%s (%d ranks, call %d, %s)", c->name, t->num_ranks, call,
-               kOverlap[call] ? "overlap" : "chain");
+               mode_name(kOverlap[call]));
       if (one_call(t, &f, kOverlap[call], label) != TEST_PASS) return TEST_FAIL;
-      if (kOverlap[call]) {
+      if (kOverlap[call] == EPX_MOE_OVERLAP_CHUNKS) {
         ov_batched += f.plan->batched_chunks - b0;
         ov_unbatched += f.plan->unbatched_chunks - u0;
       }
       if (check_out(&f, &o, t->rank, label) != TEST_PASS) wrong++;
+      if (call == 0) EXPECT((chain_out = copy_out(&f, t->rank)) != NULL);
+      if (kOverlap[call] == EPX_MOE_OVERLAP_PHASES) {
+        uint16_t *got = copy_out(&f, t->rank);
+        EXPECT(got != NULL);
+        const size_t n = (size_t)f.w.ranks[t->rank].num_tokens * f.w.H;
+        size_t differ = 0, first = 0;
+        for (size_t i = n; i-- > 0;)
+          if (got[i] != chain_out[i]) differ++, first = i;
+        if (differ) {
+          fprintf(stderr,
+                  "  %s: rank %d: %zu values differ from the chain's; first out[%zu][%zu]\n", label,
+                  t->rank, differ, first / f.w.H, first % f.w.H);
+          wrong++;
+        }
+        free(got);
+      }
     }
+    free(chain_out);
     /* The batched GEMM ran where the case says (a fallback would pass every check above). At
      * one rank every routed row is local, so a chain call (one chunk of all T tokens) can fill
      * the worst-case scratch of R x M x min(K, L) rows: where the counts are uneven (K < L), L
@@ -429,12 +470,12 @@ EPX_GPU_TEST(moe_prefill_ranks_at_different_times, 300) {
     prefill_oracle_t o;
     if (fixture_make(t, c, &rng, &f) != TEST_PASS) return TEST_FAIL;
     if (oracle_make(&f, t->rank, &o) != TEST_PASS) return TEST_FAIL;
-    for (int overlap = 1; overlap >= 0; overlap--) {
+    for (int overlap = 2; overlap >= 0; overlap--) {
+      if (overlap == EPX_MOE_OVERLAP_PHASES && !f.plan->fp8_grouped) continue;
       if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
       usleep((useconds_t)t->rank * 150000u);
       char label[96];
-      snprintf(label, sizeof label, "%s (%d ranks, %s)", c->name, t->num_ranks,
-               overlap ? "overlap" : "chain");
+      snprintf(label, sizeof label, "%s (%d ranks, %s)", c->name, t->num_ranks, mode_name(overlap));
       if (one_call(t, &f, overlap, label) != TEST_PASS) return TEST_FAIL;
       if (check_out(&f, &o, t->rank, label) != TEST_PASS) wrong++;
     }
@@ -494,8 +535,12 @@ EPX_PEER_TEST(moe_prefill_failed_ffn_is_reported, 300) {
   if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
   if (oracle_make(&f, me, &full) != TEST_PASS) return TEST_FAIL;
   int wrong = 0;
-  for (int overlap = 1; overlap >= 0; overlap--) {
-    const int chunks = overlap ? f.plan->num_chunks : 1, fail = overlap ? 1 : 0;
+  static const int kModes[] = {EPX_MOE_OVERLAP_CHUNKS, EPX_MOE_CHAIN, EPX_MOE_OVERLAP_PHASES};
+  for (int m = 0; m < 3; m++) {
+    const int overlap = kModes[m];
+    if (overlap == EPX_MOE_OVERLAP_PHASES && !f.plan->fp8_grouped) continue;
+    const int chunked = overlap == EPX_MOE_OVERLAP_CHUNKS;
+    const int chunks = chunked ? f.plan->num_chunks : 1, fail = chunked ? 1 : 0;
     int t0 = 0, T = 0;
     epx__moe_chunk(f.w.ranks[me].num_tokens, chunks, fail, &t0, &T);
     int needs = 0; /* this rank's tokens of that chunk have experts on the failing rank */
@@ -508,11 +553,11 @@ EPX_PEER_TEST(moe_prefill_failed_ffn_is_reported, 300) {
     if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
     char label[128];
     snprintf(label, sizeof label, "failed_ffn, a clean call first (%d ranks, %s)", R,
-             overlap ? "overlap" : "chain");
+             mode_name(overlap));
     if (one_call(t, &f, overlap, label) != TEST_PASS) return TEST_FAIL;
     if (check_out(&f, &full, me, label) != TEST_PASS) wrong++;
     snprintf(label, sizeof label, "failed_ffn (%d ranks, %s, rank %d's chunk %d)", R,
-             overlap ? "overlap" : "chain", bad, fail);
+             mode_name(overlap), bad, fail);
     EXPECT_CUDA(cudaMemsetAsync(f.d.out, 0xff, (size_t)f.w.M * f.w.H * 2, t->stream));
     const epx_moe_prefill_args_t a = args_of(&f, me, overlap);
     epx__moe_test_fail_chunk = me == bad ? fail : -1;
@@ -549,7 +594,7 @@ EPX_PEER_TEST(moe_prefill_failed_ffn_is_reported, 300) {
     if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
     for (int again = 0; again < 4; again++) {
       snprintf(label, sizeof label, "failed_ffn, clean call %d after (%d ranks, %s)", again, R,
-               overlap ? "overlap" : "chain");
+               mode_name(overlap));
       if (one_call(t, &f, overlap, label) != TEST_PASS) return TEST_FAIL;
       if (check_out(&f, &full, me, label) != TEST_PASS) wrong++;
     }
@@ -634,8 +679,14 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
   a = args_of(&f, me, 0), a.num_tokens = f.w.M + 1; /* a chain call takes one chunk */
   EXPECT_REFUSED(epx_moe_prefill(f.plan, &a, t->stream), EPX_ERR_INVALID_ARGUMENT,
                  "args->num_tokens");
-  a = args_of(&f, me, 2);
+  a = args_of(&f, me, 3);
   EXPECT_REFUSED(epx_moe_prefill(f.plan, &a, t->stream), EPX_ERR_INVALID_ARGUMENT, "args->overlap");
+  a = args_of(&f, me, -1);
+  EXPECT_REFUSED(epx_moe_prefill(f.plan, &a, t->stream), EPX_ERR_INVALID_ARGUMENT, "args->overlap");
+  /* phases need EPX's grouped FP8 GEMM: these weights are BF16 */
+  a = args_of(&f, me, EPX_MOE_OVERLAP_PHASES);
+  EXPECT_REFUSED(epx_moe_prefill(f.plan, &a, t->stream), EPX_ERR_UNSUPPORTED,
+                 "EPX_MOE_OVERLAP_PHASES");
   a = args_of(&f, me, 1), a.size = 8;
   EXPECT_REFUSED(epx_moe_prefill(f.plan, &a, t->stream), EPX_ERR_INVALID_ARGUMENT, "args");
   EXPECT_REFUSED(epx_moe_prefill(f.plan, NULL, t->stream), EPX_ERR_INVALID_ARGUMENT, "args");
