@@ -25,7 +25,6 @@
  * fails, so that no peer waits for this rank (an FFN failure is returned at the end).
  */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "arg_check.h"
@@ -831,25 +830,35 @@ static void run_phases(chunk_call_t *k) {
     keep_first(k, st);
     valid = st == EPX_OK;
   }
-  /* The combine after the row kernel (or whatever ran before a failure) */
-  keep_first(k, epx__moe_order_after(k->comm, k->compute, p->phase_up));
-  epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
-  ca.x = rows.y = k->ws + k->l.y[0];
-  ca.weighted = 1;
-  ca.out = k->a->out;
-  keep_first(k, epx__combine_expand_gated(g, h, &ca, p->gates, p->gate_value, k->comm));
+  /* Where the gated combine may start: after the row kernel (or whatever ran before a failure),
+   * so that it takes its SMs from the down projections, which run on the others. */
+  const epx_status_t up = CUDA_STATUS(cudaEventRecord(p->phase_up, k->compute));
+  keep_first(k, up);
   const int sms = p->device_sms - g->config.num_sms; /* the combine holds the others */
   for (int i = 0; i < R; i++) {
     const int s = (me + 1 + i) % R;
     epx_status_t st = valid ? EPX_OK : EPX_ERR_INTERNAL;
     if (valid && phased) st = epx__moe_ffn_phased_down(p, &rows, s, sms, k->ws, k->compute);
     if (valid && st == EPX_OK)
-      st = epx__expand_reduce_source(g, h, rows.y, 1, s, phased ? rows.parts_dev : NULL,
+      st = epx__expand_reduce_source(g, h, k->ws + k->l.y[0], 1, s, phased ? rows.parts_dev : NULL,
                                      phased ? rows.part_out_dev : NULL, 2 * sms, k->compute);
     if (valid) keep_first(k, st);
     const unsigned mark = st == EPX_OK ? 0u : 1u << 31;
     keep_first(k, epx__moe_gate_launch(p->gates + s, p->gate_value | mark, k->compute));
   }
+  /* The combine is queued last: it spins on the gates while the phases run, and a kernel launched
+   * for the first time after it (CUDA's lazy module loading, the default) could wait for the
+   * device to idle, that is for the combine, which waits for that kernel's gate: a timeout. */
+  epx_status_t waited = up;
+  if (up == EPX_OK) waited = CUDA_STATUS(cudaStreamWaitEvent(k->comm, p->phase_up, 0));
+  if (waited != EPX_OK && cudaStreamSynchronize(k->compute) != cudaSuccess)
+    keep_first(k, epx__set_error(waited, "epx_moe_prefill: the phases' compute stream failed"));
+  keep_first(k, waited);
+  epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
+  ca.x = k->ws + k->l.y[0];
+  ca.weighted = 1;
+  ca.out = k->a->out;
+  keep_first(k, epx__combine_expand_gated(g, h, &ca, p->gates, p->gate_value, k->comm));
 }
 
 /* Queue chunk c's combine once its FFN is done (queued even after an FFN failure: every peer
