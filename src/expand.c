@@ -332,7 +332,7 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
 
 epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
                                        const epx_combine_expand_args_t *a, const unsigned *gate,
-                                       unsigned gate_value, cudaStream_t stream) {
+                                       unsigned gate_value, int num_blocks, cudaStream_t stream) {
   static const char fn[] = "epx_combine_expand";
   EPX_CHECK(check_combine_expand(fn, g, h, a));
   epx__kernel_ctx_t ctx;
@@ -340,6 +340,7 @@ epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
   epx__combine_launch_args_t c = combine_args(g, h, a->out, 0);
   c.gate = gate;
   c.gate_value = gate_value;
+  if (num_blocks > 0) c.num_blocks = num_blocks;
   return epx__combine_launch(&ctx, &c, NULL, stream);
 }
 

@@ -834,7 +834,10 @@ static void run_phases(chunk_call_t *k) {
    * so that it takes its SMs from the down projections, which run on the others. */
   const epx_status_t up = CUDA_STATUS(cudaEventRecord(p->phase_up, k->compute));
   keep_first(k, up);
-  const int sms = p->device_sms - g->config.num_sms; /* the combine holds the others */
+  /* The combine holds the group's num_sms SMs for the whole down projection (fewer measured
+   * slower: 8, 12 and 16 blocks against 24 at 4 ranks, docs/moe.md "Phases by source"); the
+   * phases' GEMMs and reduces run on the others. */
+  const int blocks = g->config.num_sms, sms = p->device_sms - blocks;
   for (int i = 0; i < R; i++) {
     const int s = (me + 1 + i) % R;
     epx_status_t st = valid ? EPX_OK : EPX_ERR_INTERNAL;
@@ -858,7 +861,7 @@ static void run_phases(chunk_call_t *k) {
   ca.x = k->ws + k->l.y[0];
   ca.weighted = 1;
   ca.out = k->a->out;
-  keep_first(k, epx__combine_expand_gated(g, h, &ca, p->gates, p->gate_value, k->comm));
+  keep_first(k, epx__combine_expand_gated(g, h, &ca, p->gates, p->gate_value, blocks, k->comm));
 }
 
 /* Queue chunk c's combine once its FFN is done (queued even after an FFN failure: every peer

@@ -102,10 +102,17 @@ class MoePrefill:
     def __call__(self, x, topk_idx, topk_weights=None, *, overlap=True, out=None, stream=None):
         """One layer (COLLECTIVE over the plan's groups; the host waits for each chunk's count
         exchange, so not capturable). x [T, H] bf16; topk_idx [T, K] int64/int32; topk_weights
-        [T, K] float32 or None (1). overlap: chunks over both groups (needs two), else the
-        chain on the first. Returns out [T, H] bf16 (a new tensor unless given)."""
+        [T, K] float32 or None (1). overlap: True, chunks over both groups (needs two); False,
+        the chain on the first; "phases", the down projection by source rank with each phase's
+        rows sent back while the next computes (EPX's grouped FP8 GEMM only; docs/moe.md,
+        "Phases by source"). Returns out [T, H] bf16 (a new tensor unless given)."""
         torch = _torch()
         fn = "MoePrefill"
+        if isinstance(overlap, str) and overlap != "phases":
+            raise errors.EpxInvalidArgument(errors.EPX_ERR_INVALID_ARGUMENT,
+                                            "%s: overlap = %r: True, False or \"phases\""
+                                            % (fn, overlap))
+        mode = 2 if overlap == "phases" else 1 if overlap else 0
         plan = self._ptr(fn)
         H, K, dev = self._dims.hidden, self._dims.top_k, self.device.index
         _tensors.check_tensor(fn, "x", x, torch.bfloat16, ("T", H), device_index=dev, align=16)
@@ -123,7 +130,7 @@ class MoePrefill:
         a = _capi.EPX_MOE_PREFILL_ARGS_INIT()
         a.x, a.topk_idx, a.topk_weights = x.data_ptr(), topk_idx.data_ptr(), data_ptr(topk_weights)
         a.topk_idx_dtype = _tensors.epx_dtype(topk_idx.dtype)
-        a.num_tokens, a.overlap, a.out = T, 1 if overlap else 0, out.data_ptr()
+        a.num_tokens, a.overlap, a.out = T, mode, out.data_ptr()
         a.workspace, a.workspace_bytes = self._workspace.data_ptr(), self._workspace.numel()
         _capi.check(_capi.lib.epx_moe_prefill(plan, ctypes.byref(a), _stream_ptr(stream)))
         return out

@@ -508,3 +508,11 @@ def test_a_borrowed_communicator_destroyed_first_is_refused(fake, monkeypatch):
                                                   "comm_destroy", "comm_abort")]
     g.destroy()  # idempotent: nothing left to release
     h.destroy()
+
+
+def test_cpu_prefill_overlap_mode_names():
+    """MoePrefill's overlap takes True, False or "phases"; another string is refused by name
+    before the plan is touched (a bare object here: no plan, no GPU)."""
+    plan = MoePrefill.__new__(MoePrefill)
+    with pytest.raises(epx.EpxInvalidArgument, match="overlap = 'chunks'.*phases"):
+        plan(None, None, overlap="chunks")

@@ -65,10 +65,10 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
  * gate[R] (api.h's epx__combine_launch_args_t: source s's partial rows are sent, or for this rank
  * summed, once gate[s] carries gate_value), queued on one stream while the phases' reduces
  * (epx__expand_reduce_source) and gate writes run on another. args->weighted is not read here:
- * the reduces weigh the rows. */
+ * the reduces weigh the rows. num_blocks: the combine kernel's blocks (0: the group's num_sms). */
 epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
                                        const epx_combine_expand_args_t *a, const unsigned *gate,
-                                       unsigned gate_value, cudaStream_t stream);
+                                       unsigned gate_value, int num_blocks, cudaStream_t stream);
 /* The expert-side reduce of the tokens received from rank `source` into their partial rows
  * (expand_combine.cu): y row r is expanded row r, or with parts (device [E + 1], the layer's
  * parts of the L = E / R segments by source) y row part_out[q] + r - parts[q] for r in part q. */
