@@ -1156,8 +1156,10 @@ typedef struct epx_moe_prefill_args {
  * then, for each source rank s (this rank + 1 first, itself last), the down projection of the
  * rows s sent and their expert-side reduce, after which a gate word lets the combine, already
  * running on the plan's communication stream, send them back (docs/moe.md, "Phases by source").
- * Needs EPX's grouped FP8 GEMM (epx_moe_prefill_info_t.ffn_backend EPX_MOE_FFN_EPX_GROUPED):
- * else EPX_ERR_UNSUPPORTED. */
+ * Needs EPX's grouped FP8 GEMM (epx_moe_prefill_info_t.ffn_backend EPX_MOE_FFN_EPX_GROUPED),
+ * and at least 16 SMs beside the group's config.num_sms (the combine holds those while it waits;
+ * the phases' GEMMs run on the others, config.gemm_sms does not apply): else EPX_ERR_UNSUPPORTED.
+ * Measured slower than the chain today (0.88-0.96x at 2 and 4 ranks on H200). */
 #define EPX_MOE_OVERLAP_PHASES 2
 
 #define EPX_MOE_PREFILL_ARGS_INIT \

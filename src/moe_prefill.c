@@ -572,6 +572,15 @@ static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_mo
                           "(FP8 weights, ffn_backend EPX_MOE_FFN_EPX_GROUPED or AUTO's choice of "
                           "it; epx_moe_prefill_get_info says which runs)",
                           fn);
+  /* the gated combine holds num_sms SMs while it waits for the phases: some must be left */
+  if (a->overlap == EPX_MOE_OVERLAP_PHASES &&
+      p->device_sms - p->groups[0]->config.num_sms < EPX__MOE_PHASES_MIN_SMS)
+    return epx__set_error(
+        EPX_ERR_UNSUPPORTED,
+        "%s: args->overlap = EPX_MOE_OVERLAP_PHASES with the group's num_sms = %d "
+        "of the GPU's %d SMs: the combine holds them while it waits for the "
+        "phases, which need at least %d others",
+        fn, p->groups[0]->config.num_sms, p->device_sms, EPX__MOE_PHASES_MIN_SMS);
   if (a->overlap == EPX_MOE_OVERLAP_CHUNKS && p->num_groups < 2)
     return epx__set_error(EPX_ERR_INVALID_USAGE,
                           "%s: args->overlap = 1 with a plan of one group: overlapped calls "

@@ -20,8 +20,11 @@
 extern "C" {
 #endif
 
-#define EPX__MOE_ALIGN 4             /* expert_alignment of the layer's dispatches */
-#define EPX__MOE_MAX_CHUNKS 16       /* config.num_chunks */
+#define EPX__MOE_ALIGN 4       /* expert_alignment of the layer's dispatches */
+#define EPX__MOE_MAX_CHUNKS 16 /* config.num_chunks */
+/* SMs the phases' GEMMs and reduces need beside the gated combine (args->overlap =
+ * EPX_MOE_OVERLAP_PHASES; fewer is refused: with none they never run and every gate times out) */
+#define EPX__MOE_PHASES_MIN_SMS 16
 #define EPX__MOE_BLAS_WS (32u << 20) /* cuBLAS / cuBLASLt workspace bytes */
 #define EPX__MOE_LT_CACHE 64         /* cached cuBLASLt algorithms */
 #define EPX__MOE_MAX_LANES 8         /* config.gemm_lanes */

@@ -377,13 +377,8 @@ typedef struct epx__moe_gemm_fp8_args {
   void *y;
   int y_fp32;
   int n, k, num_experts;
-  const int
-      *begin; /* device [num_experts + 1], or [(num_experts - 1) * seg_stride + seg_first + 2] */
-  /* Segment j is [begin[i], begin[i + 1]), i = j * seg_stride + seg_first (0 and 0: i = j). The
-   * prefill layer's phases: begin partitions the rows into (expert, source) parts, expert-major,
-   * and a launch takes one source's part of every expert (stride R, first = the source). */
-  int seg_stride, seg_first;
-  int x_rows; /* rows x has (reads past them are zeros); 0: nothing to do */
+  const int *begin; /* device [num_experts + 1] */
+  int x_rows;       /* rows x has (reads past them are zeros); 0: nothing to do */
   int num_ctas;
   int tile_x;       /* rows of x of a tile, at most, and the wgmma width every tile runs at:
                        one of EPX__MOE_TILE_X_WIDTHS, 64 to 160 (moe_tiles.h) */

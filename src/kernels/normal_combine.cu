@@ -355,6 +355,7 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const epx__combine_launc
       const int s = load.su.s;
       if (!wait_gate(ctx, a, cv, s)) queue.gate_invalid |= 1u << s;
       queue.gate_open |= 1u << s;
+      epx::fence_proxy_async_global(); /* the acquire before the bulk copies of those rows */
       while (load.valid && loads - stores < kStages && !gate_closed()) issue_load();
     }
     const int st = (int)(stores % kStages);
@@ -377,10 +378,12 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const epx__combine_launc
       pending[num_pending] = su;
       pending_group[num_pending++] = stores;
     }
-    /* Refill the stage of store (stores - depth) once it has been read: up to kStoreDepth stores
-     * stay in flight while the loads run kStages - kStoreDepth pieces ahead. (After a gate's wait
-     * fewer run ahead; the stage refilled is then one read even longer ago.) */
-    if (stores >= kStoreDepth && load.valid && !gate_closed()) {
+    /* Refill the stage of store (loads - kStages) once it has been read: up to kStoreDepth stores
+     * stay in flight while the loads run kStages - kStoreDepth pieces ahead. The count, not
+     * `stores >= kStoreDepth`: after a gate's wait the loads start again kStages ahead, and the
+     * next refill's stage is then the one the store just issued still reads (a review found
+     * it; the plain combine refills exactly as before). */
+    if (loads - stores <= kStages - kStoreDepth && load.valid && !gate_closed()) {
       epx::bulk_wait_read<kStoreDepth>();
       issue_load();
     }

@@ -224,6 +224,12 @@ __device__ __forceinline__ void bulk_wait_done() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+/* Order this thread's earlier generic-proxy reads (an acquire of a flag) before its later
+ * async-proxy operations (bulk copies of the data the flag publishes). */
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 }  // namespace epx
 
 #endif  // EPX_KERNELS_PTX_CUH_
