@@ -1159,7 +1159,7 @@ typedef struct epx_moe_prefill_args {
  * Needs EPX's grouped FP8 GEMM (epx_moe_prefill_info_t.ffn_backend EPX_MOE_FFN_EPX_GROUPED),
  * and at least 16 SMs beside the group's config.num_sms (the combine holds those while it waits;
  * the phases' GEMMs run on the others, config.gemm_sms does not apply): else EPX_ERR_UNSUPPORTED.
- * Measured slower than the chain today (0.88-0.96x at 2 and 4 ranks on H200). */
+ * Measured slower than the chain today (0.88-0.97x at 2 and 4 ranks on H200). */
 #define EPX_MOE_OVERLAP_PHASES 2
 
 #define EPX_MOE_PREFILL_ARGS_INIT \
