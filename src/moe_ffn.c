@@ -44,6 +44,19 @@ void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane) {
   }
 }
 
+int epx__moe_phase_rows(const int *by_source, int L, int R, int *phase_begin) {
+  int row = 0;
+  for (int s = 0; s < R; s++) {
+    for (int j = 0; j < L; j++) {
+      phase_begin[s * (L + 1) + j] = row;
+      const int n = by_source[j * R + s];
+      row += n > 0 ? (n + 3) / 4 * 4 : 0;
+    }
+    phase_begin[s * (L + 1) + L] = row;
+  }
+  return row;
+}
+
 int epx__moe_block_rows(const int *count, const int *begin, int L, size_t scratch_rows,
                         size_t input_rows) {
   long long real = 0;

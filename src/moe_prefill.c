@@ -632,6 +632,7 @@ typedef struct {
 } chunk_call_t;
 
 int epx__moe_test_fail_chunk = -1;
+int epx__moe_test_phase_rows = -1;
 
 /* Remember the first failure with its message. */
 static void keep_first(chunk_call_t *k, epx_status_t st) {
@@ -803,14 +804,11 @@ static void run_phases(chunk_call_t *k) {
    * fit the FFN's rows (each part rounded up to 4: at most 3 L R more than the dispatch's), the
    * FFN runs whole and the reduces and gates follow it: the same combine, no overlap. */
   int *dev = p->phase_parts, phase_begin[EPX_MAX_RANKS * (EPX_MAX_EXPERTS + 1)];
-  const volatile int *by_source = (const volatile int *)h->host_counts + 2 + L;
-  int row = 0;
-  for (int s = 0; s < R; s++) {
-    for (int j = 0; j < L; j++)
-      phase_begin[s * (L + 1) + j] = row, row += (by_source[j * R + s] + 3) / 4 * 4;
-    phase_begin[s * (L + 1) + L] = row;
-  }
-  const int phased = valid && (size_t)row <= p->rows;
+  int by_source[EPX_MAX_EXPERTS]; /* [L][R], L R = E */
+  for (int i = 0; i < L * R; i++) by_source[i] = ((const volatile int *)h->host_counts)[2 + L + i];
+  const int row = epx__moe_phase_rows(by_source, L, R, phase_begin);
+  const size_t room = epx__moe_test_phase_rows >= 0 ? (size_t)epx__moe_test_phase_rows : p->rows;
+  const int phased = valid && (size_t)row <= room;
   if (phased) {
     rows.num_sources = R;
     rows.phase_rows = row;

@@ -169,6 +169,12 @@ typedef struct {
  * blocked (expert j's rows from j x that), for epx__combine_expand_blocked. */
 epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
                           char *ws, size_t ws_bytes, int *y_block_rows, cudaStream_t stream);
+/* The phases' rows (api.h's epx__moe_phase_parts_args_t, as the parts kernel computes them on
+ * the device): by_source [L][R] rows of source s for expert j; phase_begin [R (L + 1)] gets
+ * source s's segments, each part at a multiple of 4 rows, sources one after another. Returns
+ * the rows in all. Pure; host-tested. */
+int epx__moe_phase_rows(const int *by_source, int L, int R, int *phase_begin);
+
 /* The FFN in phases by source (rows->num_sources > 0, EPX's grouped FP8 GEMM): _up runs gate/up
  * over every row and the row kernel over the parts, into the phases' rows; _down the down
  * projection of source s's block of them on sm_target SMs (0: all), writing y there. */

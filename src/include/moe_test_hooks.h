@@ -13,6 +13,9 @@ extern "C" {
 /* epx_moe_prefill: the chunk whose FFN is treated as failed (not run, an error returned); -1:
  * none. */
 extern int epx__moe_test_fail_chunk;
+/* epx_moe_prefill in phases: the room for the phase rows (>= 0; -1: the plan's), so that a test
+ * reaches the path where they do not fit (the FFN whole, then the reduces and gates). */
+extern int epx__moe_test_phase_rows;
 /* epx_moe_decode: 1 = its FFN is treated as failed (not run, an error returned); 0: off. */
 extern int epx__moe_test_fail_decode_ffn;
 

@@ -26,6 +26,9 @@
  *                                  phases: that rank's error, its peers' EPX_ERR_PEER_DATA
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
  *                                  queued, then a call that is right
+ *   moe_prefill_phases_fallback_and_refusal  phases whose rows do not fit (the FFN whole, then
+ *                                  the gates): equal to the chain's output; phases refused with
+ *                                  too few SMs beside the combine, a chain call after
  *
  * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.1 x
  * rms(FFN rows) x sum |w|, and the root mean square of |err| / (rms x sum |w|) over all values
@@ -730,5 +733,72 @@ EPX_GPU_TEST(moe_prefill_refusals, 300) {
                  "expand_max_rows = 1");
   experts_data_free(&e1);
   EXPECT_OK(epx_group_destroy(g));
+  return TEST_PASS;
+}
+
+/* Phases where the phase rows do not fit (epx__moe_test_phase_rows = 0: the FFN runs whole, then
+ * the reduces and gates, the same combine): right, and equal to the chain's output bit for bit.
+ * Then a plan whose groups' num_sms leaves fewer than EPX__MOE_PHASES_MIN_SMS SMs: phases
+ * refused by name on every rank with nothing queued (the combine would hold every SM while it
+ * waits for the phases), and a chain call on it right after. */
+EPX_GPU_TEST(moe_prefill_phases_fallback_and_refusal, 300) {
+  const int me = t->rank;
+  uint64_t rng = t->seed;
+  const prefill_case_t c = {
+      "phases_fallback", {64, 256, 4, 4, ROUTE_HOLES, -1, -1}, 128, 1, 4, 0, 0, 0, 0};
+  prefill_fixture_t f;
+  prefill_oracle_t o;
+  if (fixture_make(t, &c, &rng, &f) != TEST_PASS) return TEST_FAIL;
+  if (oracle_make(&f, me, &o) != TEST_PASS) return TEST_FAIL;
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  if (one_call(t, &f, EPX_MOE_CHAIN, "phases_fallback (chain)") != TEST_PASS) return TEST_FAIL;
+  int wrong = check_out(&f, &o, me, "phases_fallback (chain)") != TEST_PASS;
+  uint16_t *chain_out = copy_out(&f, me);
+  EXPECT(chain_out != NULL);
+  epx__moe_test_phase_rows = 0;
+  const int rc = one_call(t, &f, EPX_MOE_OVERLAP_PHASES, "phases_fallback (phases, no room)");
+  epx__moe_test_phase_rows = -1;
+  if (rc != TEST_PASS) return TEST_FAIL;
+  wrong += check_out(&f, &o, me, "phases_fallback (phases, no room)") != TEST_PASS;
+  uint16_t *got = copy_out(&f, me);
+  EXPECT(got != NULL);
+  const size_t n = (size_t)f.w.ranks[me].num_tokens * f.w.H;
+  EXPECTF(memcmp(got, chain_out, n * 2) == 0,
+          "rank %d: the fallback's output differs from the chain's", me);
+  free(got), free(chain_out);
+
+  int sms = 0, dev = 0;
+  EXPECT_CUDA(cudaGetDevice(&dev));
+  EXPECT_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  epx_group_config_t cfg = gpu_test_config(f.w.M, f.w.H, f.w.E, f.w.K);
+  cfg.modes = EPX_MODE_NORMAL;
+  cfg.dtypes = EPX_DTYPE_BF16 | EPX_DTYPE_FP8_E4M3;
+  cfg.expand_max_rows = worst_rows(t->num_ranks, f.w.M, f.w.K, f.w.L);
+  cfg.num_sms = sms - EPX__MOE_PHASES_MIN_SMS + 1;
+  epx_group_t g[2];
+  for (int i = 0; i < 2; i++) EXPECT_OK(epx_group_create(t->comm, &cfg, &g[i]));
+  epx_moe_prefill_config_t pc = EPX_MOE_PREFILL_CONFIG_INIT;
+  pc.ffn_backend = EPX_MOE_FFN_EPX_GROUPED;
+  epx_moe_prefill_t plan = NULL;
+  EXPECT_OK(epx_moe_prefill_create(g, 2, &f.ex[me].dev, &pc, &plan));
+  size_t bytes = 0;
+  EXPECT_OK(epx_moe_prefill_workspace_size(plan, &bytes));
+  void *ws = NULL;
+  EXPECT_CUDA(cudaMalloc(&ws, bytes));
+  epx_moe_prefill_args_t a = args_of(&f, me, EPX_MOE_OVERLAP_PHASES);
+  a.workspace = ws, a.workspace_bytes = bytes;
+  EXPECT_REFUSED(epx_moe_prefill(plan, &a, t->stream), EPX_ERR_UNSUPPORTED, "num_sms");
+  EXPECT_CUDA(cudaMemsetAsync(f.d.out, 0xff, (size_t)f.w.M * f.w.H * 2, t->stream));
+  a.overlap = EPX_MOE_CHAIN;
+  EXPECT_OK(epx_moe_prefill(plan, &a, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  for (int i = 0; i < 2; i++) EXPECT_NO_ASYNC_ERROR(g[i], "phases refused, then a chain call");
+  wrong += check_out(&f, &o, me, "phases refused, then a chain call") != TEST_PASS;
+  EXPECT_OK(epx_moe_prefill_destroy(plan));
+  EXPECT_CUDA(cudaFree(ws));
+  for (int i = 0; i < 2; i++) EXPECT_OK(epx_group_destroy(g[i]));
+  oracle_free(&o);
+  if (fixture_free(&f) != TEST_PASS) return TEST_FAIL;
+  EXPECTF(wrong == 0, "rank %d: %d calls with a wrong output (above)", me, wrong);
   return TEST_PASS;
 }

@@ -5,7 +5,7 @@
  * aligned, disjoint, each as large as its formula, FP8 regions only with FP8 weights), the
  * batched GEMM's block rows, the grouped FP8 GEMM's token tiles (src/include/moe_tiles.h) and
  * its launcher's refusals of tile shapes it has no kernel for, the refusals that need no GPU,
- * and which FP8 backend AUTO picks.
+ * which FP8 backend AUTO picks, and the phases' rows (EPX_MOE_OVERLAP_PHASES).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -312,5 +312,39 @@ EPX_HOST_TEST(moe_prefill_auto_fp8_backend, 10) {
   EXPECT(epx__moe_auto_grouped_fp8(4096, 4, 8, 256, 4, 7168, 2048) == 1);
   EXPECT(epx__moe_auto_grouped_fp8(64, 4, 4, 16, 2, 256, 256) == 1);
   EXPECT(epx__moe_auto_grouped_fp8(0, 2, 8, 256, 2, 7168, 2048) == 1);
+  return TEST_PASS;
+}
+
+/* The phases' rows: a known answer, then random counts (every part at a multiple of 4, as long
+ * as its count rounded up, sources one after another, experts in order within a source). */
+EPX_HOST_TEST(moe_prefill_phase_rows, 10) {
+  /* L 2, R 2: expert 0 gets 1 row from source 0 and 4 from source 1; expert 1 0 and 5 */
+  const int known[4] = {1, 4, 0, 5};
+  int pb[2 * 3];
+  EXPECT_EQ_INT(epx__moe_phase_rows(known, 2, 2, pb), 16);
+  const int want[6] = {0, 4, 4, 4, 8, 16};
+  for (int i = 0; i < 6; i++) EXPECT_EQ_INT(pb[i], want[i]);
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  static int by[EPX_MAX_EXPERTS], begin[EPX_MAX_RANKS * (EPX_MAX_EXPERTS + 1)];
+  for (int round = 0; round < 200; round++) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    const int R = 1 + (int)(x >> 60) % EPX_MAX_RANKS, L = 1 + (int)((x >> 40) % 128);
+    int total = 0;
+    for (int i = 0; i < L * R; i++) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      by[i] = (x >> 59) < 4 ? 0 : (int)((x >> 33) % 700); /* some empty parts */
+      total += (by[i] + 3) / 4 * 4;
+    }
+    EXPECT_EQ_INT(epx__moe_phase_rows(by, L, R, begin), total);
+    int row = 0;
+    for (int s = 0; s < R; s++)
+      for (int j = 0; j <= L; j++) {
+        EXPECTF(begin[s * (L + 1) + j] == row && row % 4 == 0,
+                "round %d, L %d, R %d: source %d, expert %d begins at %d, want %d", round, L, R, s,
+                j, begin[s * (L + 1) + j], row);
+        if (j < L) row += (by[j * R + s] + 3) / 4 * 4;
+      }
+    EXPECT_EQ_INT(row, total);
+  }
   return TEST_PASS;
 }
