@@ -508,7 +508,8 @@ def _prefill_reference(ctx, world, weights, I):
 def _n_moe_prefill(ctx):
     """epx.MoePrefill on two groups with expert-major buffers: the chain and the overlapped
     layer against a plain-torch layer, uniform and adversarial routings, BF16 weights, on the
-    batched cuBLAS GEMM (auto for BF16 weights) and on the per-expert cuBLAS GEMMs."""
+    batched cuBLAS GEMM (auto for BF16 weights) and on the per-expert cuBLAS GEMMs; phases
+    (overlap="phases") refused by name with these weights."""
     c, epx = ctx.checks, ctx.epx
     L, I = ctx.E // ctx.R, 256
     rows = ctx.R * N_M * min(N_K, L) + 3 * L
@@ -524,6 +525,11 @@ def _n_moe_prefill(ctx):
         for backend, chosen in (("auto", "cublas_grouped"), ("cublas", "cublas")):
             layer = epx.MoePrefill(groups, epx.Experts(*weights[ctx.rank]), ffn_backend=backend)
             c.check(layer.ffn_backend == chosen, f"MoePrefill({backend}) chose {layer.ffn_backend}")
+            if backend == "auto":  # phases need EPX's grouped FP8 GEMM: refused on every rank
+                x, idx, w = inputs(ctx, ctx.world(40, "uniform"))
+                c.raises(epx.errors.EpxUnsupported, lambda: layer(x, idx, w, overlap="phases"),
+                         "MoePrefill(overlap='phases') with BF16 weights",
+                         contains=("EPX_MOE_OVERLAP_PHASES",))
             for k, routing in enumerate(("uniform", "one_expert", "holes", "empty_rank")):
                 world = ctx.world(40 + k, routing)
                 x, idx, w = inputs(ctx, world)
