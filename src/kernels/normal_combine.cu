@@ -120,46 +120,51 @@ struct CombineView {
   int experts_per_rank; /* E / R */
 };
 
-/* Wait until *flag's count (kCountBits) >= target; gives up at once when another wait of this
- * combine call has already timed out (so a dead peer costs one budget, not one per chunk). On a
- * timeout raises EPX_ERR_TIMEOUT naming the peer and the target, and marks the call aborted. */
-__device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, const CombineView &cv,
-                                           const uint64_t *flag, uint64_t target, int peer) {
+/* Every wait of a combine call: until ready(), bounded, giving up at once when another wait of
+ * this call has already timed out (so a dead peer costs one budget, not one per chunk). On a
+ * timeout raises EPX_ERR_TIMEOUT (stage COMBINE, naming peer, position and value) and marks the
+ * call aborted. True when ready. */
+template <typename Ready>
+__device__ __forceinline__ bool combine_wait(const epx__kernel_ctx_t &ctx, const CombineView &cv,
+                                             Ready ready, int peer, long long position,
+                                             long long value) {
   epx__control_t *ctrl = epx::control_of(ctx);
   const unsigned aborted = cv.call + 1;
-  const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(
-      ctx.timeout_ns, [&] { return (epx::ld_acquire_sys(flag) & kCountBits) >= target; },
-      [&] { return *(volatile const unsigned *)&ctrl->combine_abort == aborted; });
+  const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(ctx.timeout_ns, ready, [&] {
+    return *(volatile const unsigned *)&ctrl->combine_abort == aborted;
+  });
   if (r == epx::WaitResult::kTimedOut) {
-    epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, peer, -1, (long long)target);
+    epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, peer, position, value);
     atomicExch(&ctrl->combine_abort, aborted);
   }
   return r == epx::WaitResult::kReady;
 }
 
-/* Gated combines (a.gate): wait until source s's rows are written on this GPU, bounded as
- * wait_chunk. Returns whether they are valid: false for the invalid bit, and after a timeout
- * (raised here, naming this rank: its own FFN never finished) or another wait's, so that the
- * rows then go marked instead of never, and the peers record EPX_ERR_PEER_DATA, not a timeout. */
+/* Wait until *flag's count (kCountBits) >= target (combine_wait, naming the peer and target). */
+__device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, const CombineView &cv,
+                                           const uint64_t *flag, uint64_t target, int peer) {
+  return combine_wait(
+      ctx, cv, [&] { return (epx::ld_acquire_sys(flag) & kCountBits) >= target; }, peer, -1,
+      (long long)target);
+}
+
+/* Gated combines (a.gate): wait until source s's rows are written on this GPU (combine_wait,
+ * naming this rank, s and the gate value: its own FFN never finished). Returns whether they are
+ * valid: false for the invalid bit, and after a timeout or another wait's, so that the rows then
+ * go marked instead of never, and the peers record EPX_ERR_PEER_DATA, not a timeout. */
 __device__ __forceinline__ bool wait_gate(const epx__kernel_ctx_t &ctx,
                                           const epx__combine_launch_args_t &a,
                                           const CombineView &cv, int s) {
   constexpr unsigned kInvalidBit = 1u << 31;
-  epx__control_t *ctrl = epx::control_of(ctx);
-  const unsigned aborted = cv.call + 1;
   unsigned v = 0;
-  const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(
-      ctx.timeout_ns,
+  const bool ready = combine_wait(
+      ctx, cv,
       [&] {
         v = epx::ld_acquire_gpu_u32((const uint32_t *)a.gate + s);
         return (v & ~kInvalidBit) == a.gate_value;
       },
-      [&] { return *(volatile const unsigned *)&ctrl->combine_abort == aborted; });
-  if (r == epx::WaitResult::kTimedOut) {
-    epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, ctx.rank, s, (long long)a.gate_value);
-    atomicExch(&ctrl->combine_abort, aborted);
-  }
-  return r == epx::WaitResult::kReady && !(v & kInvalidBit);
+      ctx.rank, s, (long long)a.gate_value);
+  return ready && !(v & kInvalidBit);
 }
 
 /* ---- Send ------------------------------------------------------------------------------- */
