@@ -1154,12 +1154,15 @@ typedef struct epx_moe_prefill_args {
 #define EPX_MOE_OVERLAP_CHUNKS 1
 /* One dispatch of all T <= max_tokens_per_rank tokens on group 0 and gate/up over every row;
  * then, for each source rank s (this rank + 1 first, itself last), the down projection of the
- * rows s sent and their expert-side reduce, after which a gate word lets the combine, already
- * running on the plan's communication stream, send them back (docs/moe.md, "Phases by source").
- * Needs EPX's grouped FP8 GEMM (epx_moe_prefill_info_t.ffn_backend EPX_MOE_FFN_EPX_GROUPED),
- * and at least 16 SMs beside the group's config.num_sms (the combine holds those while it waits;
- * the phases' GEMMs run on the others, config.gemm_sms does not apply): else EPX_ERR_UNSUPPORTED.
- * Measured slower than the chain today (0.88-0.97x at 2 and 4 ranks on H200). */
+ * rows s sent and their expert-side reduce, after which s's rows go back while the next phase
+ * computes: by one copy on the copy engines into s's combine slab (the default; the GEMMs keep
+ * every SM, config.gemm_sms does not apply), then one combine after the last phase signals them
+ * and sums this rank's tokens (docs/moe.md, "Phases by source"). With the environment's
+ * EPX_MOE_PHASES_COPY_ENGINE=0 a combine running beside the phases on config.num_sms SMs sends
+ * them instead, which needs at least 16 other SMs. Needs EPX's grouped FP8 GEMM
+ * (epx_moe_prefill_info_t.ffn_backend EPX_MOE_FFN_EPX_GROUPED): else EPX_ERR_UNSUPPORTED.
+ * Measured on 2x H200 (4096 tokens a rank): with the copy engines 0.94-1.01x the chain at
+ * DeepSeek-V3's experts and 1.01-1.03x at Qwen3-30B-A3B's (on SMs 0.88-0.93x). */
 #define EPX_MOE_OVERLAP_PHASES 2
 
 #define EPX_MOE_PREFILL_ARGS_INIT \

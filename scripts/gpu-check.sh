@@ -7,7 +7,9 @@
 #        the whole suite at 1, 2 and 4 ranks takes longer than one 600 s device call, measured
 #        at 1d8e399 on 4x H200), BENCH_ARGS (extra epx_bench flags), SKIP_BENCH=1,
 #        SKIP_TESTS=1, SKIP_CLEAN=1 (keep earlier build outputs), RANKS (default "1,2,4" for the tests, "2,4" for the soak),
-#        TEST_FILTERS="a b": instead of one whole run, one epx_test run per --filter word,
+#        TEST_FILTERS="a b": instead of one whole run, one epx_test run per --filter word
+#        (without it the whole run is followed by the prefill phases' SM-send path at 2 ranks,
+#        EPX_MOE_PHASES_COPY_ENGINE=0),
 #        SANITIZE="memcheck synccheck racecheck": compute-sanitizer (each tool, every rank
 #        process; NCCL's own probing API errors not reported) over epx_test $SANITIZE_ARGS
 #        (default "--ranks 2 --filter trace_dispatch_combine"), its ERROR SUMMARY in the summary;
@@ -104,6 +106,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     [ "$filter" != ALL ] && last="$filter: $last"
     test_line="$test_line${test_line:+; }$last"
   done
+  # The prefill layer's phases send on SMs only with EPX_MOE_PHASES_COPY_ENGINE=0 (the copy
+  # engines are the default the whole suite ran with): that path's refusal and two phased cases.
+  if [ -z "${TEST_FILTERS:-}" ]; then
+    log="$out/tests-phases-sm.log"
+    for f in moe_prefill_phases moe_prefill_matches; do
+      EPX_MOE_PHASES_COPY_ENGINE=0 EPX_TEST_CASES=fp8_egrp_holes,fp8_holes timeout 300 \
+        build/bin/epx_test --ranks 2 --filter "$f" ${TEST_ARGS:-} >>"$log" 2>&1
+    done
+    grep -E "^\[ (FAIL|SKIP) \]|FAILED" "$log" | head -20
+    test_line="$test_line; phases on SMs (2 ranks): $(grep -cE '^\[ PASS \]' "$log") passed, $(grep -cE '^\[ FAIL \]' "$log") failed"
+  fi
 fi
 
 # Sanitizers and soak: each writes its summary lines to a file; with PARALLEL=1 they run at

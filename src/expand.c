@@ -330,9 +330,10 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
   return combined == EPX_OK ? reduced : epx__set_error(reduced, "%s", reduce_failure);
 }
 
-epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
-                                       const epx_combine_expand_args_t *a, const unsigned *gate,
-                                       unsigned gate_value, int num_blocks, cudaStream_t stream) {
+/* A gated combine (rows_sent: the rows are in the peers' slabs of `parity` already). */
+static epx_status_t launch_gated(epx_group_t g, epx_handle_t h, const epx_combine_expand_args_t *a,
+                                 const unsigned *gate, unsigned gate_value, int rows_sent,
+                                 unsigned parity, int num_blocks, cudaStream_t stream) {
   static const char fn[] = "epx_combine_expand";
   EPX_CHECK(check_combine_expand(fn, g, h, a));
   epx__kernel_ctx_t ctx;
@@ -340,8 +341,41 @@ epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
   epx__combine_launch_args_t c = combine_args(g, h, a->out, 0);
   c.gate = gate;
   c.gate_value = gate_value;
+  c.rows_sent = rows_sent;
+  c.rows_sent_parity = parity & 1u;
   if (num_blocks > 0) c.num_blocks = num_blocks;
   return epx__combine_launch(&ctx, &c, NULL, stream);
+}
+
+epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
+                                       const epx_combine_expand_args_t *a, const unsigned *gate,
+                                       unsigned gate_value, int num_blocks, cudaStream_t stream) {
+  return launch_gated(g, h, a, gate, gate_value, 0, 0, num_blocks, stream);
+}
+
+epx_status_t epx__combine_expand_sent(epx_group_t g, epx_handle_t h,
+                                      const epx_combine_expand_args_t *a, const unsigned *gate,
+                                      unsigned gate_value, unsigned parity, int num_blocks,
+                                      cudaStream_t stream) {
+  return launch_gated(g, h, a, gate, gate_value, 1, parity, num_blocks, stream);
+}
+
+epx_status_t epx__combine_copy_rows(epx_group_t g, int source, int first, int rows, unsigned parity,
+                                    cudaStream_t stream) {
+  if (rows <= 0) return EPX_OK;
+  if (rows > g->config.max_tokens_per_rank || first < 0)
+    return epx__set_error(EPX_ERR_INTERNAL,
+                          "epx__combine_copy_rows: rows [%d, %d + %d) of source %d do not fit its "
+                          "slab (max_tokens_per_rank %d)",
+                          first, first, rows, source, g->config.max_tokens_per_rank);
+  const epx__ws_layout_t *l = &g->layout;
+  const size_t row_bytes = (size_t)g->config.hidden * 2;
+  const char *src = (const char *)partial_rows(g) + (size_t)first * row_bytes;
+  char *dst = g->peer_base[source] + l->normal_offset + l->combine_slab_offset +
+              (parity & 1u) * l->combine_slab_bytes +
+              (size_t)g->rank * g->config.max_tokens_per_rank * row_bytes;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)rows * row_bytes, cudaMemcpyDeviceToDevice, stream));
+  return EPX_OK;
 }
 
 epx_status_t epx__expand_reduce_source(epx_group_t g, epx_handle_t h, const void *y, int weighted,

@@ -46,9 +46,9 @@ EPX_EXPORT epx_status_t epx_handle_create(epx_group_t g, epx_handle_t *handle) {
   CUDA_CHECK_GOTO(cudaMemset(h->meta, 0, sizeof *h->meta), res, fail);
   CUDA_CHECK_GOTO(cudaDeviceSynchronize(), res,
                   fail); /* the legacy-stream memset is done before any use */
-  CUDA_CHECK_GOTO(
-      cudaHostAlloc((void **)&h->host_counts, (2 + E / R + E) * sizeof(int), cudaHostAllocMapped),
-      res, fail);
+  CUDA_CHECK_GOTO(cudaHostAlloc((void **)&h->host_counts, EPX__HOST_COUNTS(E, R) * sizeof(int),
+                                cudaHostAllocMapped),
+                  res, fail);
   CUDA_CHECK_GOTO(cudaHostGetDevicePointer((void **)&h->host_counts_dev, h->host_counts, 0), res,
                   fail);
   CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&h->counts_ready, cudaEventDisableTiming), res, fail);

@@ -36,6 +36,7 @@
 #include "kernels/api.h"
 #include "moe_prefill.h"
 #include "moe_test_hooks.h"
+#include "param.h"
 #include "registry.h"
 
 #define WS_ALIGN 256
@@ -191,6 +192,7 @@ static epx_status_t plan_free(epx_moe_prefill_t p) {
   release_t first = {EPX_OK, ""};
   if (p->comm) keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->comm)));
   if (p->compute) keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->compute)));
+  if (p->copy) keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->copy)));
   for (int i = 1; i < EPX__MOE_MAX_LANES; i++)
     if (p->lane_stream[i])
       keep_release(&first, CUDA_STATUS(cudaStreamSynchronize(p->lane_stream[i])));
@@ -202,9 +204,11 @@ static epx_status_t plan_free(epx_moe_prefill_t p) {
   if (p->ones) keep_release(&first, CUDA_STATUS(cudaFree(p->ones)));
   if (p->phase_parts) keep_release(&first, CUDA_STATUS(cudaFree(p->phase_parts)));
   if (p->gates) keep_release(&first, CUDA_STATUS(cudaFree(p->gates)));
-  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done, &p->phase_up};
+  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done, &p->phase_up, &p->copied};
   for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
     if (*events[i]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(*events[i])));
+  for (int i = 0; i < EPX_MAX_RANKS; i++)
+    if (p->reduced[i]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(p->reduced[i])));
   for (int c = 0; c < EPX__MOE_MAX_CHUNKS; c++) {
     if (p->dispatched[c]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(p->dispatched[c])));
     if (p->ffn_done[c]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(p->ffn_done[c])));
@@ -216,6 +220,7 @@ static epx_status_t plan_free(epx_moe_prefill_t p) {
   if (p->lane_fork) keep_release(&first, CUDA_STATUS(cudaEventDestroy(p->lane_fork)));
   if (p->comm) keep_release(&first, CUDA_STATUS(cudaStreamDestroy(p->comm)));
   if (p->compute) keep_release(&first, CUDA_STATUS(cudaStreamDestroy(p->compute)));
+  if (p->copy) keep_release(&first, CUDA_STATUS(cudaStreamDestroy(p->copy)));
   free(p);
   return first.status == EPX_OK ? EPX_OK : epx__set_error(first.status, "%s", first.message);
 }
@@ -366,9 +371,12 @@ static epx_status_t plan_build(const char *fn, epx_moe_prefill_t p, int asked) {
    * and the GEMMs wait for them. */
   CUDA_CHECK(cudaStreamCreateWithPriority(&p->comm, cudaStreamNonBlocking, greatest));
   CUDA_CHECK(cudaStreamCreateWithPriority(&p->compute, cudaStreamNonBlocking, least));
-  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done, &p->phase_up};
+  CUDA_CHECK(cudaStreamCreateWithPriority(&p->copy, cudaStreamNonBlocking, greatest));
+  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done, &p->phase_up, &p->copied};
   for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
     CUDA_CHECK(cudaEventCreateWithFlags(events[i], cudaEventDisableTiming));
+  for (int i = 0; i < p->R; i++)
+    CUDA_CHECK(cudaEventCreateWithFlags(&p->reduced[i], cudaEventDisableTiming));
   /* Phases by source: the parts and the phases' rows (moe_prefill.h) and this rank's gate words,
    * 0 ("no call yet": every call's value is not 0) */
   const size_t E = (size_t)p->L * p->R;
@@ -572,8 +580,9 @@ static epx_status_t check_call(const char *fn, epx_moe_prefill_t p, const epx_mo
                           "(FP8 weights, ffn_backend EPX_MOE_FFN_EPX_GROUPED or AUTO's choice of "
                           "it; epx_moe_prefill_get_info says which runs)",
                           fn);
-  /* the gated combine holds num_sms SMs while it waits for the phases: some must be left */
-  if (a->overlap == EPX_MOE_OVERLAP_PHASES &&
+  /* the gated combine sending on SMs holds num_sms of them while it waits for the phases: some
+   * must be left (with the copy engines it starts after the phases) */
+  if (a->overlap == EPX_MOE_OVERLAP_PHASES && !epx__param_MoePhasesCopyEngine() &&
       p->device_sms - p->groups[0]->config.num_sms < EPX__MOE_PHASES_MIN_SMS)
     return epx__set_error(
         EPX_ERR_UNSUPPORTED,
@@ -770,6 +779,65 @@ static void run_ffn(chunk_call_t *k, int c) {
   if (rec != EPX_OK) k->y_valid[s] = 0; /* the combine could not wait for the FFN's end */
 }
 
+/* Phase s of the phases by source: s's down projection on `sms` SMs (where the rows were
+ * phased; else the FFN ran whole) and the expert-side reduce of s's tokens. Returns whether its
+ * rows are valid (EPX_OK), keeping the first failure. */
+static epx_status_t run_phase(chunk_call_t *k, const epx__moe_rows_t *rows, int valid, int phased,
+                              int s, int sms) {
+  epx_moe_prefill_t p = k->p;
+  if (!valid) return EPX_ERR_INTERNAL;
+  epx_status_t st = EPX_OK;
+  if (phased) st = epx__moe_ffn_phased_down(p, rows, s, sms, k->ws, k->compute);
+  if (st == EPX_OK)
+    st = epx__expand_reduce_source(p->groups[0], p->handles[0], k->ws + k->l.y[0], 1, s,
+                                   phased ? rows->parts_dev : NULL,
+                                   phased ? rows->part_out_dev : NULL, 2 * sms, k->compute);
+  keep_first(k, st);
+  return st;
+}
+
+/* The phases with the copy engines (EPX_MOE_PHASES_COPY_ENGINE, the default): the GEMMs and
+ * reduces keep every SM; after phase s's reduce, s's partial rows go into s's combine slab by
+ * one copy on the plan's copy stream (notify left the tokens from each source and the slab's
+ * parity in the handle's host counts, hc); the combine, queued after the last phase and the
+ * last copy, only signals those rows and sums this rank's tokens. A phase that failed, or whose
+ * copy could not be queued, writes its gate with bit 31: the combine marks those rows. */
+static void phases_by_copy_engine(chunk_call_t *k, const epx__moe_rows_t *rows, int valid,
+                                  int phased, const volatile int *hc) {
+  epx_moe_prefill_t p = k->p;
+  epx_group_t g = p->groups[0];
+  const int R = p->R, me = g->rank, E = p->L * p->R;
+  const unsigned parity = (unsigned)hc[EPX__HOST_COUNTS_COMBINES(E, R)] & 1u;
+  int first[EPX_MAX_RANKS + 1];
+  first[0] = 0;
+  for (int s = 0; s < R; s++) first[s + 1] = first[s] + hc[EPX__HOST_COUNTS_TOKENS(E, R) + s];
+  for (int i = 0; i < R; i++) {
+    const int s = (me + 1 + i) % R;
+    epx_status_t st = run_phase(k, rows, valid, phased, s, p->device_sms);
+    if (st == EPX_OK && s != me) {
+      st = CUDA_STATUS(cudaEventRecord(p->reduced[i], k->compute));
+      if (st == EPX_OK) st = CUDA_STATUS(cudaStreamWaitEvent(p->copy, p->reduced[i], 0));
+      if (st == EPX_OK)
+        st = epx__combine_copy_rows(g, s, first[s], first[s + 1] - first[s], parity, p->copy);
+      keep_first(k, st);
+    }
+    const unsigned mark = st == EPX_OK ? 0u : 1u << 31;
+    keep_first(k, epx__moe_gate_launch(p->gates + s, p->gate_value | mark, k->compute));
+  }
+  /* The combine after every phase and every copy; where an order cannot be queued, the host
+   * drains that stream instead (epx__moe_order_after), so the combine never reads early. */
+  keep_first(k, epx__moe_order_after(k->comm, p->copy, p->copied));
+  keep_first(k, epx__moe_order_after(k->comm, k->compute, p->phase_up));
+  epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
+  ca.x = k->ws + k->l.y[0];
+  ca.weighted = 1;
+  ca.out = k->a->out;
+  /* Nothing runs beside it now: every SM (its reduce warps' loads are latency-bound; with the
+   * group's num_sms, 24, it took 392 us at DeepSeek's shape on 2 ranks, docs/moe.md) */
+  keep_first(k, epx__combine_expand_sent(g, p->handles[0], &ca, p->gates, p->gate_value, parity,
+                                         p->device_sms, k->comm));
+}
+
 /* EPX_MOE_OVERLAP_PHASES (docs/moe.md, "Phases by source"): one dispatch on group 0 (queued by
  * the caller), then on the compute stream the parts, gate/up and the row kernel over every row
  * and, per source s in the combine's order (this rank + 1 first, this rank last), s's down
@@ -805,7 +873,8 @@ static void run_phases(chunk_call_t *k) {
    * FFN runs whole and the reduces and gates follow it: the same combine, no overlap. */
   int *dev = p->phase_parts, phase_begin[EPX_MAX_RANKS * (EPX_MAX_EXPERTS + 1)];
   int by_source[EPX_MAX_EXPERTS]; /* [L][R], L R = E */
-  for (int i = 0; i < L * R; i++) by_source[i] = ((const volatile int *)h->host_counts)[2 + L + i];
+  const volatile int *hc = (const volatile int *)h->host_counts;
+  for (int i = 0; i < L * R; i++) by_source[i] = hc[EPX__HOST_COUNTS_BY_SOURCE(L * R, R) + i];
   const int row = epx__moe_phase_rows(by_source, L, R, phase_begin);
   const size_t room = epx__moe_test_phase_rows >= 0 ? (size_t)epx__moe_test_phase_rows : p->rows;
   const int phased = valid && (size_t)row <= room;
@@ -817,14 +886,15 @@ static void run_phases(chunk_call_t *k) {
     rows.part_count_dev = dev + L * R + 1;
     rows.part_out_dev = dev + 2 * L * R + 1;
     rows.phase_begin_dev = dev + 3 * L * R + 1;
-    const epx__moe_phase_parts_args_t pa = {h->host_counts_dev + 2 + L,
-                                            rows.begin_dev,
-                                            dev,
-                                            (int *)rows.part_count_dev,
-                                            (int *)rows.part_out_dev,
-                                            (int *)rows.phase_begin_dev,
-                                            L,
-                                            R};
+    const epx__moe_phase_parts_args_t pa = {
+        h->host_counts_dev + EPX__HOST_COUNTS_BY_SOURCE(L * R, R),
+        rows.begin_dev,
+        dev,
+        (int *)rows.part_count_dev,
+        (int *)rows.part_out_dev,
+        (int *)rows.phase_begin_dev,
+        L,
+        R};
     epx_status_t st = epx__moe_phase_parts_launch(&pa, k->compute);
     if (st == EPX_OK)
       st = epx__moe_ffn_phased_up(p, &rows, k->ws, k->a->workspace_bytes, k->compute);
@@ -837,6 +907,10 @@ static void run_phases(chunk_call_t *k) {
     keep_first(k, st);
     valid = st == EPX_OK;
   }
+  if (epx__param_MoePhasesCopyEngine()) {
+    phases_by_copy_engine(k, &rows, valid, phased, hc);
+    return;
+  }
   /* Where the gated combine may start: after the row kernel (or whatever ran before a failure),
    * so that it takes its SMs from the down projections, which run on the others. */
   const epx_status_t up = CUDA_STATUS(cudaEventRecord(p->phase_up, k->compute));
@@ -847,12 +921,7 @@ static void run_phases(chunk_call_t *k) {
   const int blocks = g->config.num_sms, sms = p->device_sms - blocks;
   for (int i = 0; i < R; i++) {
     const int s = (me + 1 + i) % R;
-    epx_status_t st = valid ? EPX_OK : EPX_ERR_INTERNAL;
-    if (valid && phased) st = epx__moe_ffn_phased_down(p, &rows, s, sms, k->ws, k->compute);
-    if (valid && st == EPX_OK)
-      st = epx__expand_reduce_source(g, h, k->ws + k->l.y[0], 1, s, phased ? rows.parts_dev : NULL,
-                                     phased ? rows.part_out_dev : NULL, 2 * sms, k->compute);
-    if (valid) keep_first(k, st);
+    epx_status_t st = run_phase(k, &rows, valid, phased, s, sms);
     const unsigned mark = st == EPX_OK ? 0u : 1u << 31;
     keep_first(k, epx__moe_gate_launch(p->gates + s, p->gate_value | mark, k->compute));
   }

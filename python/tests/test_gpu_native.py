@@ -21,7 +21,8 @@ many sections on one EPX group; spawning costs ~10 s, so checks are grouped per 
     rank mask    is_token_in_rank + num_tokens_per_expert routing, no ids; combine
     adversarial  all tokens to one expert, -1 slots, duplicated experts, a rank with 0 tokens
     moe prefill  epx.MoePrefill (two groups with expand_max_rows, BF16 experts): chain and
-                 overlapped layer against a plain-torch layer, four routings
+                 overlapped layer against a plain-torch layer, four routings; the same
+                 experts in FP8 on EPX's grouped GEMM: phases equal to the chain
     expand       dispatch_expand / combine_expand (a second group with expand_max_rows): rows,
                  padding, begins, counts, sources, weights, token_rows, expert_ready exact;
                  combine within BF16 rounding; alignments 1 and 8; the routings above; refusal without the buffer
@@ -505,11 +506,22 @@ def _prefill_reference(ctx, world, weights, I):
     return out, 0.03 * mag + 0.1 * (rms + 1e-3) * wsum[:, None]
 
 
+def _fp8_blocks(torch, w):
+    """w [E, N, K] quantized to FP8 E4M3 with one float32 scale per 128 x 128 block
+    (DeepSeek-V3's weight_scale_inv): (codes [E, N, K], scales [E, N/128, K/128])."""
+    E, N, K = w.shape
+    b = w.float().reshape(E, N // 128, 128, K // 128, 128)
+    scales = b.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    codes = (b / scales[:, :, None, :, None]).to(torch.float8_e4m3fn).reshape(E, N, K)
+    return codes, scales.contiguous()
+
+
 def _n_moe_prefill(ctx):
     """epx.MoePrefill on two groups with expert-major buffers: the chain and the overlapped
     layer against a plain-torch layer, uniform and adversarial routings, BF16 weights, on the
     batched cuBLAS GEMM (auto for BF16 weights) and on the per-expert cuBLAS GEMMs; phases
-    (overlap="phases") refused by name with these weights."""
+    (overlap="phases") refused by name with these weights; with the same weights in FP8 on EPX's
+    grouped GEMM, phases bit for bit equal to the chain, both near the BF16 layer."""
     c, epx = ctx.checks, ctx.epx
     L, I = ctx.E // ctx.R, 256
     rows = ctx.R * N_M * min(N_K, L) + 3 * L
@@ -540,6 +552,28 @@ def _n_moe_prefill(ctx):
                 ctx.barrier()
             layer.destroy()
             layer = None
+        # FP8 weights on EPX's grouped GEMM: phases (the rows back by the copy engines) against
+        # the chain, bit for bit (the same arithmetic per row), and both near the BF16 layer
+        # (FP8 weights and rows: a few percent of the output's rms; a wrong row is ~100%)
+        gu8, gus = _fp8_blocks(ctx.torch, weights[ctx.rank][0])
+        dn8, dns = _fp8_blocks(ctx.torch, weights[ctx.rank][1])
+        layer = epx.MoePrefill(groups, epx.Experts(gu8, dn8, gus, dns), ffn_backend="epx_grouped")
+        for k, routing in enumerate(("uniform", "holes", "empty_rank")):
+            world = ctx.world(50 + k, routing)
+            x, idx, w = inputs(ctx, world)
+            want, _ = _prefill_reference(ctx, world, weights, I)
+            chain = layer(x, idx, w, overlap=False)
+            phases = layer(x, idx, w, overlap="phases")
+            c.equal(phases, chain, f"moe prefill fp8 {routing}: phases against the chain")
+            n = max(want.numel(), 1)  # (a rank with no tokens: both sums 0)
+            err = ((chain.float() - want.float()).pow(2).sum().item() / n) ** 0.5
+            rms = (want.float().pow(2).sum().item() / n) ** 0.5
+            c.check(err <= 0.1 * rms + 1e-3,
+                    f"moe prefill fp8 {routing}: rms error {err:.4g} against the BF16 layer's "
+                    f"rms {rms:.4g}")
+            ctx.barrier()
+        layer.destroy()
+        layer = None
     finally:
         if layer is not None:
             layer.destroy()

@@ -69,6 +69,21 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
 epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
                                        const epx_combine_expand_args_t *a, const unsigned *gate,
                                        unsigned gate_value, int num_blocks, cudaStream_t stream);
+/* As epx__combine_expand_gated, for rows already copied into every remote source's combine slab
+ * of parity `parity` (epx__combine_copy_rows, ordered before this on `stream`): the combine only
+ * signals them and sums this rank's tokens (api.h's rows_sent). */
+epx_status_t epx__combine_expand_sent(epx_group_t g, epx_handle_t h,
+                                      const epx_combine_expand_args_t *a, const unsigned *gate,
+                                      unsigned gate_value, unsigned parity, int num_blocks,
+                                      cudaStream_t stream);
+/* The partial rows of the `rows` tokens received from rank `source` (the expert-side reduce's
+ * output, from row `first` of the combine input) copied by the copy engines into source's
+ * combine slab of parity `parity`, where its combine reads this rank's rows. The caller orders
+ * it after that reduce, and after source finished the combine that last used the parity (the
+ * prefill layer: the same call's dispatch exchange, which source joins only after its earlier
+ * combines). */
+epx_status_t epx__combine_copy_rows(epx_group_t g, int source, int first, int rows, unsigned parity,
+                                    cudaStream_t stream);
 /* The expert-side reduce of the tokens received from rank `source` into their partial rows
  * (expand_combine.cu): y row r is expanded row r, or with parts (device [E + 1], the layer's
  * parts of the L = E / R segments by source) y row part_out[q] + r - parts[q] for r in part q. */

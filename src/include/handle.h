@@ -20,9 +20,11 @@ struct epx_handle {
   int *num_tokens_per_rank;
   int *num_tokens_per_expert;
   epx__recv_meta_t *meta;
-  int *host_counts, *host_counts_dev; /* mapped [2 + E/R + E]: num_recv, per-expert, and after
-                                         an expert-major dispatch its rows (begin[L]), then
-                                         [E/R][R] each local expert's rows per source */
+  int *host_counts, *host_counts_dev; /* mapped [EPX__HOST_COUNTS(E, R)]: num_recv, per-expert,
+                                         and after an expert-major dispatch its rows (begin[L]),
+                                         then [E/R][R] each local expert's rows per source, [R]
+                                         the tokens received from each source, and the group's
+                                         combines completed before it (the slab parity) */
   int *expand_pos; /* [max_tokens, K] (group with expand_max_rows, else NULL): the layout's
                       position of token t among this rank's tokens listing expert topk[t][k] */
   cudaEvent_t counts_ready;

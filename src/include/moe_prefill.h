@@ -22,8 +22,9 @@ extern "C" {
 
 #define EPX__MOE_ALIGN 4       /* expert_alignment of the layer's dispatches */
 #define EPX__MOE_MAX_CHUNKS 16 /* config.num_chunks */
-/* SMs the phases' GEMMs and reduces need beside the gated combine (args->overlap =
- * EPX_MOE_OVERLAP_PHASES; fewer is refused: with none they never run and every gate times out) */
+/* SMs the phases' GEMMs and reduces need beside the gated combine when it sends on SMs
+ * (args->overlap = EPX_MOE_OVERLAP_PHASES with EPX_MOE_PHASES_COPY_ENGINE=0; fewer is refused:
+ * with none they never run and every gate times out) */
 #define EPX__MOE_PHASES_MIN_SMS 16
 #define EPX__MOE_BLAS_WS (32u << 20) /* cuBLAS / cuBLASLt workspace bytes */
 #define EPX__MOE_LT_CACHE 64         /* cached cuBLASLt algorithms */
@@ -128,11 +129,16 @@ struct epx_moe_prefill {
    * phase_parts device: parts [E + 1], part counts [E], part_out [E], phase begins
    * [R (L + 1)] (E = L R; api.h's epx__moe_phase_parts_args_t); gates device [R], this
    * rank's gate word of each source, and the value the next call writes (never 0, 31 bits);
-   * phase_up: the compute stream's point where the gated combine may start. */
+   * phase_up: the compute stream's point where the gated combine may start.
+   * With the copy engines (EPX_MOE_PHASES_COPY_ENGINE, the default): copy, the stream of the
+   * copies of each remote source's partial rows into its slab; reduced[i], the compute stream
+   * after phase i's reduce; copied, the copy stream after the last copy. */
   int *phase_parts;
   unsigned *gates;
   unsigned gate_value;
   cudaEvent_t phase_up;
+  cudaStream_t copy;
+  cudaEvent_t reduced[EPX_MAX_RANKS], copied;
 };
 
 /* The workspace layout of a plan's calls (epx__moe_ws_layout with the plan's values). */

@@ -46,5 +46,8 @@ EPX_PARAM(MoeSendRows, "MOE_SEND_ROWS", 1)
 /* 1: the experts' FFN kernels after its first, and in epx_moe_decode the FFN's first and the
  * combine, are launched early (programmatic dependent launch, kernels/launch.cuh); 0: none */
 EPX_PARAM(EarlyLaunch, "EARLY_LAUNCH", 1)
+/* epx_moe_prefill in phases by source: 1 each remote source's rows go back by the copy engines
+ * (the GEMMs keep every SM), 0 the gated combine sends them on SMs beside the GEMMs */
+EPX_PARAM(MoePhasesCopyEngine, "MOE_PHASES_COPY_ENGINE", 1)
 
 #endif /* EPX_PARAM_H_ */

@@ -63,11 +63,21 @@ typedef struct epx__routing {
   int num_tokens;
 } epx__routing_t;
 
+/* Words of a handle's mapped host counts and where each part starts: [0] num_recv, [1, 1 + L)
+ * per local expert, [1 + L] an expert-major dispatch's rows; then, expert-major only:
+ * [L][R] each local expert's rows from each source, [R] the tokens received from each source,
+ * and the group's normal combines completed before this dispatch (the combine slab's parity). */
+#define EPX__HOST_COUNTS_BY_SOURCE(E, R) (2 + (E) / (R))
+#define EPX__HOST_COUNTS_TOKENS(E, R) (2 + (E) / (R) + (E))
+#define EPX__HOST_COUNTS_COMBINES(E, R) (2 + (E) / (R) + (E) + (R))
+#define EPX__HOST_COUNTS(E, R) (3 + (E) / (R) + (E) + (R))
+
 typedef struct epx__notify_launch_args {
   epx__routing_t routing;
   int num_experts, expert_alignment, max_tokens;
-  int *host_counts; /* device alias of mapped host [2 + E/R + E]: num_recv, per-expert (expand:
-                       the real counts, then the rows); or NULL */
+  int *host_counts; /* device alias of the handle's mapped host counts [EPX__HOST_COUNTS(E, R)]:
+                       num_recv, per-expert (expand: the real counts, then the rows, the rows by
+                       source, the tokens by source and the combines done); or NULL */
   int expand;       /* 1: epx_dispatch_expand's exchange: all E counts to every rank, and the
                        meta's expand_* fields (notify.cu) */
   int refused;      /* 1: this rank refused its call (too many tokens): it tells every peer it
@@ -173,6 +183,12 @@ typedef struct epx__combine_launch_args {
    * rows_invalid. The send order is then source by source, this rank + 1 first. */
   const unsigned *gate;
   unsigned gate_value;
+  /* Gated only: 1 when the rows for every remote source are already in its slab (the prefill
+   * layer's phases copied them with the copy engines, before this kernel, into the parity of
+   * this call: rows_sent_parity, checked). The send warps then only signal each chunk's rows
+   * (marked where the gate says not valid); nothing is loaded or stored. */
+  int rows_sent;
+  unsigned rows_sent_parity;
 } epx__combine_launch_args_t;
 
 /* What a normal combine adds for DeepEP parity (src/kernels/combine_extras.cuh); a separate

@@ -403,6 +403,34 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const epx__combine_launc
   return sent;
 }
 
+/* Gated with rows_sent (the rows are in the peers' slabs already: the copy engines wrote them
+ * before this kernel started, so stream order publishes them): lane 0 of a send warp takes
+ * (source, chunk) pairs from the grid's unit counter, the remote sources in the gated order, and
+ * adds each chunk's rows to s's counter with release, as the units' signals would, marked where
+ * s's gate says its rows are not valid. Returns the chunks signalled. */
+__device__ int signal_sent_rows(const epx__kernel_ctx_t &ctx, const epx__combine_launch_args_t &a,
+                                const CombineView &cv, const SendPlan &plan) {
+  const size_t per_source = ctx.layout.combine_chunks;
+  const long long pairs = (long long)per_source * (plan.R - 1);
+  uint64_t mark = epx::trace_begin(ctx);
+  int sent = 0;
+  for (;;) {
+    const long long v = (long long)atomicAdd(plan.next_unit, 1u);
+    if (v >= pairs) break;
+    const int s = (plan.me + 1 + (int)(v / (long long)per_source)) % plan.R;
+    const int c = (int)(v % (long long)per_source);
+    const int rows = plan.prefix[s + 1] - plan.prefix[s];
+    const int r0 = c * EPX_COMBINE_CHUNK_ROWS;
+    if (r0 >= rows) continue;
+    SendUnit su;
+    su.s = s, su.p0 = r0, su.p1 = min(r0 + EPX_COMBINE_CHUNK_ROWS, rows);
+    const unsigned invalid = wait_gate(ctx, a, cv, s) ? 0u : 1u << s;
+    signal_unit(ctx, plan, su, invalid, &mark);
+    sent++;
+  }
+  return sent;
+}
+
 /* A send warp: once every peer has finished the call that last used this parity (call - 2),
  * lane 0 sends the units it takes into the peers' slabs. */
 template <bool kExtras, bool kGated>
@@ -428,7 +456,12 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
     plan.prefix = prefix;
     plan.next_unit = &epx::control_of(ctx)->combine_next_unit;
     plan.me = me, plan.R = R;
-    plan.mark = a.rows_invalid ? kInvalidRows : 0;
+    /* rows copied into the other parity than this call's are not where the peers read */
+    const bool misplaced = kGated && a.rows_sent && (cv.call & 1u) != a.rows_sent_parity;
+    if (misplaced && warp == 0 && blockIdx.x == 0)
+      epx::raise_error(ctx, EPX_ERR_INTERNAL, EPX_STAGE_COMBINE, me, (long long)a.rows_sent_parity,
+                       (long long)cv.call);
+    plan.mark = a.rows_invalid || misplaced ? kInvalidRows : 0;
     plan.row_bytes = cv.row_bytes;
     const size_t chunks = ctx.layout.combine_chunks;
     int most_rows = 0;
@@ -450,7 +483,10 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
     SendSmem *smem = (SendSmem *)dyn_smem;
     for (int i = 0; i < kStages; i++) epx::mbarrier_init(&smem->bar[warp][i], 1);
     epx::fence_mbarrier_init();
-    sent = send_units<kExtras, kGated>(ctx, a, cv, plan, sw, smem->stage[warp], smem->bar[warp]);
+    if (kGated && a.rows_sent)
+      sent = signal_sent_rows(ctx, a, cv, plan);
+    else
+      sent = send_units<kExtras, kGated>(ctx, a, cv, plan, sw, smem->stage[warp], smem->bar[warp]);
   }
   if (lane == 0) epx::trace_end(ctx, t_send, EPX_TRACE_COMBINE_SEND, sent);
 }

@@ -112,7 +112,8 @@ __device__ void place_expand(const epx__kernel_ctx_t &ctx, const epx__notify_lau
       a.host_counts[1 + j] = total[i];
       /* the rows of each source for j (the prefill layer's phases by source), after the rows */
       for (int s = 0; s < R; s++)
-        a.host_counts[2 + epr + j * R + s] = timed_out ? 0 : vals[s * words + R + e];
+        a.host_counts[EPX__HOST_COUNTS_BY_SOURCE(E, R) + j * R + s] =
+            timed_out ? 0 : vals[s * words + R + e];
     }
     if (j == epr - 1) { /* the segment end: the rows of this rank */
       const int rows = begin + (total[i] + align - 1) / align * align;
@@ -222,6 +223,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     meta->num_recv = prefix;
     meta->epoch = epoch;
     meta->aborted = timed_out;
+    if (a.host_counts && kExpand) { /* the prefill layer's phases copy rows by these */
+      const int E = a.num_experts;
+      for (int s = 0; s < R; s++)
+        a.host_counts[EPX__HOST_COUNTS_TOKENS(E, R) + s] = timed_out ? 0 : count[s][me];
+      a.host_counts[EPX__HOST_COUNTS_COMBINES(E, R)] = (int)ctrl->combine_calls;
+    }
     if (a.host_counts) a.host_counts[0] = timed_out ? -1 : prefix; /* -1: the host's "failed" */
     epx::trace_end(ctx, t_start, EPX_TRACE_NOTIFY, prefix);
   }

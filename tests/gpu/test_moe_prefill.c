@@ -27,8 +27,10 @@
  *   moe_prefill_refusals           bad arguments refused by name on every rank with nothing
  *                                  queued, then a call that is right
  *   moe_prefill_phases_fallback_and_refusal  phases whose rows do not fit (the FFN whole, then
- *                                  the gates): equal to the chain's output; phases refused with
- *                                  too few SMs beside the combine, a chain call after
+ *                                  the gates): equal to the chain's output; a group whose num_sms
+ *                                  leaves 15 SMs: phases refused when the combine sends on SMs
+ *                                  (EPX_MOE_PHASES_COPY_ENGINE=0), right with the copy engines;
+ *                                  a chain call after
  *
  * Tolerance per output value: 0.03 x (sum over the token's slots of |w| x |FFN row|) + 0.1 x
  * rms(FFN rows) x sum |w|, and the root mean square of |err| / (rms x sum |w|) over all values
@@ -787,7 +789,19 @@ EPX_GPU_TEST(moe_prefill_phases_fallback_and_refusal, 300) {
   EXPECT_CUDA(cudaMalloc(&ws, bytes));
   epx_moe_prefill_args_t a = args_of(&f, me, EPX_MOE_OVERLAP_PHASES);
   a.workspace = ws, a.workspace_bytes = bytes;
-  EXPECT_REFUSED(epx_moe_prefill(plan, &a, t->stream), EPX_ERR_UNSUPPORTED, "num_sms");
+  /* Sending on SMs (EPX_MOE_PHASES_COPY_ENGINE=0), the gated combine would hold all but 15 SMs
+   * while the phases wait for them: refused. With the copy engines (the default) the combine
+   * starts after the phases, so the same plan runs phases. */
+  const char *ce = getenv("EPX_MOE_PHASES_COPY_ENGINE");
+  if (ce && atoi(ce) == 0) {
+    EXPECT_REFUSED(epx_moe_prefill(plan, &a, t->stream), EPX_ERR_UNSUPPORTED, "num_sms");
+  } else {
+    EXPECT_CUDA(cudaMemsetAsync(f.d.out, 0xff, (size_t)f.w.M * f.w.H * 2, t->stream));
+    EXPECT_OK(epx_moe_prefill(plan, &a, t->stream));
+    EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+    for (int i = 0; i < 2; i++) EXPECT_NO_ASYNC_ERROR(g[i], "phases beside a wide combine");
+    wrong += check_out(&f, &o, me, "phases beside a wide combine (copy engines)") != TEST_PASS;
+  }
   EXPECT_CUDA(cudaMemsetAsync(f.d.out, 0xff, (size_t)f.w.M * f.w.H * 2, t->stream));
   a.overlap = EPX_MOE_CHAIN;
   EXPECT_OK(epx_moe_prefill(plan, &a, t->stream));
