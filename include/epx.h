@@ -275,6 +275,13 @@ epx_status_t epx_group_workspace_bytes(epx_group_t group, size_t *bytes);
  * EPX_STAGE_BARRIER, naming the peer) instead of hanging. Capturable in a CUDA graph. */
 epx_status_t epx_group_barrier(epx_group_t group, cudaStream_t stream);
 
+/* epx_group_barrier_unmasked - epx_group_barrier over this rank and the peers it has not masked
+ * (epx_group_get_peer_mask: peers given up on in low-latency calls, or masked with
+ * epx_group_mask_peer): a masked peer is neither told nor waited for, so a dead one costs
+ * nothing (DeepEP's clean_low_latency_buffer in shrink mode). COLLECTIVE over the unmasked
+ * ranks; a peer that masked this rank does not wait for it either. Capturable. */
+epx_status_t epx_group_barrier_unmasked(epx_group_t group, cudaStream_t stream);
+
 /* ---------------------------------------------------------------------------------------------
  * Asynchronous errors: conditions that kernels detect (timeouts, bad expert ids) are recorded
  * in host-visible memory as they happen; the first one is kept until cleared.
@@ -794,7 +801,8 @@ epx_status_t epx_group_mask_peer(epx_group_t group, int peer, cudaStream_t strea
  * every rank (the recovered ones included); synchronizes the device and the ranks (an
  * agreement through the workspace, bounded by timeout_ms), then moves every low-latency epoch
  * of every rank to one common value so that no signal of the failed period can be mistaken for
- * a new one. The async error record is kept (clear it with epx_group_clear_async_error).
+ * a new one, and every rank's barrier count to the largest (epx_group_barrier_unmasked left a
+ * masked rank behind). The async error record is kept (clear it with epx_group_clear_async_error).
  * Like every collective call, the ranks must reach it within timeout_ms of each other: it
  * returns EPX_ERR_TIMEOUT, with nothing cleared, when some rank does not take part in time (it
  * is dead, stalled or late; a late one gets the same error at once); call it again on every

@@ -368,9 +368,17 @@ EPX_EXPORT epx_status_t epx_group_workspace_bytes(epx_group_t g, size_t *bytes) 
   return QUERY(g, "epx_group_workspace_bytes", bytes, layout.total_bytes);
 }
 
-EPX_EXPORT epx_status_t epx_group_barrier(epx_group_t g, cudaStream_t stream) {
+static epx_status_t barrier(epx_group_t g, int skip_masked, cudaStream_t stream) {
   EPX_CHECK(epx__group_check(g));
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
-  return epx__barrier_launch(&ctx, stream);
+  return epx__barrier_launch(&ctx, skip_masked, stream);
+}
+
+EPX_EXPORT epx_status_t epx_group_barrier(epx_group_t g, cudaStream_t stream) {
+  return barrier(g, 0, stream);
+}
+
+EPX_EXPORT epx_status_t epx_group_barrier_unmasked(epx_group_t g, cudaStream_t stream) {
+  return barrier(g, 1, stream);
 }

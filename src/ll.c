@@ -376,23 +376,31 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
    *    the barrier, bounded: a dead peer makes every rank return EPX_ERR_TIMEOUT with nothing
    *    cleared) every rank restarts from it, so no signal or header of the failed period can
    *    carry the epoch of a new call. */
+  /*    The barrier epochs too: epx_group_barrier_unmasked advanced the live ranks' past a masked
+   *    rank's, whose next barrier would otherwise wait for epochs the others passed long ago. */
   uint32_t largest = 0;
-  if (ll && local == EPX_OK) {
+  unsigned long long barriers = 0;
+  if (local == EPX_OK)
+    local = CUDA_STATUS(cudaMemcpyAsync(&barriers, &ctrl->barrier_epoch, sizeof barriers,
+                                        cudaMemcpyDeviceToHost, g->setup_stream));
+  if (ll && local == EPX_OK)
     local = CUDA_STATUS(cudaMemcpyAsync(host, epochs, num_epochs * sizeof *host,
                                         cudaMemcpyDeviceToHost, g->setup_stream));
-    if (local == EPX_OK) local = CUDA_STATUS(cudaStreamSynchronize(g->setup_stream));
-    for (size_t i = 0; local == EPX_OK && i < num_epochs; i++)
-      if (host[i] > largest) largest = host[i];
-  }
+  if (local == EPX_OK) local = CUDA_STATUS(cudaStreamSynchronize(g->setup_stream));
+  for (size_t i = 0; ll && local == EPX_OK && i < num_epochs; i++)
+    if (host[i] > largest) largest = host[i];
   snprintf(local_msg, sizeof local_msg, "%s", epx_last_error());
   {
-    long long all[EPX_MAX_RANKS];
-    const long long mine = local == EPX_OK ? (long long)largest : -1;
+    long long all[2 * EPX_MAX_RANKS];
+    const long long mine[2] = {local == EPX_OK ? (long long)largest : -1, (long long)barriers};
     EPX_CHECK_GOTO(
-        epx__agree_group(g, g->setup_stream, &mine, 1, all, "epx_group_clear_peer_mask", 0, NULL),
+        epx__agree_group(g, g->setup_stream, mine, 2, all, "epx_group_clear_peer_mask", 0, NULL),
         res, exit);
+    for (int q = 0; q < g->num_ranks; q++)
+      if ((unsigned long long)all[2 * q + 1] > barriers)
+        barriers = (unsigned long long)all[2 * q + 1];
     for (int q = 0; q < g->num_ranks; q++) {
-      if (all[q] < 0) {
+      if (all[2 * q] < 0) {
         res = q == g->rank ? epx__set_error(local, "%s", local_msg)
                            : epx__set_error(EPX_ERR_INVALID_USAGE,
                                             "epx_group_clear_peer_mask: rank %d failed its local "
@@ -400,7 +408,7 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
                                             q);
         goto exit;
       }
-      if ((uint32_t)all[q] > largest) largest = (uint32_t)all[q];
+      if ((uint32_t)all[2 * q] > largest) largest = (uint32_t)all[2 * q];
     }
   }
   /* 3. Every epoch of this rank to that value, the mask to 0, the bookkeeping to its start. */
@@ -413,6 +421,10 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
   CUDA_CHECK_GOTO(
       cudaMemsetAsync(&ctrl->ll_peer_mask, 0, sizeof ctrl->ll_peer_mask, g->setup_stream), res,
       exit);
+  /* (barriers lives on the host until the copy has run: the synchronization below) */
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(&ctrl->barrier_epoch, &barriers, sizeof barriers,
+                                  cudaMemcpyHostToDevice, g->setup_stream),
+                  res, exit);
   CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);
   {
     const unsigned long long seq = g->ll.seq; /* call ids stay unique: old results are refused */

@@ -158,7 +158,7 @@ static epx_status_t dispatch_cached(epx_group_t g, epx_handle_t h, const char *f
    * stream is done with the previous ones; a cached dispatch has no exchange, so it waits for
    * every rank's stream to reach it first (without this, a fast peer overwrote rows that were
    * still being read: test_normal_dispatch_extras caught it). */
-  EPX_CHECK(epx__barrier_launch(&ctx, stream));
+  EPX_CHECK(epx__barrier_launch(&ctx, 0, stream));
   EPX_CHECK(epx__dispatch_launch(&ctx, &d, stream));
   fill_result(g, h, d.x_is_fp8, d.scales_packed, h->num_worst_tokens > 0 ? h->num_worst_tokens : -1,
               out);

@@ -500,6 +500,7 @@ PROTOTYPES = {
     "epx_group_get_config": (c_enum, [_group, P(epx_group_config_t)]),
     "epx_group_workspace_bytes": (c_enum, [_group, _c_size_t_p]),
     "epx_group_barrier": (c_enum, [_group, _stream]),
+    "epx_group_barrier_unmasked": (c_enum, [_group, _stream]),
     "epx_group_get_async_error": (c_enum, [_group, P(epx_async_error_t)]),
     "epx_group_clear_async_error": (c_enum, [_group]),
     "epx_layout": (c_enum, [_group, P(epx_layout_args_t), _stream]),

@@ -570,9 +570,12 @@ class Group:
                                    _stream_ptr(stream)))
 
     # -- barrier, peers, errors, tracing ----------------------------------------------------
-    def barrier(self, *, stream=None):
-        """Device-side barrier of every rank, on the stream (COLLECTIVE)."""
-        self._call(lib.epx_group_barrier(self._ptr("Group.barrier"), _stream_ptr(stream)))
+    def barrier(self, *, stream=None, skip_masked=False):
+        """Device-side barrier of every rank, on the stream (COLLECTIVE). skip_masked: only this
+        rank and the peers it has not masked (peer_mask); a masked peer is neither told nor
+        waited for (epx_group_barrier_unmasked)."""
+        fn = lib.epx_group_barrier_unmasked if skip_masked else lib.epx_group_barrier
+        self._call(fn(self._ptr("Group.barrier"), _stream_ptr(stream)))
 
     def mask_peer(self, peer, *, stream=None):
         """Mask `peer` in this rank's low-latency calls from now on (stream-ordered)."""

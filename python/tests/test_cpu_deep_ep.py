@@ -427,8 +427,8 @@ class _FakeEpxGroup:
         hook.id = 0
         self.world.log.append(("ll_recv",))
 
-    def barrier(self):
-        self.world.log.append(("barrier",))
+    def barrier(self, skip_masked=False):
+        self.world.log.append(("barrier", skip_masked))
 
     def mask_peer(self, peer):
         self.mask |= 1 << peer
@@ -687,7 +687,7 @@ def test_buffer_low_latency_plumbing(fake):
     rx, *_ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     assert isinstance(rx, torch.Tensor)
     buf.clean_low_latency_buffer(M, H, E)
-    assert fake.log[-1] == ("barrier",)
+    assert fake.log[-1] == ("barrier", True)  # shrink mode: the masked ranks are not waited for
 
     mask = torch.zeros(2, dtype=torch.int32)
     buf.low_latency_update_mask_buffer(1, True)

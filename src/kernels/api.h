@@ -45,8 +45,10 @@ epx_status_t epx__layout_launch(const epx__kernel_ctx_t *ctx, const epx__layout_
  * n <= EPX_AGREE_MAX_WORDS; device memory. */
 epx_status_t epx__agree_launch(const epx__kernel_ctx_t *ctx, const long long *mine, int n,
                                long long *all, unsigned skip, int *outcome, cudaStream_t stream);
-/* One-block barrier across all ranks through the control region's inboxes. */
-epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stream);
+/* One-block barrier across all ranks through the control region's inboxes; skip_masked: not
+ * the peers in this rank's low-latency peer mask (neither told nor waited for). */
+epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, int skip_masked,
+                                 cudaStream_t stream);
 /* Clock sync of tracing: `rounds` barrier rounds; out[0] = %globaltimer's step, out[1 + r] =
  * this rank's %globaltimer at the end of round r (0 if it timed out). Device memory. */
 epx_status_t epx__clock_sync_launch(const epx__kernel_ctx_t *ctx, unsigned long long *out,

@@ -17,23 +17,26 @@
 namespace {
 
 /* One round: announce `epoch` to rank `lane` and wait for its announcement. False on timeout
- * (raised as an async error naming the peer). Lanes >= R do nothing. */
+ * (raised as an async error naming the peer). Lanes >= R do nothing, nor, with skip_masked,
+ * lanes of peers this rank has masked (the low-latency peer mask: DeepEP's shrink mode). */
 __device__ __forceinline__ bool barrier_round(const epx__kernel_ctx_t &ctx, epx__control_t *mine,
-                                              int lane, uint64_t epoch) {
+                                              int lane, uint64_t epoch, bool skip_masked = false) {
   if (lane >= ctx.num_ranks) return true;
+  if (skip_masked && lane != ctx.rank && ((*(volatile unsigned *)&mine->ll_peer_mask >> lane) & 1u))
+    return true;
   epx::st_release_sys((uint64_t *)&epx::control_of(ctx, lane)->barrier_inbox[ctx.rank], epoch);
   return epx::wait_geq(ctx, (const uint64_t *)&mine->barrier_inbox[lane], epoch, EPX_STAGE_BARRIER,
                        lane);
 }
 
-__global__ void barrier_kernel(epx__kernel_ctx_t ctx) {
+__global__ void barrier_kernel(epx__kernel_ctx_t ctx, int skip_masked) {
   const int lane = threadIdx.x;
   const uint64_t t0 = epx::trace_begin(ctx);
   epx__control_t *mine = epx::control_of(ctx);
   const uint64_t epoch = mine->barrier_epoch + 1;
   __syncwarp();
   if (lane == 0) mine->barrier_epoch = epoch;
-  barrier_round(ctx, mine, lane, epoch);
+  barrier_round(ctx, mine, lane, epoch, skip_masked != 0);
   epx::trace_end_last(ctx, t0, EPX_TRACE_BARRIER, lane < ctx.num_ranks ? lane : -1);
 }
 
@@ -74,8 +77,9 @@ __global__ void clock_sync_kernel(epx__kernel_ctx_t ctx, unsigned long long *out
 
 }  // namespace
 
-extern "C" epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stream) {
-  return epx::launch<barrier_kernel>(1, 32, 0, stream, *ctx);
+extern "C" epx_status_t epx__barrier_launch(const epx__kernel_ctx_t *ctx, int skip_masked,
+                                            cudaStream_t stream) {
+  return epx::launch<barrier_kernel>(1, 32, 0, stream, *ctx, skip_masked);
 }
 
 extern "C" epx_status_t epx__clock_sync_launch(const epx__kernel_ctx_t *ctx,

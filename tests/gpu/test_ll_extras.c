@@ -13,13 +13,15 @@
  *   ll_maxima_must_agree     ranks passing different ll_max_tokens_per_rank are refused by name;
  *                            a group without low-latency mode refuses epx_group_mask_peer
  *   ll_manual_peer_mask      every rank masks the last one (which makes no call): the others'
- *                            calls finish at once with the live ranks' results, no async error,
- *                            the query shows the mask; after the collective clear every rank
- *                            works again; bad peers are refused by name
+ *                            calls and epx_group_barrier_unmasked finish at once with the live
+ *                            ranks' results, no async error, the query shows the mask; after the
+ *                            collective clear every rank works again, and the unmasked barrier
+ *                            waits for a rank 300 ms late; bad peers are refused by name
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gpu/ll_checks.h"
 #include "gpu/normal_checks.h"
@@ -295,7 +297,32 @@ static int masked_calls(epx_test_rank_t *t, const fixture_t *f, const cw_case_t 
     EXPECT_EQ_INT(mask, 1u << dead);
   }
   ll_world_without_free(&live);
+  /* The shrink-mode barrier (DeepEP's clean_low_latency_buffer) leaves the masked rank out. */
+  const double t0 = epx_test_now_s();
+  EXPECT_OK(epx_group_barrier_unmasked(g, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  const double secs = epx_test_now_s() - t0;
+  EXPECTF(secs < 1.0, "barrier over the unmasked ranks: %.3f s although rank %d is masked", secs,
+          dead);
   EXPECT_NO_ASYNC_ERROR(g, "manual mask"); /* a mask asked for is no failure */
+  return TEST_PASS;
+}
+
+/* With no peer masked, epx_group_barrier_unmasked is a barrier of every rank: rank 0 must wait
+ * for the last rank, which reaches it 300 ms late. */
+static int unmasked_barrier_waits(epx_test_rank_t *t, epx_group_t g) {
+  const int me = t->rank, last = t->num_ranks - 1;
+  if (gpu_host_barrier(t) != TEST_PASS) return TEST_FAIL;
+  if (me == last) usleep(300 * 1000);
+  const double t0 = epx_test_now_s();
+  EXPECT_OK(epx_group_barrier_unmasked(g, t->stream));
+  EXPECT_CUDA(cudaStreamSynchronize(t->stream));
+  const double secs = epx_test_now_s() - t0;
+  if (me == 0)
+    EXPECTF(secs > 0.2,
+            "rank 0 left the unmasked barrier after %.3f s: it did not wait for rank %d", secs,
+            last);
+  EXPECT_NO_ASYNC_ERROR(g, "unmasked barrier, no mask");
   return TEST_PASS;
 }
 
@@ -323,6 +350,8 @@ EPX_PEER_TEST(ll_manual_peer_mask, 300) {
     unsigned mask = 99;
     EXPECT_OK(epx_group_get_peer_mask(f.g, &mask));
     EXPECT_EQ_INT(mask, 0);
+    if (route == EPX_LL_ROUTE_DIRECT && unmasked_barrier_waits(t, f.g) != TEST_PASS)
+      return TEST_FAIL;
     for (int call = 0; call < 2; call++) {
       float *const *cw = call ? f.cw : NULL;
       if (full_cycle(t, f.g, &f.w, cw, &c, &f.d, f.cw_dev, "after the clear") != TEST_PASS)

@@ -759,13 +759,15 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """EPX needs no cleaning (every signal carries a call epoch; nothing is zeroed between
         calls, even after normal-mode calls). Kept as a collective: a barrier of the low-latency
-        group on the current stream, if it exists. The peer mask is left as it is (DeepEP's
-        clean keeps masked ranks masked; low_latency_clean_mask_buffer clears it)."""
+        group on the current stream, if it exists; in shrink mode over the ranks this rank has
+        not masked (a masked, dead rank is not waited for, as DeepEP's clean skips it). The peer
+        mask is left as it is (DeepEP's clean keeps masked ranks masked;
+        low_latency_clean_mask_buffer clears it)."""
         fn = "clean_low_latency_buffer"
         self._check_alive(fn)
         self._require_ll(fn)
         if self._ll is not None:
-            self._ll.group.barrier()
+            self._ll.group.barrier(skip_masked=self.enable_shrink)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
