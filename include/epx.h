@@ -275,11 +275,15 @@ epx_status_t epx_group_workspace_bytes(epx_group_t group, size_t *bytes);
  * EPX_STAGE_BARRIER, naming the peer) instead of hanging. Capturable in a CUDA graph. */
 epx_status_t epx_group_barrier(epx_group_t group, cudaStream_t stream);
 
-/* epx_group_barrier_unmasked - epx_group_barrier over this rank and the peers it has not masked
+/* epx_group_barrier_unmasked - a barrier of this rank and the peers it has not masked
  * (epx_group_get_peer_mask: peers given up on in low-latency calls, or masked with
  * epx_group_mask_peer): a masked peer is neither told nor waited for, so a dead one costs
  * nothing (DeepEP's clean_low_latency_buffer in shrink mode). COLLECTIVE over the unmasked
- * ranks; a peer that masked this rank does not wait for it either. Capturable. */
+ * ranks. A rank that masked this one does not tell it either: if this rank has not masked that
+ * rank in turn, it waits for it until timeout_ms (EPX_ERR_TIMEOUT, stage BARRIER, through
+ * epx_group_get_async_error). Counted apart from epx_group_barrier, so a masked rank that is
+ * alive stays in step with the others' ordinary barriers; epx_group_clear_peer_mask brings the
+ * unmasked barriers' counts back together. Bounded and capturable as epx_group_barrier. */
 epx_status_t epx_group_barrier_unmasked(epx_group_t group, cudaStream_t stream);
 
 /* ---------------------------------------------------------------------------------------------
@@ -801,12 +805,12 @@ epx_status_t epx_group_mask_peer(epx_group_t group, int peer, cudaStream_t strea
  * every rank (the recovered ones included); synchronizes the device and the ranks (an
  * agreement through the workspace, bounded by timeout_ms), then moves every low-latency epoch
  * of every rank to one common value so that no signal of the failed period can be mistaken for
- * a new one, and every rank's barrier count to the largest (epx_group_barrier_unmasked left a
- * masked rank behind). The async error record is kept (clear it with epx_group_clear_async_error).
- * Like every collective call, the ranks must reach it within timeout_ms of each other: it
- * returns EPX_ERR_TIMEOUT, with nothing cleared, when some rank does not take part in time (it
- * is dead, stalled or late; a late one gets the same error at once); call it again on every
- * rank once they are all there. */
+ * a new one, and every rank's count of epx_group_barrier_unmasked calls to the largest (those
+ * left a masked rank behind). The async error record is kept (clear it with
+ * epx_group_clear_async_error). Like every collective call, the ranks must reach it within
+ * timeout_ms of each other: it returns EPX_ERR_TIMEOUT, with nothing cleared, when some rank does
+ * not take part in time (it is dead, stalled or late; a late one gets the same error at once); call
+ * it again on every rank once they are all there. */
 epx_status_t epx_group_clear_peer_mask(epx_group_t group);
 
 /* ---------------------------------------------------------------------------------------------

@@ -110,12 +110,15 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   # engines are the default the whole suite ran with): that path's refusal and two phased cases.
   if [ -z "${TEST_FILTERS:-}" ]; then
     log="$out/tests-phases-sm.log"
+    : >"$log"
+    rcs=
     for f in moe_prefill_phases moe_prefill_matches; do
       EPX_MOE_PHASES_COPY_ENGINE=0 EPX_TEST_CASES=fp8_egrp_holes,fp8_holes timeout 300 \
         build/bin/epx_test --ranks 2 --filter "$f" ${TEST_ARGS:-} >>"$log" 2>&1
+      rcs="$rcs $?"
     done
     grep -E "^\[ (FAIL|SKIP) \]|FAILED" "$log" | head -20
-    test_line="$test_line; phases on SMs (2 ranks): $(grep -cE '^\[ PASS \]' "$log") passed, $(grep -cE '^\[ FAIL \]' "$log") failed"
+    test_line="$test_line; phases on SMs (2 ranks): $(grep -cE '^\[ PASS \]' "$log") passed, $(grep -cE '^\[ FAIL \]' "$log") failed, $(grep -cE '^\[ SKIP \]' "$log") skipped (exit codes$rcs)"
   fi
 fi
 

@@ -333,16 +333,17 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
 /* A gated combine (rows_sent: the rows are in the peers' slabs of `parity` already). */
 static epx_status_t launch_gated(epx_group_t g, epx_handle_t h, const epx_combine_expand_args_t *a,
                                  const unsigned *gate, unsigned gate_value, int rows_sent,
-                                 unsigned parity, int num_blocks, cudaStream_t stream) {
+                                 unsigned parity, int rows_invalid, int num_blocks,
+                                 cudaStream_t stream) {
   static const char fn[] = "epx_combine_expand";
   EPX_CHECK(check_combine_expand(fn, g, h, a));
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
-  epx__combine_launch_args_t c = combine_args(g, h, a->out, 0);
+  epx__combine_launch_args_t c = combine_args(g, h, a->out, rows_invalid);
   c.gate = gate;
   c.gate_value = gate_value;
   c.rows_sent = rows_sent;
-  c.rows_sent_parity = parity & 1u;
+  c.rows_sent_parity = parity > 1u ? 2u : parity;
   if (num_blocks > 0) c.num_blocks = num_blocks;
   return epx__combine_launch(&ctx, &c, NULL, stream);
 }
@@ -350,14 +351,14 @@ static epx_status_t launch_gated(epx_group_t g, epx_handle_t h, const epx_combin
 epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
                                        const epx_combine_expand_args_t *a, const unsigned *gate,
                                        unsigned gate_value, int num_blocks, cudaStream_t stream) {
-  return launch_gated(g, h, a, gate, gate_value, 0, 0, num_blocks, stream);
+  return launch_gated(g, h, a, gate, gate_value, 0, 0, 0, num_blocks, stream);
 }
 
 epx_status_t epx__combine_expand_sent(epx_group_t g, epx_handle_t h,
                                       const epx_combine_expand_args_t *a, const unsigned *gate,
-                                      unsigned gate_value, unsigned parity, int num_blocks,
-                                      cudaStream_t stream) {
-  return launch_gated(g, h, a, gate, gate_value, 1, parity, num_blocks, stream);
+                                      unsigned gate_value, unsigned parity, int rows_invalid,
+                                      int num_blocks, cudaStream_t stream) {
+  return launch_gated(g, h, a, gate, gate_value, 1, parity, rows_invalid, num_blocks, stream);
 }
 
 epx_status_t epx__combine_copy_rows(epx_group_t g, int source, int first, int rows, unsigned parity,

@@ -376,12 +376,13 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
    *    the barrier, bounded: a dead peer makes every rank return EPX_ERR_TIMEOUT with nothing
    *    cleared) every rank restarts from it, so no signal or header of the failed period can
    *    carry the epoch of a new call. */
-  /*    The barrier epochs too: epx_group_barrier_unmasked advanced the live ranks' past a masked
-   *    rank's, whose next barrier would otherwise wait for epochs the others passed long ago. */
+  /*    The unmasked barriers' count too: epx_group_barrier_unmasked advanced the live ranks'
+   *    past a masked rank's, whose next one would otherwise wait for epochs the others passed
+   *    long ago (the ordinary barrier counts apart and stays in step). */
   uint32_t largest = 0;
   unsigned long long barriers = 0;
   if (local == EPX_OK)
-    local = CUDA_STATUS(cudaMemcpyAsync(&barriers, &ctrl->barrier_epoch, sizeof barriers,
+    local = CUDA_STATUS(cudaMemcpyAsync(&barriers, &ctrl->unmasked_barrier_epoch, sizeof barriers,
                                         cudaMemcpyDeviceToHost, g->setup_stream));
   if (ll && local == EPX_OK)
     local = CUDA_STATUS(cudaMemcpyAsync(host, epochs, num_epochs * sizeof *host,
@@ -422,7 +423,7 @@ EPX_EXPORT epx_status_t epx_group_clear_peer_mask(epx_group_t g) {
       cudaMemsetAsync(&ctrl->ll_peer_mask, 0, sizeof ctrl->ll_peer_mask, g->setup_stream), res,
       exit);
   /* (barriers lives on the host until the copy has run: the synchronization below) */
-  CUDA_CHECK_GOTO(cudaMemcpyAsync(&ctrl->barrier_epoch, &barriers, sizeof barriers,
+  CUDA_CHECK_GOTO(cudaMemcpyAsync(&ctrl->unmasked_barrier_epoch, &barriers, sizeof barriers,
                                   cudaMemcpyHostToDevice, g->setup_stream),
                   res, exit);
   CUDA_CHECK_GOTO(cudaStreamSynchronize(g->setup_stream), res, exit);

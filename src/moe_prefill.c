@@ -204,7 +204,8 @@ static epx_status_t plan_free(epx_moe_prefill_t p) {
   if (p->ones) keep_release(&first, CUDA_STATUS(cudaFree(p->ones)));
   if (p->phase_parts) keep_release(&first, CUDA_STATUS(cudaFree(p->phase_parts)));
   if (p->gates) keep_release(&first, CUDA_STATUS(cudaFree(p->gates)));
-  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done, &p->phase_up, &p->copied};
+  cudaEvent_t *events[] = {&p->start,    &p->comm_done, &p->compute_done,
+                           &p->phase_up, &p->copied,    &p->slab_free};
   for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
     if (*events[i]) keep_release(&first, CUDA_STATUS(cudaEventDestroy(*events[i])));
   for (int i = 0; i < EPX_MAX_RANKS; i++)
@@ -372,7 +373,8 @@ static epx_status_t plan_build(const char *fn, epx_moe_prefill_t p, int asked) {
   CUDA_CHECK(cudaStreamCreateWithPriority(&p->comm, cudaStreamNonBlocking, greatest));
   CUDA_CHECK(cudaStreamCreateWithPriority(&p->compute, cudaStreamNonBlocking, least));
   CUDA_CHECK(cudaStreamCreateWithPriority(&p->copy, cudaStreamNonBlocking, greatest));
-  cudaEvent_t *events[] = {&p->start, &p->comm_done, &p->compute_done, &p->phase_up, &p->copied};
+  cudaEvent_t *events[] = {&p->start,    &p->comm_done, &p->compute_done,
+                           &p->phase_up, &p->copied,    &p->slab_free};
   for (size_t i = 0; i < sizeof events / sizeof events[0]; i++)
     CUDA_CHECK(cudaEventCreateWithFlags(events[i], cudaEventDisableTiming));
   for (int i = 0; i < p->R; i++)
@@ -796,37 +798,62 @@ static epx_status_t run_phase(chunk_call_t *k, const epx__moe_rows_t *rows, int 
   return st;
 }
 
+/* The copy stream after a check on the communication stream (right after the dispatch there)
+ * that every peer has finished the combine that last used the slab parity the copies write,
+ * the wait a combine makes before it stores into a peer's slab. */
+static epx_status_t copies_wait_for_free_slabs(chunk_call_t *k) {
+  epx_moe_prefill_t p = k->p;
+  epx__kernel_ctx_t ctx;
+  epx__group_kernel_ctx(p->groups[0], &ctx);
+  EPX_CHECK(epx__combine_slab_free_launch(&ctx, k->comm));
+  CUDA_CHECK(cudaEventRecord(p->slab_free, k->comm));
+  CUDA_CHECK(cudaStreamWaitEvent(p->copy, p->slab_free, 0));
+  return EPX_OK;
+}
+
 /* The phases with the copy engines (EPX_MOE_PHASES_COPY_ENGINE, the default): the GEMMs and
  * reduces keep every SM; after phase s's reduce, s's partial rows go into s's combine slab by
  * one copy on the plan's copy stream (notify left the tokens from each source and the slab's
- * parity in the handle's host counts, hc); the combine, queued after the last phase and the
- * last copy, only signals those rows and sums this rank's tokens. A phase that failed, or whose
- * copy could not be queued, writes its gate with bit 31: the combine marks those rows. */
+ * parity in the handle's host counts, hc, read only where the counts were waited for: valid);
+ * the combine, queued after the last phase and the last copy, only signals those rows and sums
+ * this rank's tokens. A phase that failed, or whose copy could not be queued, writes its gate
+ * with bit 31: the combine marks those rows; all of them where the copies could not be ordered
+ * before it. */
 static void phases_by_copy_engine(chunk_call_t *k, const epx__moe_rows_t *rows, int valid,
                                   int phased, const volatile int *hc) {
   epx_moe_prefill_t p = k->p;
   epx_group_t g = p->groups[0];
   const int R = p->R, me = g->rank, E = p->L * p->R;
-  const unsigned parity = (unsigned)hc[EPX__HOST_COUNTS_COMBINES(E, R)] & 1u;
-  int first[EPX_MAX_RANKS + 1];
-  first[0] = 0;
-  for (int s = 0; s < R; s++) first[s + 1] = first[s] + hc[EPX__HOST_COUNTS_TOKENS(E, R) + s];
+  unsigned parity = 2; /* not known: nothing is copied, every row goes marked */
+  int first[EPX_MAX_RANKS + 1] = {0};
+  if (valid) {
+    parity = (unsigned)hc[EPX__HOST_COUNTS_COMBINES(E, R)] & 1u;
+    for (int s = 0; s < R; s++) first[s + 1] = first[s] + hc[EPX__HOST_COUNTS_TOKENS(E, R) + s];
+  }
+  epx_status_t can_copy = EPX_ERR_INTERNAL;
+  if (valid) {
+    can_copy = copies_wait_for_free_slabs(k);
+    keep_first(k, can_copy);
+  }
   for (int i = 0; i < R; i++) {
     const int s = (me + 1 + i) % R;
     epx_status_t st = run_phase(k, rows, valid, phased, s, p->device_sms);
     if (st == EPX_OK && s != me) {
-      st = CUDA_STATUS(cudaEventRecord(p->reduced[i], k->compute));
+      st = can_copy;
+      if (st == EPX_OK) st = CUDA_STATUS(cudaEventRecord(p->reduced[i], k->compute));
       if (st == EPX_OK) st = CUDA_STATUS(cudaStreamWaitEvent(p->copy, p->reduced[i], 0));
       if (st == EPX_OK)
         st = epx__combine_copy_rows(g, s, first[s], first[s + 1] - first[s], parity, p->copy);
-      keep_first(k, st);
+      if (st != can_copy) keep_first(k, st);
     }
     const unsigned mark = st == EPX_OK ? 0u : 1u << 31;
     keep_first(k, epx__moe_gate_launch(p->gates + s, p->gate_value | mark, k->compute));
   }
   /* The combine after every phase and every copy; where an order cannot be queued, the host
-   * drains that stream instead (epx__moe_order_after), so the combine never reads early. */
-  keep_first(k, epx__moe_order_after(k->comm, p->copy, p->copied));
+   * drains that stream instead (epx__moe_order_after); if the copies' order failed at all, every
+   * row goes marked (their signals must not vouch for rows that may not have landed). */
+  const epx_status_t copies_ordered = epx__moe_order_after(k->comm, p->copy, p->copied);
+  keep_first(k, copies_ordered);
   keep_first(k, epx__moe_order_after(k->comm, k->compute, p->phase_up));
   epx_combine_expand_args_t ca = EPX_COMBINE_EXPAND_ARGS_INIT;
   ca.x = k->ws + k->l.y[0];
@@ -835,7 +862,7 @@ static void phases_by_copy_engine(chunk_call_t *k, const epx__moe_rows_t *rows, 
   /* Nothing runs beside it now: every SM (its reduce warps' loads are latency-bound; with the
    * group's num_sms, 24, it took 392 us at DeepSeek's shape on 2 ranks, docs/moe.md) */
   keep_first(k, epx__combine_expand_sent(g, p->handles[0], &ca, p->gates, p->gate_value, parity,
-                                         p->device_sms, k->comm));
+                                         copies_ordered != EPX_OK, p->device_sms, k->comm));
 }
 
 /* EPX_MOE_OVERLAP_PHASES (docs/moe.md, "Phases by source"): one dispatch on group 0 (queued by

@@ -176,6 +176,14 @@ class FakeLib:
         mask._obj.value = 0b01
         return 0
 
+    def epx_group_barrier(self, g, stream):
+        self.calls.append(("barrier", stream))
+        return 0
+
+    def epx_group_barrier_unmasked(self, g, stream):
+        self.calls.append(("barrier_unmasked", stream))
+        return 0
+
     def epx_trace_dump(self, g, path, summary, stream):
         self.calls.append(("trace_dump", path))
         summary._obj.num_events = 42
@@ -376,6 +384,10 @@ def test_errors_peers_and_tracing(fake):
         g.check_async_error(synchronize=False)
     assert info.value.async_error.peer == 0
     assert g.peer_mask == 1
+    g.barrier()
+    assert fake.calls[-1] == ("barrier", 0xABC)
+    g.barrier(skip_masked=True, stream=7)  # shrink mode's barrier: not the masked peers
+    assert fake.calls[-1] == ("barrier_unmasked", 7)
     assert g.trace_dump("/tmp/t.json")["num_events"] == 42
     assert fake.calls[-1] == ("trace_dump", b"/tmp/t.json")
     g.destroy()

@@ -70,12 +70,13 @@ epx_status_t epx__combine_expand_gated(epx_group_t g, epx_handle_t h,
                                        const epx_combine_expand_args_t *a, const unsigned *gate,
                                        unsigned gate_value, int num_blocks, cudaStream_t stream);
 /* As epx__combine_expand_gated, for rows already copied into every remote source's combine slab
- * of parity `parity` (epx__combine_copy_rows, ordered before this on `stream`): the combine only
- * signals them and sums this rank's tokens (api.h's rows_sent). */
+ * of parity `parity` (epx__combine_copy_rows, ordered before this on `stream`; 2: not known, no
+ * row copied): the combine only signals them and sums this rank's tokens (api.h's rows_sent).
+ * rows_invalid: every row of this rank goes marked. */
 epx_status_t epx__combine_expand_sent(epx_group_t g, epx_handle_t h,
                                       const epx_combine_expand_args_t *a, const unsigned *gate,
-                                      unsigned gate_value, unsigned parity, int num_blocks,
-                                      cudaStream_t stream);
+                                      unsigned gate_value, unsigned parity, int rows_invalid,
+                                      int num_blocks, cudaStream_t stream);
 /* The partial rows of the `rows` tokens received from rank `source` (the expert-side reduce's
  * output, from row `first` of the combine input) copied by the copy engines into source's
  * combine slab of parity `parity`, where its combine reads this rank's rows. The caller orders

@@ -132,13 +132,14 @@ struct epx_moe_prefill {
    * phase_up: the compute stream's point where the gated combine may start.
    * With the copy engines (EPX_MOE_PHASES_COPY_ENGINE, the default): copy, the stream of the
    * copies of each remote source's partial rows into its slab; reduced[i], the compute stream
-   * after phase i's reduce; copied, the copy stream after the last copy. */
+   * after phase i's reduce; copied, the copy stream after the last copy; slab_free, the
+   * communication stream once every peer is done with the slab parity the copies write. */
   int *phase_parts;
   unsigned *gates;
   unsigned gate_value;
   cudaEvent_t phase_up;
   cudaStream_t copy;
-  cudaEvent_t reduced[EPX_MAX_RANKS], copied;
+  cudaEvent_t reduced[EPX_MAX_RANKS], copied, slab_free;
 };
 
 /* The workspace layout of a plan's calls (epx__moe_ws_layout with the plan's values). */

@@ -110,6 +110,12 @@ typedef struct epx__control {
    * entry; ticket mod the grid size is its role, so the first blocks to run are the senders). */
   unsigned long long expand_ticket;
   long long agree_words[2][EPX_MAX_RANKS][EPX_AGREE_MAX_WORDS];
+  /* The barrier over the unmasked ranks (epx_group_barrier_unmasked) counts apart from the
+   * ordinary one: a masked rank that is alive misses these, and with shared counts its later
+   * ordinary barriers would pass at once on the epochs the others announced here.
+   * epx_group_clear_peer_mask moves every rank's unmasked_barrier_epoch to the largest. */
+  unsigned long long unmasked_barrier_inbox[EPX_MAX_RANKS];
+  unsigned long long unmasked_barrier_epoch;
 } epx__control_t;
 
 #ifdef __cplusplus

@@ -190,7 +190,7 @@ typedef struct epx__combine_launch_args {
    * this call: rows_sent_parity, checked). The send warps then only signal each chunk's rows
    * (marked where the gate says not valid); nothing is loaded or stored. */
   int rows_sent;
-  unsigned rows_sent_parity;
+  unsigned rows_sent_parity; /* 0 or 1; 2: not known (the rows are all marked anyway) */
 } epx__combine_launch_args_t;
 
 /* What a normal combine adds for DeepEP parity (src/kernels/combine_extras.cuh); a separate
@@ -209,6 +209,11 @@ epx_status_t epx__dispatch_launch(const epx__kernel_ctx_t *ctx,
 epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
                                  const epx__combine_launch_args_t *args,
                                  const epx__combine_extras_t *extras, cudaStream_t stream);
+/* One warp: returns once every peer has finished the combine that last used the slab parity
+ * this rank's next combine writes (the wait a combine's send warps make before they store):
+ * what the prefill layer's copies into the peers' slabs queue behind. Bounded (raised as
+ * EPX_ERR_TIMEOUT, stage COMBINE, naming the peer). */
+epx_status_t epx__combine_slab_free_launch(const epx__kernel_ctx_t *ctx, cudaStream_t stream);
 epx_status_t epx__worst_tail_launch(const epx__kernel_ctx_t *ctx,
                                     const epx__worst_tail_launch_args_t *args, cudaStream_t stream);
 

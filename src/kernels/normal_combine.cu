@@ -407,7 +407,8 @@ __device__ int send_units(const epx__kernel_ctx_t &ctx, const epx__combine_launc
  * before this kernel started, so stream order publishes them): lane 0 of a send warp takes
  * (source, chunk) pairs from the grid's unit counter, the remote sources in the gated order, and
  * adds each chunk's rows to s's counter with release, as the units' signals would, marked where
- * s's gate says its rows are not valid. Returns the chunks signalled. */
+ * s's gate says its rows are not valid. Returns the chunks signalled (the COMBINE_SEND trace
+ * span's value: chunks here, units in a combine that stores). */
 __device__ int signal_sent_rows(const epx__kernel_ctx_t &ctx, const epx__combine_launch_args_t &a,
                                 const CombineView &cv, const SendPlan &plan) {
   const size_t per_source = ctx.layout.combine_chunks;
@@ -457,7 +458,8 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
     plan.next_unit = &epx::control_of(ctx)->combine_next_unit;
     plan.me = me, plan.R = R;
     /* rows copied into the other parity than this call's are not where the peers read */
-    const bool misplaced = kGated && a.rows_sent && (cv.call & 1u) != a.rows_sent_parity;
+    const bool misplaced =
+        kGated && a.rows_sent && a.rows_sent_parity <= 1u && (cv.call & 1u) != a.rows_sent_parity;
     if (misplaced && warp == 0 && blockIdx.x == 0)
       epx::raise_error(ctx, EPX_ERR_INTERNAL, EPX_STAGE_COMBINE, me, (long long)a.rows_sent_parity,
                        (long long)cv.call);
@@ -679,6 +681,20 @@ __device__ __forceinline__ void combine_finish(const epx__kernel_ctx_t &ctx,
   }
 }
 
+/* epx__combine_slab_free_launch's kernel: lane p waits for peer p as combine_send's wait. */
+__global__ void slab_free_kernel(epx__kernel_ctx_t ctx) {
+  const int lane = threadIdx.x, me = ctx.rank;
+  epx__control_t *ctrl = epx::control_of(ctx);
+  const unsigned call = *(volatile const unsigned *)&ctrl->combine_calls;
+  if (call < 2 || lane >= ctx.num_ranks || lane == me) return;
+  const uint64_t *flag = (const uint64_t *)&ctrl->combine_finished[lane];
+  const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(
+      ctx.timeout_ns, [&] { return epx::ld_acquire_sys(flag) >= (uint64_t)call - 1; },
+      epx::NeverAbandon());
+  if (r != epx::WaitResult::kReady)
+    epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, lane, -1, (long long)call - 1);
+}
+
 }  // namespace
 
 /* The kernel has external linkage so that profilers show it as epx::normal::combine
@@ -745,4 +761,9 @@ extern "C" epx_status_t epx__combine_launch(const epx__kernel_ctx_t *ctx,
       });
     });
   });
+}
+
+extern "C" epx_status_t epx__combine_slab_free_launch(const epx__kernel_ctx_t *ctx,
+                                                      cudaStream_t stream) {
+  return epx::launch<slab_free_kernel>(1, 32, 0, stream, *ctx);
 }
