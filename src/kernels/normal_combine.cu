@@ -691,8 +691,11 @@ __global__ void slab_free_kernel(epx__kernel_ctx_t ctx) {
   const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(
       ctx.timeout_ns, [&] { return epx::ld_acquire_sys(flag) >= (uint64_t)call - 1; },
       epx::NeverAbandon());
-  if (r != epx::WaitResult::kReady)
+  if (r != epx::WaitResult::kReady) {
     epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, lane, -1, (long long)call - 1);
+    /* this call's combine (cv.call == call) then gives its waits up at once: one budget */
+    atomicExch(&ctrl->combine_abort, call + 1);
+  }
 }
 
 }  // namespace
