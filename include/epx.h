@@ -1173,8 +1173,10 @@ typedef struct epx_moe_prefill_args {
  * EPX_MOE_PHASES_COPY_ENGINE=0 a combine running beside the phases on config.num_sms SMs sends
  * them instead, which needs at least 16 other SMs. Needs EPX's grouped FP8 GEMM
  * (epx_moe_prefill_info_t.ffn_backend EPX_MOE_FFN_EPX_GROUPED): else EPX_ERR_UNSUPPORTED.
- * Measured on 2x H200 (4096 tokens a rank): with the copy engines 0.94-1.01x the chain at
- * DeepSeek-V3's experts and 1.01-1.03x at Qwen3-30B-A3B's (on SMs 0.88-0.93x). */
+ * Measured (4096 tokens a rank, 2 ranks): with the copy engines 0.94-1.01x the chain at
+ * DeepSeek-V3's experts and 1.01-1.03x at Qwen3-30B-A3B's on H200 against a chain whose combine
+ * had the group's num_sms blocks (on SMs 0.88-0.93x); with the chain's combine on every SM too,
+ * as now, 0.90-0.92x and 0.99x on H100 (docs/moe.md). */
 #define EPX_MOE_OVERLAP_PHASES 2
 
 #define EPX_MOE_PREFILL_ARGS_INIT \

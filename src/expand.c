@@ -243,7 +243,7 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
 EPX_EXPORT epx_status_t epx_combine_expand(epx_group_t g, epx_handle_t h,
                                            const epx_combine_expand_args_t *a,
                                            cudaStream_t stream) {
-  return epx__combine_expand_blocked(g, h, a, 0, 0, 0, stream);
+  return epx__combine_expand_blocked(g, h, a, 0, 0, 0, 0, stream);
 }
 
 /* The checks every expert-major combine makes before anything is queued. */
@@ -311,7 +311,8 @@ static epx__combine_launch_args_t combine_args(epx_group_t g, epx_handle_t h, vo
 
 epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
                                          const epx_combine_expand_args_t *a, int block_rows,
-                                         int local_blocks, int rows_invalid, cudaStream_t stream) {
+                                         int local_blocks, int rows_invalid, int combine_blocks,
+                                         cudaStream_t stream) {
   static const char fn[] = "epx_combine_expand";
   EPX_CHECK(check_combine_expand(fn, g, h, a));
   epx__kernel_ctx_t ctx;
@@ -320,8 +321,8 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
       reduce_args(g, h, a->x, a->weighted, block_rows, local_blocks, -1);
   /* Past here the peers wait for this combine: a failed reduce still sends, its rows marked */
   const epx_status_t reduced = epx__expand_reduce_launch(&ctx, &ra, stream);
-  const epx__combine_launch_args_t c =
-      combine_args(g, h, a->out, rows_invalid || reduced != EPX_OK);
+  epx__combine_launch_args_t c = combine_args(g, h, a->out, rows_invalid || reduced != EPX_OK);
+  if (combine_blocks > 0) c.num_blocks = combine_blocks;
   char reduce_failure[256] = "";
   if (reduced != EPX_OK) snprintf(reduce_failure, sizeof reduce_failure, "%s", epx_last_error());
   const epx_status_t combined = epx__combine_launch(&ctx, &c, NULL, stream);

@@ -674,6 +674,16 @@ static int local_blocks(const chunk_call_t *k, int beside_gemms) {
   return k->a->overlap && beside_gemms ? 2 * k->p->groups[0]->config.num_sms : 0;
 }
 
+/* A combine's blocks: the group's num_sms beside a chunk's GEMMs; alone (the chain's, an
+ * overlapped call's last), every SM unless EPX_MOE_ALONE_COMBINE_BLOCKS says how many: its
+ * reduce warps are latency-bound (on 24 blocks the chain's combine took 265 us at DeepSeek's
+ * shape on 2 ranks where the phases' one on every SM took 62 for the same sums, docs/moe.md). */
+static int combine_blocks(const chunk_call_t *k, int beside_gemms) {
+  if (k->a->overlap && beside_gemms) return 0;
+  const int64_t asked = epx__param_MoeAloneCombineBlocks();
+  return asked > 0 && asked < k->p->device_sms ? (int)asked : k->p->device_sms;
+}
+
 /* Queue chunk c's dispatch on the communication stream (no host wait: the counts are waited for
  * in run_ffn, after the next chunk's dispatch is queued). */
 static void enqueue_dispatch(chunk_call_t *k, int c) {
@@ -859,10 +869,10 @@ static void phases_by_copy_engine(chunk_call_t *k, const epx__moe_rows_t *rows, 
   ca.x = k->ws + k->l.y[0];
   ca.weighted = 1;
   ca.out = k->a->out;
-  /* Nothing runs beside it now: every SM (its reduce warps' loads are latency-bound; with the
-   * group's num_sms, 24, it took 392 us at DeepSeek's shape on 2 ranks, docs/moe.md) */
+  /* Nothing runs beside it now: every SM (combine_blocks; on the group's 24 it took 392 us at
+   * DeepSeek's shape on 2 ranks, 62 on every SM, docs/moe.md) */
   keep_first(k, epx__combine_expand_sent(g, p->handles[0], &ca, p->gates, p->gate_value, parity,
-                                         copies_ordered != EPX_OK, p->device_sms, k->comm));
+                                         copies_ordered != EPX_OK, combine_blocks(k, 0), k->comm));
 }
 
 /* EPX_MOE_OVERLAP_PHASES (docs/moe.md, "Phases by source"): one dispatch on group 0 (queued by
@@ -982,7 +992,8 @@ static void enqueue_combine(chunk_call_t *k, int c) {
   ca.out = (char *)k->a->out + (size_t)k->tok_first[s] * p->H * 2;
   keep_first(k, epx__combine_expand_blocked(p->groups[s], p->handles[s], &ca, k->y_block_rows[s],
                                             local_blocks(k, c + 1 < k->n),
-                                            !k->y_valid[s] || waited != EPX_OK, k->comm));
+                                            !k->y_valid[s] || waited != EPX_OK,
+                                            combine_blocks(k, c + 1 < k->n), k->comm));
 }
 
 EPX_EXPORT epx_status_t epx_moe_prefill(epx_moe_prefill_t p, const epx_moe_prefill_args_t *a,

@@ -56,10 +56,12 @@ int epx__expand_publish_batch(int64_t want);
  * local_blocks: the blocks of the expert-side reduce, as epx__dispatch_expand_enqueue's.
  * rows_invalid: 1 where the expert outputs are not valid (the FFN failed here): the combine
  * still runs (the peers wait for it) and its rows go marked, so that the peers leave them out
- * and record EPX_ERR_PEER_DATA; also set when the expert-side reduce cannot be queued. */
+ * and record EPX_ERR_PEER_DATA; also set when the expert-side reduce cannot be queued.
+ * combine_blocks: the combine kernel's blocks (0: the group's num_sms). */
 epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
                                          const epx_combine_expand_args_t *a, int block_rows,
-                                         int local_blocks, int rows_invalid, cudaStream_t stream);
+                                         int local_blocks, int rows_invalid, int combine_blocks,
+                                         cudaStream_t stream);
 
 /* The prefill layer's phases by source (docs/moe.md, "Phases by source"): the combine, gated by
  * gate[R] (api.h's epx__combine_launch_args_t: source s's partial rows are sent, or for this rank

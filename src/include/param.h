@@ -49,5 +49,8 @@ EPX_PARAM(EarlyLaunch, "EARLY_LAUNCH", 1)
 /* epx_moe_prefill in phases by source: 1 each remote source's rows go back by the copy engines
  * (the GEMMs keep every SM), 0 the gated combine sends them on SMs beside the GEMMs */
 EPX_PARAM(MoePhasesCopyEngine, "MOE_PHASES_COPY_ENGINE", 1)
+/* epx_moe_prefill: the blocks of a combine that runs alone (the chain's, an overlapped call's
+ * last, the phases'); 0: every SM of the GPU */
+EPX_PARAM(MoeAloneCombineBlocks, "MOE_ALONE_COMBINE_BLOCKS", 0)
 
 #endif /* EPX_PARAM_H_ */
