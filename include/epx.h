@@ -1190,7 +1190,10 @@ typedef struct epx_moe_prefill_args {
  * (FP8 products: summed on the tensor cores, which keep fewer bits inside a sum);
  * BF16 weights: the gate/up outputs and h are BF16 (cuBLAS's rounding of the GEMM output, then
  * SiLU times up in float32); FP8 weights: x and h quantized per 128 channels (tests/ref/epx_ref.h)
- * and DeepSeek-V3's block scaling; combine as epx_combine_expand (weighted).
+ * and DeepSeek-V3's block scaling; combine as epx_combine_expand (weighted). SMs: a combine
+ * beside a chunk's GEMMs takes the group's config.num_sms; one with nothing of the layer beside
+ * it (the chain's, an overlapped call's last, the phases') takes every SM of the GPU (its sums
+ * are latency-bound; EPX_MOE_ALONE_COMBINE_BLOCKS=N limits it to N, docs/env.md).
  * Every argument is checked before anything is queued, identically on every rank for the
  * group's shape, so a refused call leaves no peer waiting; once a dispatch is queued its combine
  * is queued too (a GEMM failure is returned after the combines). That combine's rows go marked
