@@ -291,9 +291,9 @@ static epx__expand_reduce_launch_args_t reduce_args(epx_group_t g, epx_handle_t 
   return ra;
 }
 
-/* The normal combine of the partial rows, unweighted. */
+/* The normal combine of the partial rows, unweighted, on num_blocks blocks (0: num_sms). */
 static epx__combine_launch_args_t combine_args(epx_group_t g, epx_handle_t h, void *out,
-                                               int rows_invalid) {
+                                               int rows_invalid, int num_blocks) {
   epx__combine_launch_args_t c;
   memset(&c, 0, sizeof c);
   c.routing = epx__handle_routing(h);
@@ -304,7 +304,7 @@ static epx__combine_launch_args_t combine_args(epx_group_t g, epx_handle_t h, vo
   c.top_k = g->config.top_k;
   c.num_experts = g->config.num_experts;
   c.max_tokens = g->config.max_tokens_per_rank;
-  c.num_blocks = g->config.num_sms;
+  c.num_blocks = num_blocks > 0 ? num_blocks : g->config.num_sms;
   c.rows_invalid = rows_invalid;
   return c;
 }
@@ -321,8 +321,8 @@ epx_status_t epx__combine_expand_blocked(epx_group_t g, epx_handle_t h,
       reduce_args(g, h, a->x, a->weighted, block_rows, local_blocks, -1);
   /* Past here the peers wait for this combine: a failed reduce still sends, its rows marked */
   const epx_status_t reduced = epx__expand_reduce_launch(&ctx, &ra, stream);
-  epx__combine_launch_args_t c = combine_args(g, h, a->out, rows_invalid || reduced != EPX_OK);
-  if (combine_blocks > 0) c.num_blocks = combine_blocks;
+  const epx__combine_launch_args_t c =
+      combine_args(g, h, a->out, rows_invalid || reduced != EPX_OK, combine_blocks);
   char reduce_failure[256] = "";
   if (reduced != EPX_OK) snprintf(reduce_failure, sizeof reduce_failure, "%s", epx_last_error());
   const epx_status_t combined = epx__combine_launch(&ctx, &c, NULL, stream);
@@ -340,12 +340,11 @@ static epx_status_t launch_gated(epx_group_t g, epx_handle_t h, const epx_combin
   EPX_CHECK(check_combine_expand(fn, g, h, a));
   epx__kernel_ctx_t ctx;
   epx__group_kernel_ctx(g, &ctx);
-  epx__combine_launch_args_t c = combine_args(g, h, a->out, rows_invalid);
+  epx__combine_launch_args_t c = combine_args(g, h, a->out, rows_invalid, num_blocks);
   c.gate = gate;
   c.gate_value = gate_value;
   c.rows_sent = rows_sent;
   c.rows_sent_parity = parity > 1u ? 2u : parity;
-  if (num_blocks > 0) c.num_blocks = num_blocks;
   return epx__combine_launch(&ctx, &c, NULL, stream);
 }
 

@@ -836,12 +836,10 @@ static void phases_by_copy_engine(chunk_call_t *k, const epx__moe_rows_t *rows, 
   const int R = p->R, me = g->rank, E = p->L * p->R;
   unsigned parity = 2; /* not known: nothing is copied, every row goes marked */
   int first[EPX_MAX_RANKS + 1] = {0};
+  epx_status_t can_copy = EPX_ERR_INTERNAL;
   if (valid) {
     parity = (unsigned)hc[EPX__HOST_COUNTS_COMBINES(E, R)] & 1u;
     for (int s = 0; s < R; s++) first[s + 1] = first[s] + hc[EPX__HOST_COUNTS_TOKENS(E, R) + s];
-  }
-  epx_status_t can_copy = EPX_ERR_INTERNAL;
-  if (valid) {
     can_copy = copies_wait_for_free_slabs(k);
     keep_first(k, can_copy);
   }
@@ -878,11 +876,12 @@ static void phases_by_copy_engine(chunk_call_t *k, const epx__moe_rows_t *rows, 
 /* EPX_MOE_OVERLAP_PHASES (docs/moe.md, "Phases by source"): one dispatch on group 0 (queued by
  * the caller), then on the compute stream the parts, gate/up and the row kernel over every row
  * and, per source s in the combine's order (this rank + 1 first, this rank last), s's down
- * projection, its expert-side reduce and its gate word; the gated combine waits on the
- * communication stream for the row kernel's end (so it takes its SMs from the down projections,
- * which run on the others) and sends each source's rows once its gate opens. Every gate is
- * written whatever failed (bit 31 set where the rows are not valid: they go marked, and the peers
- * leave them out), so no peer waits for rows that never come. */
+ * projection, its expert-side reduce and its gate word. The rows go back by the copy engines
+ * (phases_by_copy_engine, the default) or, with EPX_MOE_PHASES_COPY_ENGINE=0, by the gated
+ * combine, which waits on the communication stream for the row kernel's end (so it takes its SMs
+ * from the down projections, which run on the others) and sends each source's rows once its gate
+ * opens. Every gate is written whatever failed (bit 31 set where the rows are not valid: they go
+ * marked, and the peers leave them out), so no peer waits for rows that never come. */
 static void run_phases(chunk_call_t *k) {
   epx_moe_prefill_t p = k->p;
   epx_group_t g = p->groups[0];

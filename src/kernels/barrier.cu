@@ -17,25 +17,20 @@
 namespace {
 
 /* One round: announce `epoch` to rank `lane` and wait for its announcement. False on timeout
- * (raised as an async error naming the peer). Lanes >= R do nothing. */
+ * (raised as an async error naming the peer). Lanes >= R do nothing. unmasked: the unmasked
+ * barrier's round, on its own inboxes, where the lanes of peers this rank has masked (the
+ * low-latency peer mask: DeepEP's shrink mode) do nothing either. */
 __device__ __forceinline__ bool barrier_round(const epx__kernel_ctx_t &ctx, epx__control_t *mine,
-                                              int lane, uint64_t epoch) {
+                                              int lane, uint64_t epoch, bool unmasked = false) {
   if (lane >= ctx.num_ranks) return true;
-  epx::st_release_sys((uint64_t *)&epx::control_of(ctx, lane)->barrier_inbox[ctx.rank], epoch);
-  return epx::wait_geq(ctx, (const uint64_t *)&mine->barrier_inbox[lane], epoch, EPX_STAGE_BARRIER,
-                       lane);
-}
-
-/* The unmasked barrier's round (its own epochs and inboxes): as barrier_round, but the lanes of
- * peers this rank has masked (the low-latency peer mask: DeepEP's shrink mode) do nothing. */
-__device__ __forceinline__ void unmasked_round(const epx__kernel_ctx_t &ctx, epx__control_t *mine,
-                                               int lane, uint64_t epoch) {
-  if (lane >= ctx.num_ranks) return;
-  if (lane != ctx.rank && ((*(volatile unsigned *)&mine->ll_peer_mask >> lane) & 1u)) return;
-  epx::st_release_sys((uint64_t *)&epx::control_of(ctx, lane)->unmasked_barrier_inbox[ctx.rank],
-                      epoch);
-  epx::wait_geq(ctx, (const uint64_t *)&mine->unmasked_barrier_inbox[lane], epoch,
-                EPX_STAGE_BARRIER, lane);
+  if (unmasked && lane != ctx.rank && ((*(volatile unsigned *)&mine->ll_peer_mask >> lane) & 1u))
+    return true;
+  epx__control_t *theirs = epx::control_of(ctx, lane);
+  uint64_t *to = (uint64_t *)(unmasked ? theirs->unmasked_barrier_inbox : theirs->barrier_inbox);
+  const uint64_t *from =
+      (const uint64_t *)(unmasked ? mine->unmasked_barrier_inbox : mine->barrier_inbox);
+  epx::st_release_sys(to + ctx.rank, epoch);
+  return epx::wait_geq(ctx, from + lane, epoch, EPX_STAGE_BARRIER, lane);
 }
 
 __global__ void barrier_kernel(epx__kernel_ctx_t ctx, int skip_masked) {
@@ -46,10 +41,7 @@ __global__ void barrier_kernel(epx__kernel_ctx_t ctx, int skip_masked) {
   const uint64_t epoch = *count + 1;
   __syncwarp();
   if (lane == 0) *count = epoch;
-  if (skip_masked)
-    unmasked_round(ctx, mine, lane, epoch);
-  else
-    barrier_round(ctx, mine, lane, epoch);
+  barrier_round(ctx, mine, lane, epoch, skip_masked != 0);
   epx::trace_end_last(ctx, t0, EPX_TRACE_BARRIER, lane < ctx.num_ranks ? lane : -1);
 }
 

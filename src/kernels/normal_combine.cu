@@ -148,6 +148,14 @@ __device__ __forceinline__ bool wait_chunk(const epx__kernel_ctx_t &ctx, const C
       (long long)target);
 }
 
+/* Lane p, a peer: wait until p has finished the combine that last used this call's slab parity
+ * (call - 2), as every store into p's slab must (wait_chunk, naming p). True when it has. */
+__device__ __forceinline__ bool wait_parity_free(const epx__kernel_ctx_t &ctx,
+                                                 const CombineView &cv, int lane) {
+  return wait_chunk(ctx, cv, (const uint64_t *)&epx::control_of(ctx)->combine_finished[lane],
+                    cv.call - 1, lane);
+}
+
 /* Gated combines (a.gate): wait until source s's rows are written on this GPU (combine_wait,
  * naming this rank, s and the gate value: its own FFN never finished). Returns whether they are
  * valid: false for the invalid bit, and after a timeout or another wait's, so that the rows then
@@ -446,9 +454,7 @@ __device__ __forceinline__ void combine_send(const epx__kernel_ctx_t &ctx,
   if (cv.call >= 2) {
     const bool waits = lane < R && lane != me;
     const uint64_t t_wait = epx::trace_begin(ctx);
-    if (waits)
-      ok = wait_chunk(ctx, cv, (const uint64_t *)&epx::control_of(ctx)->combine_finished[lane],
-                      cv.call - 1, lane);
+    if (waits) ok = wait_parity_free(ctx, cv, lane);
     epx::trace_end_last(ctx, t_wait, EPX_TRACE_COMBINE_WAIT, waits ? lane : -1);
   }
   if (__all_sync(0xffffffffu, ok) && lane == 0) {
@@ -682,20 +688,14 @@ __device__ __forceinline__ void combine_finish(const epx__kernel_ctx_t &ctx,
 }
 
 /* epx__combine_slab_free_launch's kernel: lane p waits for peer p as combine_send's wait. */
+/* A timeout marks this call aborted (combine_wait), so its combine gives its waits up at once:
+ * one budget. Only cv.call is read. */
 __global__ void slab_free_kernel(epx__kernel_ctx_t ctx) {
-  const int lane = threadIdx.x, me = ctx.rank;
-  epx__control_t *ctrl = epx::control_of(ctx);
-  const unsigned call = *(volatile const unsigned *)&ctrl->combine_calls;
-  if (call < 2 || lane >= ctx.num_ranks || lane == me) return;
-  const uint64_t *flag = (const uint64_t *)&ctrl->combine_finished[lane];
-  const epx::WaitResult r = epx::wait_until<kChunkPollSleepNs>(
-      ctx.timeout_ns, [&] { return epx::ld_acquire_sys(flag) >= (uint64_t)call - 1; },
-      epx::NeverAbandon());
-  if (r != epx::WaitResult::kReady) {
-    epx::raise_error(ctx, EPX_ERR_TIMEOUT, EPX_STAGE_COMBINE, lane, -1, (long long)call - 1);
-    /* this call's combine (cv.call == call) then gives its waits up at once: one budget */
-    atomicExch(&ctrl->combine_abort, call + 1);
-  }
+  const int lane = threadIdx.x;
+  CombineView cv = {};
+  cv.call = *(volatile const unsigned *)&epx::control_of(ctx)->combine_calls;
+  if (cv.call < 2 || lane >= ctx.num_ranks || lane == ctx.rank) return;
+  wait_parity_free(ctx, cv, lane);
 }
 
 }  // namespace
