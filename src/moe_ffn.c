@@ -30,6 +30,7 @@
 #include "kernels/api.h"
 #include "moe_prefill.h"
 #include "moe_tiles.h"
+#include "param.h"
 
 void epx__moe_assign_lanes(const int *count, int L, int lanes, int *lane) {
   long long load[EPX__MOE_MAX_LANES] = {0};
@@ -184,7 +185,7 @@ static epx_status_t ffn_batched(epx_moe_prefill_t p, const epx__moe_rows_t *rows
   ra.num_experts = L;
   ra.begin = p->blocked_begin; /* the blocks, written by the gate/up pointer kernel */
   ra.count = rows->count_dev;
-  ra.num_blocks = 2 * (sm_target ? sm_target : p->device_sms);
+  ra.num_blocks = epx__moe_row_blocks(p, sm_target);
   EPX_CHECK(epx__moe_rows_launch(&ra, stream));
   const epx__moe_batched_gemm_t dn = {.w = (const char *)w->down,
                                       .w_stride = (size_t)H * I * 2,
@@ -206,6 +207,11 @@ static epx_status_t ffn_batched(epx_moe_prefill_t p, const epx__moe_rows_t *rows
   return epx__moe_gemm_bf16_batched(p, &dn, 0, ws + l->blas, stream);
 }
 
+int epx__moe_row_blocks(epx_moe_prefill_t p, int sms) {
+  const int64_t per_sm = epx__param_MoeRowBlocksPerSm();
+  return (per_sm >= 1 && per_sm <= 8 ? (int)per_sm : 4) * (sms ? sms : p->device_sms);
+}
+
 /* The workspace check every FFN entry makes. */
 static epx_status_t ffn_layout(epx_moe_prefill_t p, size_t ws_bytes, epx__moe_ws_layout_t *l) {
   *l = epx__moe_plan_ws_layout(p);
@@ -225,7 +231,7 @@ static epx__moe_rows_launch_args_t rows_args(epx_moe_prefill_t p, const epx__moe
   ra.num_experts = p->L;
   ra.begin = rows->begin_dev;
   ra.count = rows->count_dev;
-  ra.num_blocks = 2 * (sms ? sms : p->device_sms);
+  ra.num_blocks = epx__moe_row_blocks(p, sms);
   return ra;
 }
 

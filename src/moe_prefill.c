@@ -697,7 +697,7 @@ static void enqueue_dispatch(chunk_call_t *k, int c) {
   d.x_dtype = EPX_DTYPE_BF16;
   if (p->wire_fp8) { /* quantize the chunk's tokens on the communication stream, send FP8 */
     const int share = local_blocks(k, c > 0);
-    const int blocks = share > 0 ? share : 2 * p->device_sms;
+    const int blocks = share > 0 ? share : epx__moe_row_blocks(p, 0);
     const epx__moe_quantize_tokens_launch_args_t qa = {
         d.x, k->ws + k->l.send, (float *)(k->ws + k->l.send_s), T, H, blocks};
     /* A failure is returned at the end; the dispatch goes anyway (every rank must make it,

@@ -176,6 +176,9 @@ typedef struct {
  * blocked (expert j's rows from j x that), for epx__combine_expand_blocked. */
 epx_status_t epx__moe_ffn(epx_moe_prefill_t p, const epx__moe_rows_t *rows, int overlapped,
                           char *ws, size_t ws_bytes, int *y_block_rows, cudaStream_t stream);
+/* Blocks of a row kernel (moe_prefill.cu: 256 threads, memory-bound) over sms SMs (0: every SM
+ * of the GPU): EPX_MOE_ROW_BLOCKS_PER_SM a SM (docs/env.md). */
+int epx__moe_row_blocks(epx_moe_prefill_t p, int sms);
 /* The phases' rows (api.h's epx__moe_phase_parts_args_t, as the parts kernel computes them on
  * the device): by_source [L][R] rows of source s for expert j; phase_begin [R (L + 1)] gets
  * source s's segments, each part at a multiple of 4 rows, sources one after another. Returns

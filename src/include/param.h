@@ -52,5 +52,7 @@ EPX_PARAM(MoePhasesCopyEngine, "MOE_PHASES_COPY_ENGINE", 1)
 /* epx_moe_prefill: the blocks of a combine that runs alone (the chain's, an overlapped call's
  * last, the phases'); 0: every SM of the GPU */
 EPX_PARAM(MoeAloneCombineBlocks, "MOE_ALONE_COMBINE_BLOCKS", 0)
+/* the prefill layer's row kernels (SwiGLU, quantize, scales): blocks of 256 threads per SM */
+EPX_PARAM(MoeRowBlocksPerSm, "MOE_ROW_BLOCKS_PER_SM", 4)
 
 #endif /* EPX_PARAM_H_ */
