@@ -1150,11 +1150,15 @@ typedef struct epx_moe_prefill_args {
   const float *topk_weights;  /* [IN] [T, K] float32 gate weights, or NULL (all 1) */
   int num_tokens;             /* T: chain, 0..max_tokens_per_rank; overlapped, 0..num_chunks x
                                  max_tokens_per_rank (each chunk at most max_tokens_per_rank) */
-  int overlap;                /* EPX_MOE_OVERLAP_CHUNKS (1): chunks pipelined over the plan's two
-                                 groups; EPX_MOE_CHAIN (0): one dispatch, FFN and combine on
-                                 group 0, on stream; EPX_MOE_OVERLAP_PHASES (2): one dispatch on
-                                 group 0, the down projection in phases by source rank, each
-                                 phase's rows sent back while the next computes */
+  int overlap;                /* EPX_MOE_CHAIN (0, the default): one dispatch, FFN and combine
+                                 on group 0, on stream; EPX_MOE_OVERLAP_CHUNKS (1): chunks
+                                 pipelined over the plan's two groups; EPX_MOE_OVERLAP_PHASES
+                                 (2): one dispatch on group 0, the down projection in phases by
+                                 source rank, each phase's rows sent back while the next
+                                 computes. The chain is the default because neither overlap
+                                 has been measured faster than it beyond the noise (2 ranks:
+                                 chunks 0.88-0.99x, phases 0.93-1.00x on H200; 4 ranks, before
+                                 2026-11-28: chunks 0.97-1.02x; docs/moe.md) */
   void *out;                  /* [OUT] [T, H] BF16, 16-byte aligned */
   void *workspace;            /* device scratch of epx_moe_prefill_workspace_size bytes, 256-byte
                                  aligned; not shared by two calls in flight */
@@ -1180,7 +1184,7 @@ typedef struct epx_moe_prefill_args {
 #define EPX_MOE_OVERLAP_PHASES 2
 
 #define EPX_MOE_PREFILL_ARGS_INIT \
-  { sizeof(epx_moe_prefill_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, 1, NULL, NULL, 0 }
+  { sizeof(epx_moe_prefill_args_t), NULL, NULL, EPX_DTYPE_INT64, NULL, 0, 0, NULL, NULL, 0 }
 
 /* epx_moe_prefill - one MoE layer at prefill size: dispatch (expert-major), the local experts'
  * SwiGLU FFN, combine. COLLECTIVE over the plan's groups: every rank calls it (T may be 0) with

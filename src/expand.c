@@ -135,7 +135,8 @@ static epx_status_t refuse_for_all(epx_group_t g, epx_handle_t h, epx_dispatch_e
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
                                           const epx_dispatch_args_t *a,
                                           epx_dispatch_expand_result_t *out, cudaStream_t stream,
-                                          int local_blocks, epx__expand_pending_t *pending) {
+                                          int local_blocks, int fan_out,
+                                          epx__expand_pending_t *pending) {
   const char *fn = kDispatchFn;
   memset(pending, 0, sizeof *pending);
   EPX_CHECK(epx__dispatch_check_call(g, h, fn, a, out));
@@ -175,7 +176,8 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
    * epx__expand_fan_out_blocks says (too few fall behind the landing rows, too many slow the
    * transfer; docs/moe.md, "Fan-out DURING"). Group creation checked that 2 x num_sms blocks
    * fit. */
-  if (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING)
+  if (fan_out == 0) fan_out = g->config.expand_fan_out;
+  if (fan_out == EPX_EXPAND_FAN_OUT_DURING && 2 * g->config.num_sms <= g->num_device_sms)
     xa.fan_out_blocks =
         epx__expand_fan_out_blocks(g->num_device_sms, g->config.num_sms, g->num_ranks,
                                    g->config.top_k, epx__param_ExpandFanOutBlocks());
@@ -236,7 +238,7 @@ EPX_EXPORT epx_status_t epx_dispatch_expand(epx_group_t g, epx_handle_t h,
                                             epx_dispatch_expand_result_t *out,
                                             cudaStream_t stream) {
   epx__expand_pending_t pending;
-  EPX_CHECK(epx__dispatch_expand_enqueue(g, h, a, out, stream, 0, &pending));
+  EPX_CHECK(epx__dispatch_expand_enqueue(g, h, a, out, stream, 0, 0, &pending));
   return epx__dispatch_expand_finish(g, h, &pending, out);
 }
 

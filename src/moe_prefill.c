@@ -684,6 +684,18 @@ static int combine_blocks(const chunk_call_t *k, int beside_gemms) {
   return asked > 0 && asked < k->p->device_sms ? (int)asked : k->p->device_sms;
 }
 
+/* Where a dispatch's fan-out runs (epx__dispatch_expand_enqueue's fan_out): with nothing of the
+ * layer beside it (the chain's, the phases'), DURING unless EPX_MOE_ALONE_FAN_OUT says otherwise:
+ * the copies to a token's other rows then run as its rows land, on SMs the dispatch leaves idle,
+ * instead of in a kernel after it (docs/moe.md, "The dispatch's fan-out in the layer"); beside a
+ * chunk's GEMMs the group's config, whose DURING blocks would take the GEMMs' SMs. The same on
+ * every rank: the overlap mode and the knob are. */
+static int dispatch_fan_out(const chunk_call_t *k) {
+  if (k->a->overlap == EPX_MOE_OVERLAP_CHUNKS) return 0;
+  const int64_t asked = epx__param_MoeAloneFanOut();
+  return asked == EPX_EXPAND_FAN_OUT_AFTER || asked == EPX_EXPAND_FAN_OUT_DURING ? (int)asked : 0;
+}
+
 /* Queue chunk c's dispatch on the communication stream (no host wait: the counts are waited for
  * in run_ffn, after the next chunk's dispatch is queued). */
 static void enqueue_dispatch(chunk_call_t *k, int c) {
@@ -715,8 +727,9 @@ static void enqueue_dispatch(chunk_call_t *k, int c) {
   d.sync_counts = 1;
   d.num_recv_per_expert = k->counts[s];
   p->handles[s]->expand = 0; /* set again by the dispatch once everything is queued */
-  const epx_status_t st = epx__dispatch_expand_enqueue(
-      p->groups[s], p->handles[s], &d, &k->res[s], k->comm, local_blocks(k, c > 0), &k->pending[s]);
+  const epx_status_t st =
+      epx__dispatch_expand_enqueue(p->groups[s], p->handles[s], &d, &k->res[s], k->comm,
+                                   local_blocks(k, c > 0), dispatch_fan_out(k), &k->pending[s]);
   keep_first(k, st);
   /* Without this record the FFN's wait would pass on a stale event and read rows still
    * arriving: such a chunk gets no FFN (its combine still runs). */

@@ -418,7 +418,7 @@ def EPX_MOE_PREFILL_INFO_INIT():
 
 def EPX_MOE_PREFILL_ARGS_INIT():
     return epx_moe_prefill_args_t(size=ctypes.sizeof(epx_moe_prefill_args_t),
-                                  topk_idx_dtype=EPX_DTYPE_INT64, overlap=1)
+                                  topk_idx_dtype=EPX_DTYPE_INT64, overlap=0)
 
 
 INITS = {

@@ -1,7 +1,8 @@
 """epx.MoePrefill: the MoE layer at prefill (epx_moe_prefill, docs/moe.md "MoE layer at
 prefill") over one or two epx.Group objects made with expand_max_rows: expert-major dispatch,
-the experts' SwiGLU FFN through cuBLAS (or EPX's own FFN), weighted combine; with two groups the
-tokens are cut into chunks whose communication overlaps the other chunks' GEMMs.
+the experts' SwiGLU FFN through cuBLAS (or EPX's own FFN), weighted combine, one after another
+by default; with two groups and overlap=True the tokens are cut into chunks whose communication
+overlaps the other chunks' GEMMs.
 
 The plan holds its groups and experts (Python references keep them alive); destroy it before
 its groups. torch is imported lazily.
@@ -99,13 +100,14 @@ class MoePrefill:
             g._ptr(fn)  # destroyed, its borrowed communicator still there)
         return self._plan
 
-    def __call__(self, x, topk_idx, topk_weights=None, *, overlap=True, out=None, stream=None):
+    def __call__(self, x, topk_idx, topk_weights=None, *, overlap=False, out=None, stream=None):
         """One layer (COLLECTIVE over the plan's groups; the host waits for each chunk's count
         exchange, so not capturable). x [T, H] bf16; topk_idx [T, K] int64/int32; topk_weights
-        [T, K] float32 or None (1). overlap: True, chunks over both groups (needs two); False,
-        the chain on the first; "phases", the down projection by source rank with each phase's
-        rows sent back while the next computes (EPX's grouped FP8 GEMM only; docs/moe.md,
-        "Phases by source"). Returns out [T, H] bf16 (a new tensor unless given)."""
+        [T, K] float32 or None (1). overlap: False (the default), the chain on the first group
+        (neither overlap has been measured faster than it beyond the noise: docs/moe.md); True,
+        chunks over both groups (needs two); "phases", the down projection by source rank with
+        each phase's rows sent back while the next computes (EPX's grouped FP8 GEMM only;
+        docs/moe.md, "Phases by source"). Returns out [T, H] bf16 (a new tensor unless given)."""
         torch = _torch()
         fn = "MoePrefill"
         if isinstance(overlap, str) and overlap != "phases":

@@ -31,11 +31,15 @@ typedef struct {
  * fan-out on stream;
  * no host wait. local_blocks: the blocks of the fan-out, a local HBM pass (0: two per SM of the
  * GPU, for a dispatch alone on the GPU; the prefill layer passes its communication's share when
- * GEMMs run beside it, so the fan-out does not hold every SM while they wait to start). */
+ * GEMMs run beside it, so the fan-out does not hold every SM while they wait to start).
+ * fan_out: 0 the group's config.expand_fan_out; EPX_EXPAND_FAN_OUT_AFTER or _DURING this call's
+ * (DURING only where 2 x num_sms blocks fit the GPU, as group creation checks; else AFTER). Every
+ * rank must pass the same. */
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
                                           const epx_dispatch_args_t *a,
                                           epx_dispatch_expand_result_t *out, cudaStream_t stream,
-                                          int local_blocks, epx__expand_pending_t *pending);
+                                          int local_blocks, int fan_out,
+                                          epx__expand_pending_t *pending);
 /* With sync_counts: waits for this dispatch's count exchange (bounded by the notify's budget,
  * EPX_ERR_TIMEOUT when it ran out) and fills num_recv_per_expert; then fills *out and refuses
  * a row count past the capacity, as epx_dispatch_expand does. */
