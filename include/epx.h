@@ -1156,9 +1156,10 @@ typedef struct epx_moe_prefill_args {
                                  (2): one dispatch on group 0, the down projection in phases by
                                  source rank, each phase's rows sent back while the next
                                  computes. The chain is the default because neither overlap
-                                 has been measured faster than it beyond the noise (2 ranks:
-                                 chunks 0.88-0.99x, phases 0.93-1.00x on H200; 4 ranks, before
-                                 2026-11-28: chunks 0.97-1.02x; docs/moe.md) */
+                                 has been measured faster than it beyond the noise (4096
+                                 tokens a rank on H200; 2 ranks: chunks 0.85-1.03x, phases
+                                 0.93-1.00x; 4 ranks: chunks 0.93-0.98x, phases 0.89-1.01x;
+                                 docs/moe.md) */
   void *out;                  /* [OUT] [T, H] BF16, 16-byte aligned */
   void *workspace;            /* device scratch of epx_moe_prefill_workspace_size bytes, 256-byte
                                  aligned; not shared by two calls in flight */
@@ -1180,7 +1181,8 @@ typedef struct epx_moe_prefill_args {
  * Measured (4096 tokens a rank, 2 ranks): with the copy engines 0.94-1.01x the chain at
  * DeepSeek-V3's experts and 1.01-1.03x at Qwen3-30B-A3B's on H200 against a chain whose combine
  * had the group's num_sms blocks (on SMs 0.88-0.93x); with the chain's combine on every SM too,
- * as now, 0.90-0.92x and 0.99x on H100 (docs/moe.md). */
+ * as now, 0.90-0.92x and 0.99x on H100; 2026-11-28 on H200: 0.93-0.99x and 0.97-1.00x at 2 ranks,
+ * 0.89-0.90x and 1.01x at 4 (docs/moe.md). */
 #define EPX_MOE_OVERLAP_PHASES 2
 
 #define EPX_MOE_PREFILL_ARGS_INIT \
