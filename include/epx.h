@@ -1199,17 +1199,19 @@ typedef struct epx_moe_prefill_args {
  * and DeepSeek-V3's block scaling; combine as epx_combine_expand (weighted). SMs: a combine
  * beside a chunk's GEMMs takes the group's config.num_sms; one with nothing of the layer beside
  * it (the chain's, an overlapped call's last, the phases') takes every SM of the GPU (its sums
- * are latency-bound; EPX_MOE_ALONE_COMBINE_BLOCKS=N limits it to N, docs/env.md).
- * Every argument is checked before anything is queued, identically on every rank for the
- * group's shape, so a refused call leaves no peer waiting; once a dispatch is queued its combine
- * is queued too (a GEMM failure is returned after the combines). That combine's rows go marked
- * not valid: every peer leaves them out of its sums and records EPX_ERR_PEER_DATA (stage
- * COMBINE, naming this rank) in its async error record (docs/api.md, "After a fault").
- * Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the argument, or a chunk's rows
- * past config.expand_max_rows (as epx_dispatch_expand); EPX_ERR_INVALID_USAGE (overlap with a
- * one-group plan; a stream being captured); EPX_ERR_TIMEOUT as epx_dispatch_expand;
- * EPX_ERR_CUDA (cuBLAS failures are
- * reported as EPX_ERR_CUDA with cuBLAS's status named). */
+ * are latency-bound; EPX_MOE_ALONE_COMBINE_BLOCKS=N limits it to N, docs/env.md); the chain's and
+ * the phases' dispatch fans out DURING the transfer (num_sms sending blocks and about 1.7-2.8 x
+ * num_sms more, at most the SMs left; EPX_MOE_ALONE_FAN_OUT, compared at group creation), the
+ * chunks' as the group's config.expand_fan_out says. Every argument is checked before anything is
+ * queued, identically on every rank for the group's shape, so a refused call leaves no peer
+ * waiting; once a dispatch is queued its combine is queued too (a GEMM failure is returned after
+ * the combines). That combine's rows go marked not valid: every peer leaves them out of its sums
+ * and records EPX_ERR_PEER_DATA (stage COMBINE, naming this rank) in its async error record
+ * (docs/api.md, "After a fault"). Returns EPX_OK once queued; EPX_ERR_INVALID_ARGUMENT naming the
+ * argument, or a chunk's rows past config.expand_max_rows (as epx_dispatch_expand);
+ * EPX_ERR_INVALID_USAGE (overlap with a one-group plan; a stream being captured); EPX_ERR_TIMEOUT
+ * as epx_dispatch_expand; EPX_ERR_CUDA (cuBLAS failures are reported as EPX_ERR_CUDA with cuBLAS's
+ * status named). */
 epx_status_t epx_moe_prefill(epx_moe_prefill_t plan, const epx_moe_prefill_args_t *args,
                              cudaStream_t stream);
 

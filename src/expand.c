@@ -97,6 +97,14 @@ int epx__expand_fan_out_blocks(int device_sms, int num_sms, int num_ranks, int t
   return blocks < 1 ? 1 : blocks > room ? room : (int)blocks;
 }
 
+int epx__expand_alone_fan_out(int64_t asked, int config_fan_out, int num_sms, int device_sms) {
+  const int mode = asked == EPX_EXPAND_FAN_OUT_AFTER || asked == EPX_EXPAND_FAN_OUT_DURING
+                       ? (int)asked
+                       : config_fan_out;
+  return mode == EPX_EXPAND_FAN_OUT_DURING && 2 * num_sms <= device_sms ? EPX_EXPAND_FAN_OUT_DURING
+                                                                        : EPX_EXPAND_FAN_OUT_AFTER;
+}
+
 int epx__expand_publish_batch(int64_t want) {
   return want < 1 ? 1 : want > 32 ? 32 : (int)want;
 }

@@ -21,6 +21,7 @@
 #include "checks.h"
 #include "config.h"
 #include "debug.h"
+#include "expand.h"
 #include "group.h"
 #include "kernels/api.h"
 #include "param.h"
@@ -77,6 +78,7 @@ enum {
   FP_LL_MAX_TOKENS,
   FP_EXPAND_ROWS,
   FP_EXPAND_FAN_OUT,
+  FP_ALONE_FAN_OUT,
   FP_TRACE, /* EPX_TRACE set: not compared (no name); tracing starts if every rank has it */
   FP_COUNT
 };
@@ -97,7 +99,8 @@ static const char *const fp_names[FP_COUNT] = {"local status",
                                                "config.ll_route",
                                                "config.ll_max_tokens_per_rank",
                                                "config.expand_max_rows",
-                                               "config.expand_fan_out"};
+                                               "config.expand_fan_out",
+                                               "EPX_MOE_ALONE_FAN_OUT as this GPU resolves it"};
 
 /* Ranks reach epx_group_create at times further apart than calls of a running group (model
  * loading), and a transfer's length grows with its bytes: ten wait budgets, at least a
@@ -267,6 +270,9 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
   mine[FP_LL_MAX_TOKENS] = cfg.ll_max_tokens_per_rank;
   mine[FP_EXPAND_ROWS] = cfg.expand_max_rows;
   mine[FP_EXPAND_FAN_OUT] = cfg.expand_fan_out;
+  const int alone_fan_out = epx__expand_alone_fan_out(
+      epx__param_MoeAloneFanOut(), cfg.expand_fan_out, cfg.num_sms, num_device_sms);
+  mine[FP_ALONE_FAN_OUT] = alone_fan_out;
   mine[FP_TRACE] = epx__trace_env_requested();
   /* On the stack for every supported rank count: no allocation that could fail here alone. */
   long long all_small[EPX_MAX_RANKS * FP_COUNT];
@@ -291,6 +297,7 @@ EPX_EXPORT epx_status_t epx_group_create(ncclComm_t comm, const epx_group_config
     group_release_prepared(g);
     return res;
   }
+  g->alone_fan_out = alone_fan_out;
 
   /* From here on every step is collective or agreed: the transport open agrees on its
    * allocation; nothing that can fail on one rank alone comes after it. */

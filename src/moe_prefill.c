@@ -476,7 +476,9 @@ EPX_EXPORT epx_status_t epx_moe_prefill_create(const epx_group_t *groups, int nu
   /* The communication's SMs: num_sms, twice that with DURING. DURING's fan-out blocks
    * (epx__expand_fan_out_blocks) can be more than num_sms (66 at EP2 with 24 senders); those past
    * the reserve take SMs as the GEMMs' blocks end. The plan reserves only what group creation
-   * checked; docs/moe.md has the layer measured with DURING (slower than AFTER). */
+   * checked; docs/moe.md has the chunked layer measured with a DURING group (slower than AFTER).
+   * The chain's and the phases' dispatches fan out as the group's alone_fan_out says instead
+   * (dispatch_fan_out): nothing of the layer runs beside them. */
   const int comm_sms =
       g->config.num_sms * (g->config.expand_fan_out == EPX_EXPAND_FAN_OUT_DURING ? 2 : 1);
   p->gemm_sms = cfg.gemm_sms ? cfg.gemm_sms : g->num_device_sms - comm_sms;
@@ -685,15 +687,14 @@ static int combine_blocks(const chunk_call_t *k, int beside_gemms) {
 }
 
 /* Where a dispatch's fan-out runs (epx__dispatch_expand_enqueue's fan_out): with nothing of the
- * layer beside it (the chain's, the phases'), DURING unless EPX_MOE_ALONE_FAN_OUT says otherwise:
- * the copies to a token's other rows then run as its rows land, on SMs the dispatch leaves idle,
- * instead of in a kernel after it (docs/moe.md, "The dispatch's fan-out in the layer"); beside a
- * chunk's GEMMs the group's config, whose DURING blocks would take the GEMMs' SMs. The same on
- * every rank: the overlap mode and the knob are. */
+ * layer beside it (the chain's, the phases'), the group's alone_fan_out (DURING unless
+ * EPX_MOE_ALONE_FAN_OUT says otherwise): the copies to a token's other rows then run as its rows
+ * land, on SMs the dispatch leaves idle, instead of in a kernel after it (docs/moe.md, "The row
+ * kernels' occupancy, DURING in the chain"); beside a chunk's GEMMs the group's config, whose
+ * DURING blocks would take the GEMMs' SMs. The same on every rank: the overlap mode is, and group
+ * creation compared alone_fan_out. */
 static int dispatch_fan_out(const chunk_call_t *k) {
-  if (k->a->overlap == EPX_MOE_OVERLAP_CHUNKS) return 0;
-  const int64_t asked = epx__param_MoeAloneFanOut();
-  return asked == EPX_EXPAND_FAN_OUT_AFTER || asked == EPX_EXPAND_FAN_OUT_DURING ? (int)asked : 0;
+  return k->a->overlap == EPX_MOE_OVERLAP_CHUNKS ? 0 : k->p->groups[0]->alone_fan_out;
 }
 
 /* Queue chunk c's dispatch on the communication stream (no host wait: the counts are waited for

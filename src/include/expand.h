@@ -51,6 +51,11 @@ epx_status_t epx__dispatch_expand_finish(epx_group_t g, epx_handle_t h,
  * `want` (EPX_EXPAND_FAN_OUT_BLOCKS) when it is 1 or more, else a default that grows with the
  * copies a received token needs (src/expand.c says how it was fitted). Pure; host-tested. */
 int epx__expand_fan_out_blocks(int device_sms, int num_sms, int num_ranks, int top_k, int64_t want);
+/* Where the prefill layer's dispatch with nothing beside it fans out: `asked`
+ * (EPX_MOE_ALONE_FAN_OUT) when it is EPX_EXPAND_FAN_OUT_AFTER or _DURING, else config_fan_out (the
+ * group's resolved config.expand_fan_out); DURING only where its 2 x num_sms blocks fit
+ * device_sms, else AFTER. Group creation compares the result across ranks. Pure; host-tested. */
+int epx__expand_alone_fan_out(int64_t asked, int config_fan_out, int num_sms, int device_sms);
 /* DURING's tokens per publish (EPX_EXPAND_PUBLISH_BATCH) clamped to 1..32. Pure; host-tested. */
 int epx__expand_publish_batch(int64_t want);
 

@@ -22,6 +22,10 @@ struct epx_group {
   int rank, num_ranks, cuda_device, num_device_sms;
   ncclComm_t comm;
   epx_group_config_t config; /* resolved: no auto fields */
+  /* Where the prefill layer's dispatch with nothing beside it fans out (AFTER or DURING):
+   * EPX_MOE_ALONE_FAN_OUT resolved against this GPU at creation, compared across ranks there
+   * (DURING's senders and receivers must agree; epx__expand_alone_fan_out). */
+  int alone_fan_out;
   epx__ws_layout_t layout;
   const struct epx__transport_ops *transport;
   void *transport_state;

@@ -54,7 +54,8 @@ EPX_PARAM(MoePhasesCopyEngine, "MOE_PHASES_COPY_ENGINE", 1)
 EPX_PARAM(MoeAloneCombineBlocks, "MOE_ALONE_COMBINE_BLOCKS", 0)
 /* the prefill layer's row kernels (SwiGLU, quantize, scales): blocks of 256 threads per SM */
 EPX_PARAM(MoeRowBlocksPerSm, "MOE_ROW_BLOCKS_PER_SM", 4)
-/* the prefill layer's dispatch with nothing beside it: 0 the group's fan-out, 1 AFTER, 2 DURING */
+/* the prefill layer's dispatch with nothing beside it: 0 the group's fan-out, 1 AFTER, 2 DURING
+ * (read at group creation, which compares it across ranks: group.h alone_fan_out) */
 EPX_PARAM(MoeAloneFanOut, "MOE_ALONE_FAN_OUT", 2)
 
 #endif /* EPX_PARAM_H_ */

@@ -137,11 +137,12 @@ __global__ void __launch_bounds__(kThreads)
  * thread a value, as before, this took 43 us at DeepSeek-V3's shape (a 4-byte store a row
  * apart). Rows past their segment's count get 1. */
 constexpr int kScaleTileRows = 32;
-constexpr int kScaleTileGroups = 64; /* groups a pass: all of them up to H = 8192 */
+constexpr int kScaleTileGroups = 64; /* groups a pass: one pass up to H = 8192, more past it */
 __global__ void __launch_bounds__(kThreads)
     moe_segment_scales_kernel(epx__moe_segment_scales_launch_args_t a) {
-  __shared__ float tile[kScaleTileRows * (kScaleTileGroups + 1)]; /* +1: no bank conflicts */
-  __shared__ int row_out[kScaleTileRows], row_stride[kScaleTileRows], row_real[kScaleTileRows];
+  __shared__ float tile[kScaleTileRows * (kScaleTileGroups + 1)]; /* pitch gn | 1 <= 65 */
+  __shared__ long long row_out[kScaleTileRows]; /* b G + (r - b): past 2^31 at 2^24 rows */
+  __shared__ int row_stride[kScaleTileRows], row_real[kScaleTileRows];
   const int G = a.groups;
   const int tiles = (a.num_rows + kScaleTileRows - 1) / kScaleTileRows;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -150,18 +151,18 @@ __global__ void __launch_bounds__(kThreads)
       const int r = r0 + threadIdx.x;
       const int j = epx::segment_of(a.begin, a.num_experts, r);
       const int b = __ldg(a.begin + j);
-      row_out[threadIdx.x] = b * G + (r - b);
+      row_out[threadIdx.x] = (long long)b * G + (r - b);
       row_stride[threadIdx.x] = __ldg(a.begin + j + 1) - b;
       row_real[threadIdx.x] = r - b < __ldg(a.count + j);
     }
     for (int g0 = 0; g0 < G; g0 += kScaleTileGroups) {
-      const int gn = min(kScaleTileGroups, G - g0), pitch = gn + 1;
+      const int gn = min(kScaleTileGroups, G - g0), pitch = gn | 1; /* odd: no conflicts */
       for (int i = threadIdx.x; i < n * gn; i += kThreads)
         tile[(i / gn) * pitch + i % gn] = a.in[(size_t)(r0 + i / gn) * G + g0 + i % gn];
       __syncthreads();
       for (int i = threadIdx.x; i < n * gn; i += kThreads) {
         const int g = i / n, rr = i % n; /* consecutive threads: consecutive rows of a group */
-        a.out[(size_t)row_out[rr] + (size_t)(g0 + g) * row_stride[rr]] =
+        a.out[row_out[rr] + (long long)(g0 + g) * row_stride[rr]] =
             row_real[rr] ? tile[rr * pitch + g] : 1.f;
       }
       __syncthreads(); /* the tile and the row arrays are reused */

@@ -327,3 +327,67 @@ EPX_ONE_GPU_TEST(moe_fp8_wire_quantizes_as_expert_side, 120) {
   cudaFree(scales_c), cudaFree(begin_d), cudaFree(count_d);
   return TEST_PASS;
 }
+
+/* The received scales' move into the per-segment layout (epx__moe_segment_scales_launch, 32 rows
+ * at a time through shared memory) against the layout's definition (api.h): row r of segment j,
+ * group g at begin[j] * G + g * S_j + (r - begin[j]), the row's scale where r - begin[j] <
+ * count[j], else 1. Random segments (empty ones, ones that straddle the 32-row tiles, counts
+ * past the segment, 0 and negative), G from 1 to 130 (one pass of 64 groups, two, three), grids
+ * of 1 and 64 blocks; every word must be written (NaN before). */
+EPX_ONE_GPU_TEST(moe_segment_scales_match_the_layout, 60) {
+  enum { L = 9, MAX_ROWS = 9 * 60, MAX_G = 130 };
+  static const int groups[] = {1, 3, 16, 56, 64, 73, 130};
+  uint64_t rng = epx_test_seed() ^ 0x3c6ef372fe94f82bull;
+  float *in_d, *out_d;
+  int *begin_d, *count_d;
+  EXPECT_CUDA(cudaMalloc((void **)&in_d, sizeof(float) * MAX_ROWS * MAX_G));
+  EXPECT_CUDA(cudaMalloc((void **)&out_d, sizeof(float) * MAX_ROWS * MAX_G));
+  EXPECT_CUDA(cudaMalloc((void **)&begin_d, sizeof(int) * (L + 1)));
+  EXPECT_CUDA(cudaMalloc((void **)&count_d, sizeof(int) * L));
+  float *in = malloc(sizeof(float) * MAX_ROWS * MAX_G),
+        *got = malloc(sizeof(float) * MAX_ROWS * MAX_G);
+  float *want = malloc(sizeof(float) * MAX_ROWS * MAX_G);
+  EXPECT(in && got && want);
+  for (size_t gi = 0; gi < sizeof groups / sizeof groups[0]; gi++)
+    for (int grid = 1; grid <= 64; grid *= 64) {
+      const int G = groups[gi];
+      int begin[L + 1], count[L];
+      begin[0] = 0;
+      for (int j = 0; j < L;
+           j++) { /* segments of 0 to 60 rows, a multiple of 4 as the dispatch's */
+        const int rows = 4 * epx_test_rand_int(&rng, 16);
+        begin[j + 1] = begin[j] + rows;
+        const int pick = epx_test_rand_int(&rng, 5);
+        count[j] = pick == 0   ? 0
+                   : pick == 1 ? -3
+                   : pick == 2 ? rows + 5
+                               : epx_test_rand_int(&rng, rows + 1);
+      }
+      const int R = begin[L];
+      for (int i = 0; i < R * G; i++) in[i] = (float)(i + 1) * 0.5f;
+      for (int j = 0; j < L; j++)
+        for (int r = begin[j]; r < begin[j + 1]; r++)
+          for (int g = 0; g < G; g++)
+            want[(size_t)begin[j] * G + (size_t)g * (begin[j + 1] - begin[j]) + (r - begin[j])] =
+                r - begin[j] < count[j] ? in[(size_t)r * G + g] : 1.f;
+      EXPECT_CUDA(cudaMemcpy(in_d, in, sizeof(float) * R * G, cudaMemcpyHostToDevice));
+      EXPECT_CUDA(cudaMemcpy(begin_d, begin, sizeof begin, cudaMemcpyHostToDevice));
+      EXPECT_CUDA(cudaMemcpy(count_d, count, sizeof count, cudaMemcpyHostToDevice));
+      EXPECT_CUDA(cudaMemset(out_d, 0xff, sizeof(float) * MAX_ROWS * MAX_G));
+      const epx__moe_segment_scales_launch_args_t sa = {in_d, out_d,   R,       G,
+                                                        L,    begin_d, count_d, grid};
+      EXPECT_OK(epx__moe_segment_scales_launch(&sa, 0));
+      EXPECT_CUDA(cudaDeviceSynchronize());
+      EXPECT_CUDA(cudaMemcpy(got, out_d, sizeof(float) * R * G, cudaMemcpyDeviceToHost));
+      int bad = 0;
+      for (int i = 0; i < R * G; i++)
+        if (memcmp(&got[i], &want[i], sizeof(float)) != 0 && bad++ < 3)
+          printf("  G %d, grid %d, %d rows: word %d is %g, want %g\n", G, grid, R, i, got[i],
+                 want[i]);
+      EXPECTF(bad == 0, "G %d, grid %d: %d of %d scale words wrong or not written", G, grid, bad,
+              R * G);
+    }
+  free(in), free(got), free(want);
+  cudaFree(in_d), cudaFree(out_d), cudaFree(begin_d), cudaFree(count_d);
+  return TEST_PASS;
+}

@@ -177,3 +177,19 @@ EPX_HOST_TEST(expand_fan_out_resolves, 10) {
   EXPECT(strstr(epx_last_error(), "config.expand_fan_out") != NULL);
   return TEST_PASS;
 }
+
+/* The prefill layer's fan-out for a dispatch alone (EPX_MOE_ALONE_FAN_OUT, compared at group
+ * creation): the knob where it names a mode, else the group's; DURING only where 2 x num_sms
+ * blocks fit the GPU. */
+EPX_HOST_TEST(expand_alone_fan_out_resolves, 10) {
+  const int A = EPX_EXPAND_FAN_OUT_AFTER, D = EPX_EXPAND_FAN_OUT_DURING;
+  EXPECT_EQ_INT(epx__expand_alone_fan_out(2, A, 24, 132), D); /* the default knob */
+  EXPECT_EQ_INT(epx__expand_alone_fan_out(1, D, 24, 132), A); /* the knob over the config */
+  EXPECT_EQ_INT(epx__expand_alone_fan_out(0, D, 24, 132), D); /* 0: the group's */
+  EXPECT_EQ_INT(epx__expand_alone_fan_out(0, A, 24, 132), A);
+  EXPECT_EQ_INT(epx__expand_alone_fan_out(7, A, 24, 132), A); /* not a mode: the group's */
+  EXPECT_EQ_INT(epx__expand_alone_fan_out(2, A, 66, 132), D); /* 2 x 66 = 132 fits */
+  EXPECT_EQ_INT(epx__expand_alone_fan_out(2, A, 67, 132), A); /* 134 blocks do not */
+  EXPECT_EQ_INT(epx__expand_alone_fan_out(0, D, 67, 132), A);
+  return TEST_PASS;
+}
