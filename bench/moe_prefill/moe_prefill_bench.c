@@ -195,10 +195,41 @@ static int timeline_class(const bench_ktime_activity_t *a) {
   return 1;
 }
 
-/* One call of variant v under CUPTI: its kernels to DIR/<tag>.csv (rank 0's: kind, name,
- * stream, start and end in us from the first start) and one line of busy and overlapped time.
- * Every rank makes the barrier and the call whatever CUPTI did here (they are collective);
- * a CUPTI failure is printed and costs only the line. */
+/* A rank's kernels of one timeline call to DIR/<tag>.csv (rank 0) or DIR/<tag>.rank<r>.csv:
+ * kind, name, stream, start and end in us from its first start; one line with that first start
+ * in CUPTI's timestamps (which CUPTI gives on one host clock, so the ranks' timelines can be
+ * laid side by side: check that the barrier lines them up) and the span. Returns 0 once
+ * written. */
+static int timeline_write(const options_t *o, const char *tag, int rank,
+                          const bench_ktime_activity_t *tl, long n) {
+  char path[512];
+  if (rank == 0)
+    snprintf(path, sizeof path, "%s/%s.csv", o->timeline, tag);
+  else
+    snprintf(path, sizeof path, "%s/%s.rank%d.csv", o->timeline, tag, rank);
+  FILE *f = fopen(path, "w");
+  if (!f) return -1;
+  fprintf(f, "kind,name,stream,start_us,end_us\n");
+  for (long i = 0; i < n; i++)
+    fprintf(f, "%s,%s,%u,%.3f,%.3f\n",
+            tl[i].kind == BENCH_KTIME_KERNEL   ? "kernel"
+            : tl[i].kind == BENCH_KTIME_MEMSET ? "memset"
+                                               : "memcpy",
+            tl[i].name ? tl[i].name : "", tl[i].stream_id,
+            (double)(tl[i].start_ns - tl[0].start_ns) * 1e-3,
+            (tl[i].end_ns > tl[0].start_ns ? (double)(tl[i].end_ns - tl[0].start_ns) : 0.0) * 1e-3);
+  fclose(f);
+  uint64_t end = 0;
+  for (long i = 0; i < n; i++) end = tl[i].end_ns > end ? tl[i].end_ns : end;
+  printf("# timeline %s rank %d: first start %llu ns (CUPTI clock), span %.1f us; %s\n", tag, rank,
+         (unsigned long long)tl[0].start_ns, (double)(end - tl[0].start_ns) * 1e-3, path);
+  fflush(stdout);
+  return 0;
+}
+
+/* One call of variant v under CUPTI: every rank's kernels to a file (timeline_write) and, on rank
+ * 0, one line of busy and overlapped time. Every rank makes the barrier and the call whatever
+ * CUPTI did here (they are collective); a CUPTI failure is printed and costs only the line. */
 static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const options_t *o,
                     cudaStream_t stream) {
   static uint64_t next_id = 1;
@@ -218,7 +249,8 @@ static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const opti
   if (rc) return rc;
   bench_ktime_activity_t *tl = NULL;
   const long n = bench_ktime_timeline(id, &tl);
-  if (rank != 0) {
+  if (rank != 0) { /* the other ranks' kernels to DIR/<tag>.rank<r>.csv, one line each */
+    if (n > 0) timeline_write(o, tag, rank, tl, n);
     free(tl);
     return 0;
   }
@@ -228,21 +260,8 @@ static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const opti
     return 0;
   }
   char path[512];
+  const int f = timeline_write(o, tag, 0, tl, n) == 0;
   snprintf(path, sizeof path, "%s/%s.csv", o->timeline, tag);
-  FILE *f = fopen(path, "w");
-  if (f) {
-    fprintf(f, "kind,name,stream,start_us,end_us\n");
-    for (long i = 0; i < n; i++)
-      fprintf(
-          f, "%s,%s,%u,%.3f,%.3f\n",
-          tl[i].kind == BENCH_KTIME_KERNEL   ? "kernel"
-          : tl[i].kind == BENCH_KTIME_MEMSET ? "memset"
-                                             : "memcpy",
-          tl[i].name ? tl[i].name : "", tl[i].stream_id,
-          (double)(tl[i].start_ns - tl[0].start_ns) * 1e-3,
-          (tl[i].end_ns > tl[0].start_ns ? (double)(tl[i].end_ns - tl[0].start_ns) : 0.0) * 1e-3);
-    fclose(f);
-  }
   const bench_ktime_overlap_t ov = bench_ktime_overlap(tl, (size_t)n, timeline_class);
   printf(
       "# timeline %-28s %4ld activities: span %8.1f us, communication busy %8.1f us, "
