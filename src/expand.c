@@ -183,9 +183,9 @@ epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
    * blocks each). DURING: more blocks of the dispatch kernel, as rows land, as many as
    * epx__expand_fan_out_blocks says (too few fall behind the landing rows, too many slow the
    * transfer; docs/moe.md, "Fan-out DURING"). Group creation checked that 2 x num_sms blocks
-   * fit. */
+   * fit for either DURING a caller may pass: the config's and the group's alone_fan_out. */
   if (fan_out == 0) fan_out = g->config.expand_fan_out;
-  if (fan_out == EPX_EXPAND_FAN_OUT_DURING && 2 * g->config.num_sms <= g->num_device_sms)
+  if (fan_out == EPX_EXPAND_FAN_OUT_DURING)
     xa.fan_out_blocks =
         epx__expand_fan_out_blocks(g->num_device_sms, g->config.num_sms, g->num_ranks,
                                    g->config.top_k, epx__param_ExpandFanOutBlocks());

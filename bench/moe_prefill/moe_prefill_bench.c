@@ -198,15 +198,14 @@ static int timeline_class(const bench_ktime_activity_t *a) {
 /* A rank's kernels of one timeline call to DIR/<tag>.csv (rank 0) or DIR/<tag>.rank<r>.csv:
  * kind, name, stream, start and end in us from its first start; one line with that first start
  * in CUPTI's timestamps (which CUPTI gives on one host clock, so the ranks' timelines can be
- * laid side by side: check that the barrier lines them up) and the span. Returns 0 once
- * written. */
+ * laid side by side: check that the barrier lines them up) and the span. The file's name goes
+ * to path. Returns 0 once written. */
 static int timeline_write(const options_t *o, const char *tag, int rank,
-                          const bench_ktime_activity_t *tl, long n) {
-  char path[512];
+                          const bench_ktime_activity_t *tl, long n, char *path, size_t path_len) {
   if (rank == 0)
-    snprintf(path, sizeof path, "%s/%s.csv", o->timeline, tag);
+    snprintf(path, path_len, "%s/%s.csv", o->timeline, tag);
   else
-    snprintf(path, sizeof path, "%s/%s.rank%d.csv", o->timeline, tag, rank);
+    snprintf(path, path_len, "%s/%s.rank%d.csv", o->timeline, tag, rank);
   FILE *f = fopen(path, "w");
   if (!f) return -1;
   fprintf(f, "kind,name,stream,start_us,end_us\n");
@@ -249,8 +248,9 @@ static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const opti
   if (rc) return rc;
   bench_ktime_activity_t *tl = NULL;
   const long n = bench_ktime_timeline(id, &tl);
+  char path[512];
   if (rank != 0) { /* the other ranks' kernels to DIR/<tag>.rank<r>.csv, one line each */
-    if (n > 0) timeline_write(o, tag, rank, tl, n);
+    if (n > 0) timeline_write(o, tag, rank, tl, n, path, sizeof path);
     free(tl);
     return 0;
   }
@@ -259,9 +259,7 @@ static int timeline(bench_ctx_t *c, int v, int rank, const char *tag, const opti
            n < 0 ? "out of host memory" : "no activity recorded (external correlation?)");
     return 0;
   }
-  char path[512];
-  const int f = timeline_write(o, tag, 0, tl, n) == 0;
-  snprintf(path, sizeof path, "%s/%s.csv", o->timeline, tag);
+  const int f = timeline_write(o, tag, 0, tl, n, path, sizeof path) == 0;
   const bench_ktime_overlap_t ov = bench_ktime_overlap(tl, (size_t)n, timeline_class);
   printf(
       "# timeline %-28s %4ld activities: span %8.1f us, communication busy %8.1f us, "

@@ -32,9 +32,9 @@ typedef struct {
  * no host wait. local_blocks: the blocks of the fan-out, a local HBM pass (0: two per SM of the
  * GPU, for a dispatch alone on the GPU; the prefill layer passes its communication's share when
  * GEMMs run beside it, so the fan-out does not hold every SM while they wait to start).
- * fan_out: 0 the group's config.expand_fan_out; EPX_EXPAND_FAN_OUT_AFTER or _DURING this call's
- * (DURING only where 2 x num_sms blocks fit the GPU, as group creation checks; else AFTER). Every
- * rank must pass the same. */
+ * fan_out: 0 the group's config.expand_fan_out; EPX_EXPAND_FAN_OUT_AFTER or _DURING this call's,
+ * one group creation resolved (its alone_fan_out: DURING only where 2 x num_sms blocks fit the
+ * GPU). Every rank must pass the same. */
 epx_status_t epx__dispatch_expand_enqueue(epx_group_t g, epx_handle_t h,
                                           const epx_dispatch_args_t *a,
                                           epx_dispatch_expand_result_t *out, cudaStream_t stream,
@@ -92,8 +92,7 @@ epx_status_t epx__combine_expand_sent(epx_group_t g, epx_handle_t h,
  * output, from row `first` of the combine input) copied by the copy engines into source's
  * combine slab of parity `parity`, where its combine reads this rank's rows. The caller orders
  * it after that reduce, and after source finished the combine that last used the parity (the
- * prefill layer: the same call's dispatch exchange, which source joins only after its earlier
- * combines). */
+ * prefill layer: epx__combine_slab_free_launch on its communication stream). */
 epx_status_t epx__combine_copy_rows(epx_group_t g, int source, int first, int rows, unsigned parity,
                                     cudaStream_t stream);
 /* The expert-side reduce of the tokens received from rank `source` into their partial rows

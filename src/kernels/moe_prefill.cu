@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(kThreads)
 
 /* Received row scales [rows, groups] into the per-segment layout (api.h): a block takes 32 rows
  * at a time through shared memory, so both the reads (32 rows' scales are contiguous) and the
- * writes (a group's scales of consecutive rows of a segment are contiguous) coalesce; one
- * thread a value, as before, this took 43 us at DeepSeek-V3's shape (a 4-byte store a row
- * apart). Rows past their segment's count get 1. */
+ * writes (a group's scales of consecutive rows of a segment are contiguous) coalesce (one thread
+ * a value with stores a row apart took 43 us at DeepSeek-V3's shape). Rows past their segment's
+ * count get 1. */
 constexpr int kScaleTileRows = 32;
 constexpr int kScaleTileGroups = 64; /* groups a pass: one pass up to H = 8192, more past it */
 __global__ void __launch_bounds__(kThreads)
