@@ -18,9 +18,10 @@
  *
  * Every variant is timed whole with CUDA events on each rank's stream around the call (the
  * layer waits on the host for each chunk's count exchange, so nothing is graph-captured), after
- * a group barrier; rank 0 prints median and min over --iters. Columns: lay/max = layer /
- * max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target >= 1.15),
- * cub/gem = cublas / gemms (target >= 0.70), pha/max and chn/pha the same two ratios for
+ * a group barrier; rank 0 prints median and min over --iters (the variants interleaved: each
+ * iteration runs each once, the first one rotating; --sequential: variant after variant). Columns:
+ * lay/max = layer / max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target
+ * >= 1.15), cub/gem = cublas / gemms (target >= 0.70), pha/max and chn/pha the same two ratios for
  * phases; after each row a "# host" line: the median host
  * time of each variant's call (gemms: what queueing one FFN costs); ln = the plan's GEMM lanes
  * (--gemm-lanes, a list to compare them in one run); ffn = cublas (per-expert GEMMs,
@@ -64,6 +65,7 @@ typedef struct {
   int grouped; /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED, FP8 ones with
                   EPX_MOE_FFN_EPX_GROUPED; 2: only those */
   int gemm_sms[MOE_MAX_LIST], num_gemm_sms; /* --gemm-sms: config.gemm_sms values (0: default) */
+  int sequential; /* --sequential: each variant's calls back to back (default: interleaved) */
 } options_t;
 
 /* The ffn column: which GEMMs ran. */
@@ -152,37 +154,57 @@ static double host_now_us(void) {
   return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
 }
 
-/* Whole-call time of variant v on stream: median and min over iters, after warmup calls; and
- * the median host time the call took to return (*host_us: for the gemms variant, what queueing
- * one FFN costs the host, which the layer pays once per chunk after each count wait; the
- * layer, chain and comm variants wait for count exchanges inside the call). */
-static int time_variant(bench_ctx_t *c, int v, cudaStream_t stream, const options_t *o,
-                        float *median, float *min, float *host_us) {
-  float *ms = malloc(sizeof(float) * o->m.iters), *host = malloc(sizeof(float) * o->m.iters);
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < o->m.warmup + o->m.iters; i++) {
-    BENCH_EPX(epx_group_barrier(c->g[0], stream));
-    BENCH_CUDA(cudaEventRecord(a, stream));
-    const double t0 = host_now_us();
-    if (run_variant(c, v, stream)) return -1;
-    const double t1 = host_now_us();
-    BENCH_CUDA(cudaEventRecord(b, stream));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    if (i >= o->m.warmup) {
-      BENCH_CUDA(cudaEventElapsedTime(&ms[i - o->m.warmup], a, b));
-      host[i - o->m.warmup] = (float)(t1 - t0);
-    }
-  }
-  qsort(ms, o->m.iters, sizeof(float), moe_cmp_float);
-  qsort(host, o->m.iters, sizeof(float), moe_cmp_float);
-  *median = ms[o->m.iters / 2] * 1000.f;
-  *min = ms[0] * 1000.f;
-  *host_us = host[o->m.iters / 2];
-  free(ms), free(host);
-  cudaEventDestroy(a), cudaEventDestroy(b);
+/* One timed call of variant v on stream, after a group barrier: its event time in ms and the
+ * host time the call took to return in us. */
+static int time_call(bench_ctx_t *c, int v, cudaStream_t stream, cudaEvent_t a, cudaEvent_t b,
+                     float *ms, float *host_us) {
+  BENCH_EPX(epx_group_barrier(c->g[0], stream));
+  BENCH_CUDA(cudaEventRecord(a, stream));
+  const double t0 = host_now_us();
+  if (run_variant(c, v, stream)) return -1;
+  const double t1 = host_now_us();
+  BENCH_CUDA(cudaEventRecord(b, stream));
+  BENCH_CUDA(cudaEventSynchronize(b));
+  BENCH_CUDA(cudaEventElapsedTime(ms, a, b));
+  *host_us = (float)(t1 - t0);
   return 0;
+}
+
+/* Whole-call times of the variants with run[v] set: median and min over iters, after warmup
+ * calls; and the median host time each call took to return (*host: for the gemms variant, what
+ * queueing one FFN costs the host, which the layer pays once per chunk after each count wait;
+ * the layer, chain and comm variants wait for count exchanges inside the call). Interleaved (the
+ * default): each iteration runs every variant once, starting one variant later each time, so that
+ * no variant always runs after the same one and all of them see the same clock and temperature
+ * drift (our H200s' SM clocks move 1.4-2.0 GHz with load: docs/bench.md); --sequential: each
+ * variant's iterations back to back, variant after variant (the order before session 26). */
+static int time_variants(bench_ctx_t *c, const int *run, cudaStream_t stream, const options_t *o,
+                         float *median, float *min, float *host) {
+  const int n = o->m.warmup + o->m.iters;
+  float *ms = malloc(sizeof(float) * NUM_VARIANTS * n),
+        *hs = malloc(sizeof(float) * NUM_VARIANTS * n);
+  cudaEvent_t a, b;
+  int rc = !ms || !hs;
+  if (!rc) BENCH_CUDA(cudaEventCreate(&a));
+  if (!rc) BENCH_CUDA(cudaEventCreate(&b));
+  for (int k = 0; k < NUM_VARIANTS * n && !rc; k++) {
+    const int i = o->sequential ? k % n : k / NUM_VARIANTS;
+    const int v = o->sequential ? k / n : (k + i) % NUM_VARIANTS;
+    if (run[v]) rc = time_call(c, v, stream, a, b, &ms[v * n + i], &hs[v * n + i]);
+  }
+  for (int v = 0; v < NUM_VARIANTS && !rc; v++) {
+    median[v] = min[v] = host[v] = -1.f;
+    if (!run[v]) continue;
+    float *t = ms + v * n + o->m.warmup, *h = hs + v * n + o->m.warmup;
+    qsort(t, o->m.iters, sizeof(float), moe_cmp_float);
+    qsort(h, o->m.iters, sizeof(float), moe_cmp_float);
+    median[v] = t[o->m.iters / 2] * 1000.f;
+    min[v] = t[0] * 1000.f;
+    host[v] = h[o->m.iters / 2];
+  }
+  if (ms && hs) cudaEventDestroy(a), cudaEventDestroy(b);
+  free(ms), free(hs);
+  return rc ? -1 : 0;
 }
 
 /* The timeline's two classes: EPX's communication kernels (layout, notify, the normal-mode
@@ -335,12 +357,11 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
                            (info.ffn_backend != EPX_MOE_FFN_EPX_GROUPED ||
                             (epx__moe_lt_supported(c.plan, 0) && epx__moe_lt_supported(c.plan, 1)));
   float med[NUM_VARIANTS], mn[NUM_VARIANTS], host[NUM_VARIANTS];
-  for (int v = 0; v < NUM_VARIANTS; v++) {
-    med[v] = mn[v] = host[v] = -1.f;
-    if (v == V_CUBLAS && !reference_ok) continue;
-    if (v == V_PHASES && info.ffn_backend != EPX_MOE_FFN_EPX_GROUPED) continue; /* (refused) */
-    if (time_variant(&c, v, stream, o, &med[v], &mn[v], &host[v])) return -1;
-  }
+  int run[NUM_VARIANTS];
+  for (int v = 0; v < NUM_VARIANTS; v++)
+    run[v] = !(v == V_CUBLAS && !reference_ok) &&
+             !(v == V_PHASES && info.ffn_backend != EPX_MOE_FFN_EPX_GROUPED); /* (refused) */
+  if (time_variants(&c, run, stream, o, med, mn, host)) return -1;
   for (int i = 0; i < 3; i++) {
     epx_async_error_t err;
     BENCH_EPX(epx_group_get_async_error(c.g[i], &err));
@@ -402,9 +423,9 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   if (rank == 0) {
     printf(
-        "# median and min of %d whole calls (us, events on rank 0), after %d warm-up; "
-        "rows = expert-major rows of rank 0\n",
-        o->m.iters, o->m.warmup);
+        "# median and min of %d whole calls (us, events on rank 0), after %d warm-up, the "
+        "variants %s; rows = expert-major rows of rank 0\n",
+        o->m.iters, o->m.warmup, o->sequential ? "one after another" : "interleaved");
     printf("%-9s %-4s %5s %3s %-6s %2s %3s %-4s %6s", "shape", "dt", "T", "R", "ffn", "ln", "sms",
            "wire", "rows");
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
@@ -434,7 +455,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
   bench_program = "epx_moe_prefill_bench";
-  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0, {0}, 1};
+  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0, {0}, 1, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     const int parsed = moe_parse_option(&o.m, argc, argv, &i, 65536);
@@ -448,6 +469,8 @@ int main(int argc, char **argv) {
       o.grouped = 1;
     } else if (!strcmp(a, "--grouped-only")) {
       o.grouped = 2;
+    } else if (!strcmp(a, "--sequential")) {
+      o.sequential = 1;
     } else if (!strcmp(a, "--gemm-sms") && v) {
       if (bench_parse_list(a, v, 0, 1024, MOE_MAX_LIST, o.gemm_sms, &o.num_gemm_sms)) return 2;
       i++;
@@ -461,7 +484,8 @@ int main(int argc, char **argv) {
               "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped | --grouped-only "
               "(only the grouped backends: no per-expert points)] [--gemm-sms N[,M] (0 = the "
               "plan's default)] "
-              "[--timeline DIR]\n",
+              "[--timeline DIR] [--sequential (each variant's calls back to back, not "
+              "interleaved)]\n",
               argv[0]);
       return 2;
     }
