@@ -66,6 +66,7 @@ typedef struct {
                   EPX_MOE_FFN_EPX_GROUPED; 2: only those */
   int gemm_sms[MOE_MAX_LIST], num_gemm_sms; /* --gemm-sms: config.gemm_sms values (0: default) */
   int sequential; /* --sequential: each variant's calls back to back (default: interleaved) */
+  int host_ahead; /* --host-ahead: no host wait between timed calls (time_call) */
 } options_t;
 
 /* The ffn column: which GEMMs ran. */
@@ -154,19 +155,26 @@ static double host_now_us(void) {
   return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
 }
 
-/* One timed call of variant v on stream, after a group barrier: its event time in ms and the
- * host time the call took to return in us. */
+/* One timed call of variant v on stream between the events a and b, after a group barrier: the
+ * host time the call took to return in us. Without --host-ahead the host then waits for b and
+ * *ms is the event time; with it the host goes on to queue the next call at once (the caller
+ * reads the events at the end), so the GPU runs the calls one after another, each after a
+ * GPU-side barrier, while the host queues ahead of it as far as the calls' own waits for the GPU
+ * (count exchanges) let it, as inside a model where the layer follows other work on its stream.
+ * Without it every call starts from a GPU the host has just waited for, and the host's checks
+ * and launches before the call's first kernels are in its time. */
 static int time_call(bench_ctx_t *c, int v, cudaStream_t stream, cudaEvent_t a, cudaEvent_t b,
-                     float *ms, float *host_us) {
+                     const options_t *o, float *ms, float *host_us) {
   BENCH_EPX(epx_group_barrier(c->g[0], stream));
   BENCH_CUDA(cudaEventRecord(a, stream));
   const double t0 = host_now_us();
   if (run_variant(c, v, stream)) return -1;
   const double t1 = host_now_us();
   BENCH_CUDA(cudaEventRecord(b, stream));
+  *host_us = (float)(t1 - t0);
+  if (o->host_ahead) return 0;
   BENCH_CUDA(cudaEventSynchronize(b));
   BENCH_CUDA(cudaEventElapsedTime(ms, a, b));
-  *host_us = (float)(t1 - t0);
   return 0;
 }
 
@@ -180,17 +188,22 @@ static int time_call(bench_ctx_t *c, int v, cudaStream_t stream, cudaEvent_t a, 
  * variant's iterations back to back, variant after variant (the order before session 26). */
 static int time_variants(bench_ctx_t *c, const int *run, cudaStream_t stream, const options_t *o,
                          float *median, float *min, float *host) {
-  const int n = o->m.warmup + o->m.iters;
-  float *ms = malloc(sizeof(float) * NUM_VARIANTS * n),
-        *hs = malloc(sizeof(float) * NUM_VARIANTS * n);
-  cudaEvent_t a, b;
-  int rc = !ms || !hs;
-  if (!rc) BENCH_CUDA(cudaEventCreate(&a));
-  if (!rc) BENCH_CUDA(cudaEventCreate(&b));
-  for (int k = 0; k < NUM_VARIANTS * n && !rc; k++) {
+  const int n = o->m.warmup + o->m.iters, total = NUM_VARIANTS * n;
+  float *ms = calloc((size_t)total, sizeof(float)), *hs = calloc((size_t)total, sizeof(float));
+  cudaEvent_t *ev = calloc((size_t)2 * total, sizeof(cudaEvent_t)); /* a, b of each call */
+  int made = 0, rc = !ms || !hs || !ev;
+  for (; made < 2 * total && !rc; made++)
+    if (cudaEventCreate(&ev[made]) != cudaSuccess) rc = -1;
+  for (int k = 0; k < total && !rc; k++) {
     const int i = o->sequential ? k % n : k / NUM_VARIANTS;
-    const int v = o->sequential ? k / n : (k + i) % NUM_VARIANTS;
-    if (run[v]) rc = time_call(c, v, stream, a, b, &ms[v * n + i], &hs[v * n + i]);
+    const int v = o->sequential ? k / n : (k + i) % NUM_VARIANTS, at = v * n + i;
+    if (run[v]) rc = time_call(c, v, stream, ev[2 * at], ev[2 * at + 1], o, &ms[at], &hs[at]);
+  }
+  if (!rc && o->host_ahead) { /* every call queued: read their events now */
+    if (cudaStreamSynchronize(stream) != cudaSuccess) rc = -1;
+    for (int at = 0; at < total && !rc; at++)
+      if (run[at / n] && cudaEventElapsedTime(&ms[at], ev[2 * at], ev[2 * at + 1]) != cudaSuccess)
+        rc = -1;
   }
   for (int v = 0; v < NUM_VARIANTS && !rc; v++) {
     median[v] = min[v] = host[v] = -1.f;
@@ -202,8 +215,10 @@ static int time_variants(bench_ctx_t *c, const int *run, cudaStream_t stream, co
     min[v] = t[0] * 1000.f;
     host[v] = h[o->m.iters / 2];
   }
-  if (ms && hs) cudaEventDestroy(a), cudaEventDestroy(b);
-  free(ms), free(hs);
+  if (rc)
+    bench_report_failure(__FILE__, __LINE__, "time_variants", "a timed call or its events failed");
+  for (int e = 0; e < made; e++) cudaEventDestroy(ev[e]);
+  free(ms), free(hs), free(ev);
   return rc ? -1 : 0;
 }
 
@@ -424,8 +439,10 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
   if (rank == 0) {
     printf(
         "# median and min of %d whole calls (us, events on rank 0), after %d warm-up, the "
-        "variants %s; rows = expert-major rows of rank 0\n",
-        o->m.iters, o->m.warmup, o->sequential ? "one after another" : "interleaved");
+        "variants %s, %s; rows = expert-major rows of rank 0\n",
+        o->m.iters, o->m.warmup, o->sequential ? "one after another" : "interleaved",
+        o->host_ahead ? "the host queueing ahead (no wait between calls)"
+                      : "the host waiting for each call");
     printf("%-9s %-4s %5s %3s %-6s %2s %3s %-4s %6s", "shape", "dt", "T", "R", "ffn", "ln", "sms",
            "wire", "rows");
     for (int v = 0; v < NUM_VARIANTS; v++) printf(" %9s %9s", kVariantNames[v], "min");
@@ -455,7 +472,7 @@ static int run_rank(int rank, int R, const ncclUniqueId *id, void *arg) {
 int main(int argc, char **argv) {
   setenv("NCCL_NVLS_ENABLE", "0", 1); /* NVLink multicast stays off */
   bench_program = "epx_moe_prefill_bench";
-  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0, {0}, 1, 0};
+  options_t o = {{{4096}, 1, {0, 1}, 2, {0, 1}, 2, 10, 3, 0}, 0, {0}, 1, NULL, 0, {0}, 1, 0, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     const int parsed = moe_parse_option(&o.m, argc, argv, &i, 65536);
@@ -471,6 +488,8 @@ int main(int argc, char **argv) {
       o.grouped = 2;
     } else if (!strcmp(a, "--sequential")) {
       o.sequential = 1;
+    } else if (!strcmp(a, "--host-ahead")) {
+      o.host_ahead = 1;
     } else if (!strcmp(a, "--gemm-sms") && v) {
       if (bench_parse_list(a, v, 0, 1024, MOE_MAX_LIST, o.gemm_sms, &o.num_gemm_sms)) return 2;
       i++;
@@ -478,15 +497,17 @@ int main(int argc, char **argv) {
       if (bench_parse_list(a, v, 0, 8, MOE_MAX_LIST, o.lanes, &o.num_lanes)) return 2;
       i++;
     } else {
-      fprintf(stderr,
-              "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
-              "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
-              "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped | --grouped-only "
-              "(only the grouped backends: no per-expert points)] [--gemm-sms N[,M] (0 = the "
-              "plan's default)] "
-              "[--timeline DIR] [--sequential (each variant's calls back to back, not "
-              "interleaved)]\n",
-              argv[0]);
+      fprintf(
+          stderr,
+          "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
+          "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
+          "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped | --grouped-only "
+          "(only the grouped backends: no per-expert points)] [--gemm-sms N[,M] (0 = the "
+          "plan's default)] "
+          "[--timeline DIR] [--sequential (each variant's calls back to back, not "
+          "interleaved)] [--host-ahead US (the GPU busy US us before each timed call: the host's "
+          "launches up to its first wait are not timed)]\n",
+          argv[0]);
       return 2;
     }
   }
