@@ -179,31 +179,59 @@ static int time_call(bench_ctx_t *c, int v, cudaStream_t stream, cudaEvent_t a, 
   return 0;
 }
 
+/* 1 if e is cudaSuccess; else the failure reported (as BENCH_CUDA does) and 0. */
+static int cuda_ok(cudaError_t e, const char *what, int line) {
+  if (e == cudaSuccess) return 1;
+  bench_report_failure(__FILE__, line, what, cudaGetErrorString(e));
+  return 0;
+}
+
+/* Iteration i's order of the variants: a permutation drawn from i alone (a Fisher-Yates shuffle
+ * on a hash of (i, position); the same on every rank, as the calls are collective), so that a
+ * variant's predecessor changes from one iteration to the next. (A rotation of one fixed order
+ * would keep it in all but one iteration of NUM_VARIANTS: phases after the dense cuBLAS GEMM.) */
+static void iteration_order(int i, int *order) {
+  for (int v = 0; v < NUM_VARIANTS; v++) order[v] = v;
+  for (int v = NUM_VARIANTS - 1; v > 0; v--) {
+    uint32_t x = (uint32_t)(i * NUM_VARIANTS + v) * 0x9e3779b9u; /* murmur3's finalizer */
+    x ^= x >> 16, x *= 0x85ebca6bu, x ^= x >> 13, x *= 0xc2b2ae35u, x ^= x >> 16;
+    const int j = (int)(x % (uint32_t)(v + 1)), t = order[v];
+    order[v] = order[j], order[j] = t;
+  }
+}
+
 /* Whole-call times of the variants with run[v] set: median and min over iters, after warmup
  * calls; and the median host time each call took to return (*host: for the gemms variant, what
  * queueing one FFN costs the host, which the layer pays once per chunk after each count wait;
  * the layer, chain and comm variants wait for count exchanges inside the call). Interleaved (the
- * default): each iteration runs every variant once, starting one variant later each time, so that
- * no variant always runs after the same one and all of them see the same clock and temperature
- * drift (our H200s' SM clocks move 1.4-2.0 GHz with load: docs/bench.md); --sequential: each
- * variant's iterations back to back, variant after variant (the order before session 26). */
+ * default): each iteration runs every variant once, in an order of its own (iteration_order), so
+ * that no variant always runs after the same one and all of them see the same clock and
+ * temperature drift (our H200s' SM clocks move 1.4-2.0 GHz with load: docs/bench.md);
+ * --sequential: each variant's iterations back to back, variant after variant (the order before
+ * session 26). */
 static int time_variants(bench_ctx_t *c, const int *run, cudaStream_t stream, const options_t *o,
                          float *median, float *min, float *host) {
   const int n = o->m.warmup + o->m.iters, total = NUM_VARIANTS * n;
   float *ms = calloc((size_t)total, sizeof(float)), *hs = calloc((size_t)total, sizeof(float));
   cudaEvent_t *ev = calloc((size_t)2 * total, sizeof(cudaEvent_t)); /* a, b of each call */
-  int made = 0, rc = !ms || !hs || !ev;
+  int made = 0, rc = !ms || !hs || !ev ? -1 : 0, order[NUM_VARIANTS];
+  if (rc) bench_report_failure(__FILE__, __LINE__, "time_variants", "out of host memory");
   for (; made < 2 * total && !rc; made++)
-    if (cudaEventCreate(&ev[made]) != cudaSuccess) rc = -1;
+    if (!cuda_ok(cudaEventCreate(&ev[made]), "cudaEventCreate", __LINE__)) {
+      rc = -1;
+      break; /* ev[made] was not created: not destroyed below */
+    }
   for (int k = 0; k < total && !rc; k++) {
     const int i = o->sequential ? k % n : k / NUM_VARIANTS;
-    const int v = o->sequential ? k / n : (k + i) % NUM_VARIANTS, at = v * n + i;
+    if (!o->sequential && k % NUM_VARIANTS == 0) iteration_order(i, order);
+    const int v = o->sequential ? k / n : order[k % NUM_VARIANTS], at = v * n + i;
     if (run[v]) rc = time_call(c, v, stream, ev[2 * at], ev[2 * at + 1], o, &ms[at], &hs[at]);
   }
   if (!rc && o->host_ahead) { /* every call queued: read their events now */
-    if (cudaStreamSynchronize(stream) != cudaSuccess) rc = -1;
+    if (!cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __LINE__)) rc = -1;
     for (int at = 0; at < total && !rc; at++)
-      if (run[at / n] && cudaEventElapsedTime(&ms[at], ev[2 * at], ev[2 * at + 1]) != cudaSuccess)
+      if (run[at / n] && !cuda_ok(cudaEventElapsedTime(&ms[at], ev[2 * at], ev[2 * at + 1]),
+                                  "cudaEventElapsedTime", __LINE__))
         rc = -1;
   }
   for (int v = 0; v < NUM_VARIANTS && !rc; v++) {
@@ -216,8 +244,6 @@ static int time_variants(bench_ctx_t *c, const int *run, cudaStream_t stream, co
     min[v] = t[0] * 1000.f;
     host[v] = h[o->m.iters / 2];
   }
-  if (rc)
-    bench_report_failure(__FILE__, __LINE__, "time_variants", "a timed call or its events failed");
   for (int e = 0; e < made; e++) cudaEventDestroy(ev[e]);
   free(ms), free(hs), free(ev);
   return rc ? -1 : 0;
@@ -397,8 +423,9 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
            med[V_PHASES] > 0 ? med[V_PHASES] / base : -1.f,
            med[V_PHASES] > 0 ? med[V_CHAIN] / med[V_PHASES] : -1.f);
     printf(
-        "# host us per call (median; layer, chain, phases, comm include their count waits): layer "
-        "%.1f chain %.1f phases %.1f gemms %.1f comm %.1f\n",
+        "# host us per call (median; layer, chain, phases, comm include their count waits%s): "
+        "layer %.1f chain %.1f phases %.1f gemms %.1f comm %.1f\n",
+        o->host_ahead ? ", and with --host-ahead the GPU time of the calls queued before" : "",
         host[V_LAYER], host[V_CHAIN], host[V_PHASES], host[V_GEMMS], host[V_COMM]);
     fflush(stdout);
   }
@@ -498,17 +525,16 @@ int main(int argc, char **argv) {
       if (bench_parse_list(a, v, 0, 8, MOE_MAX_LIST, o.lanes, &o.num_lanes)) return 2;
       i++;
     } else {
-      fprintf(
-          stderr,
-          "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
-          "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
-          "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped | --grouped-only "
-          "(only the grouped backends: no per-expert points)] [--gemm-sms N[,M] (0 = the "
-          "plan's default)] "
-          "[--timeline DIR] [--sequential (each variant's calls back to back, not "
-          "interleaved)] [--host-ahead US (the GPU busy US us before each timed call: the host's "
-          "launches up to its first wait are not timed)]\n",
-          argv[0]);
+      fprintf(stderr,
+              "usage: %s [--tokens 4096] [--shape deepseek|qwen3] [--dtype bf16|fp8] "
+              "[--iters N] [--ranks N] [--chunks N (0 = the plan's default)] "
+              "[--gemm-lanes 1,4 (0 = the plan's default)] [--grouped | --grouped-only "
+              "(only the grouped backends: no per-expert points)] [--gemm-sms N[,M] (0 = the "
+              "plan's default)] "
+              "[--timeline DIR] [--sequential (each variant's calls back to back, not "
+              "interleaved)] [--host-ahead (no host wait between the timed calls: the host queues "
+              "ahead of the GPU)]\n",
+              argv[0]);
       return 2;
     }
   }
