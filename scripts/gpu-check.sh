@@ -192,7 +192,7 @@ moe_lines=
 if [ -n "${MOE_BENCH:-}" ]; then
   timeout 400 build/bin/epx_moe_bench ${MOE_BENCH_ARGS:---tokens 8,128} >"$out/moe-bench.log" 2>&1
   moe_lines="$(tail -20 "$out/moe-bench.log")"
-  # one layer and one chain call per point under CUPTI: kernel timelines (CSV) and overlap lines
+  # one call of each variant per point under CUPTI: kernel timelines (CSV) and overlap lines
   mkdir -p "$out/prefill-timeline"
   timeout 900 build/bin/epx_moe_prefill_bench \
     ${MOE_PREFILL_BENCH_ARGS:---tokens 4096 --gemm-lanes 1,4 --grouped --timeline "$out/prefill-timeline"} \

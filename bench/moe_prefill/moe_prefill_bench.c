@@ -33,10 +33,10 @@
  * grouped backend) or epx.
  * --gemm-sms N[,M]: the plan's config.gemm_sms, a list to compare in one run; column sms
  * (info.gemm_sms) (cuBLAS's SM target while communication runs beside
- * the GEMMs). --timeline DIR (created if missing): after the timed calls, one layer and one
- * chain call under CUPTI: rank 0's kernels to
- * DIR/<shape>-<dtype>-T<T>-R<R>-<ffn>-ln<lanes>-sms<gemm_sms>-<variant>.csv and one "# timeline"
- * line each: how long
+ * the GEMMs). --timeline DIR (created if missing): after the timed calls, one call of every
+ * variant timed, under CUPTI: every rank's kernels to
+ * DIR/<shape>-<dtype>-T<T>-R<R>-<ffn>-ln<lanes>-sms<gemm_sms>-<variant>.csv (.rank<r>.csv past
+ * rank 0) and one "# timeline" line each: how long
  * communication kernels ran beside compute kernels. Shapes: DeepSeek-V3's experts (H 7168, I 2048,
  * 256 experts) and Qwen3-30B-A3B's (H 2048, I 768, 128), top-8, uniform routing, --tokens per rank
  * (default 4096); weights BF16, or FP8 with 128x128 block scales. Random values; nothing is checked
@@ -62,7 +62,7 @@ typedef struct {
   moe_options_t m; /* --tokens, --shape, --dtype, --iters, --ranks */
   int chunks;
   int lanes[MOE_MAX_LIST], num_lanes; /* config.gemm_lanes values to run (0: the plan's default) */
-  const char *timeline;               /* --timeline DIR: one layer and one chain call's kernels */
+  const char *timeline;               /* --timeline DIR: one call of each variant, its kernels */
   int grouped; /* --grouped: BF16 points also with EPX_MOE_FFN_CUBLAS_GROUPED, FP8 ones with
                   EPX_MOE_FFN_EPX_GROUPED; 2: only those */
   int gemm_sms[MOE_MAX_LIST], num_gemm_sms; /* --gemm-sms: config.gemm_sms values (0: default) */
@@ -431,8 +431,8 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   }
   /* After the row is out: a failure here costs the timelines, not the figures. */
   if (o->timeline)
-    for (int v = V_LAYER; v <= V_PHASES; v++) {
-      if (v != V_LAYER && v != V_CHAIN && (v != V_PHASES || med[V_PHASES] < 0)) continue;
+    for (int v = 0; v < NUM_VARIANTS; v++) {
+      if (!run[v]) continue; /* every variant that was timed: the GEMMs' kernels side by side */
       char tag[128];
       snprintf(tag, sizeof tag, "%s-%s-T%d-R%d-%s-ln%d-sms%d-%s", s->name, fp8 ? "fp8" : "bf16", T,
                R, ffn_name(info.ffn_backend), info.gemm_lanes, info.gemm_sms, kVariantNames[v]);
