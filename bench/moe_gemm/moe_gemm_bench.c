@@ -5,7 +5,7 @@
  *
  *   build/bin/epx_moe_gemm_bench [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096]
  *                                [--chunks 1,2] [--tile 0] [--tile-w 0] [--gu-out fp32]
- *                                [--iters 20] [--seed 1]
+ *                                [--iters 20] [--seed 1] [--counts even|routed]
  *
  * Why cycles: under load the GPU's power management moves the SM clock (1.4-2.0 GHz on H200
  * within one process, measured), so two kernels timed one after the other can differ by 20%
@@ -16,15 +16,19 @@
  * A point is one projection of one rank's chunk in the layer of epx_moe_prefill_bench: the
  * E / R experts a rank of R holds, each with S = tokens x R x top_k / (E x chunks) rows (what a
  * uniform routing gives it, rounded up to 4 as the layer pads segments), rows of x in one
- * expert-major array. Projections: gate/up (n 2I, k H; float32 out as the layer's grouped FP8 path
- * writes it, BF16 with --gu-out bf16) and down (n H, k I, BF16 out). --tile: a
- * list of widths, 0 (the one the layer picks for these segments, moe_tiles.h), 64, 96, 128 or
- * 160; --tile-w: a list of tile heights, 0 (the layer's pick for n and the width), 128 or 256
- * weight rows (256 only at widths up to 128 and n a multiple of 256: other points are skipped
- * with a note).
- * Random FP8 codes, scales 1/64; one CTA per SM. One warm-up launch, then each launch timed with
- * CUDA events; printed: the medians of time, clock and cycles over --iters launches, and FLOPs per
- * cycle per SM against 8192 (H100 and H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
+ * expert-major array. --counts routed: instead, each expert's rows as one draw of the layer's
+ * routing gives them (tokens x R tokens, each to top_k distinct experts of E uniformly; rank 0's
+ * experts; each segment rounded up to 4), so the tiles split the way they do in the layer: the S
+ * column is then the mean, and TFLOPS, f/c/SM and peak count the routed rows only (a tile's
+ * padding and its columns past its rows are work the layer pays and that counts nothing).
+ * Projections: gate/up (n 2I, k H; float32 out as the layer's grouped FP8 path writes it, BF16 with
+ * --gu-out bf16) and down (n H, k I, BF16 out). --tile: a list of widths, 0 (the one the layer
+ * picks for these segments, moe_tiles.h), 64, 96, 128 or 160; --tile-w: a list of tile heights, 0
+ * (the layer's pick for n and the width), 128 or 256 weight rows (256 only at widths up to 128 and
+ * n a multiple of 256: other points are skipped with a note). Random FP8 codes, scales 1/64; one
+ * CTA per SM. One warm-up launch, then each launch timed with CUDA events; printed: the medians of
+ * time, clock and cycles over --iters launches, and FLOPs per cycle per SM against 8192 (H100 and
+ * H200's dense FP8 rate: 1979 TFLOPS at 1.83 GHz on 132 SMs).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -56,11 +60,13 @@ typedef struct {
   int tokens, iters;
   uint64_t seed;
   int gu_fp32; /* gate/up writes float32 (as the layer; --gu-out bf16: BF16) */
+  int routed;  /* --counts routed: each expert's rows as a draw of the routing gives them */
 } options_t;
 
 /* One projection's operands on the device. */
 typedef struct {
-  int n, k, L, S, y_fp32;
+  int n, k, L, S, y_fp32; /* S: rows an expert (--counts routed: the mean, rounded) */
+  long long rows, useful; /* the segments' rows (padded to 4 each) and the routed rows */
   void *w, *x, *y;
   float *ws, *xs;
   int *begin;
@@ -74,14 +80,43 @@ static void operands_free(operands_t *o) {
   memset(o, 0, sizeof *o);
 }
 
-static int operands_make(operands_t *o, int n, int k, int L, int S, int y_fp32, uint64_t seed) {
+/* counts[j] for j < L: the rows expert j of rank 0 gets when each of T tokens picks k distinct
+ * experts of E uniformly (the layer bench's routing, drawn here with a seeded generator). */
+static void routed_counts(long long T, int E, int top_k, int L, uint64_t seed, int *counts) {
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (int j = 0; j < L; j++) counts[j] = 0;
+  for (long long t = 0; t < T; t++) {
+    int picked[64], n = 0;
+    while (n < top_k) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17; /* xorshift64 */
+      const int e = (int)(x % (uint64_t)E);
+      int dup = 0;
+      for (int i = 0; i < n; i++) dup |= picked[i] == e;
+      if (!dup) picked[n++] = e;
+    }
+    for (int i = 0; i < top_k; i++)
+      if (picked[i] < L) counts[picked[i]]++;
+  }
+}
+
+/* The operands of one projection: L experts with counts[j] rows each (NULL: S each), every
+ * segment rounded up to 4 rows. */
+static int operands_make(operands_t *o, int n, int k, int L, int S, const int *counts, int y_fp32,
+                         uint64_t seed) {
   memset(o, 0, sizeof *o);
-  o->n = n, o->k = k, o->L = L, o->S = S, o->y_fp32 = y_fp32, o->kb4 = (k / 128 + 3) / 4 * 4;
-  const size_t rows = (size_t)L * S, nw = (size_t)L * n * k, nx = rows * k;
-  const size_t nws = (size_t)L * (n / 128) * o->kb4, nxs = rows * (k / 128);
+  o->n = n, o->k = k, o->L = L, o->y_fp32 = y_fp32, o->kb4 = (k / 128 + 3) / 4 * 4;
   int *begin = malloc(sizeof(int) * (size_t)(L + 1));
   if (!begin) return -1;
-  for (int j = 0; j <= L; j++) begin[j] = j * S;
+  begin[0] = 0;
+  for (int j = 0; j < L; j++) {
+    const int c = counts ? counts[j] : S;
+    begin[j + 1] = begin[j] + (c + 3) / 4 * 4;
+    o->useful += c;
+  }
+  o->rows = begin[L];
+  o->S = (int)((o->useful + L / 2) / L);
+  const size_t rows = (size_t)o->rows, nw = (size_t)L * n * k, nx = rows * k;
+  const size_t nws = (size_t)L * (n / 128) * o->kb4, nxs = rows * (k / 128);
   o->layer_width = epx__moe_pick_tile_x(begin, L);
   int rc = -1;
   do {
@@ -91,7 +126,7 @@ static int operands_make(operands_t *o, int n, int k, int L, int S, int y_fp32, 
         cudaMalloc((void **)&o->xs, nxs * sizeof(float)) != cudaSuccess ||
         cudaMalloc((void **)&o->begin, sizeof(int) * (size_t)(L + 1)) != cudaSuccess) {
       fprintf(stderr, "%s: out of device memory for n %d k %d, %d experts of %d rows\n",
-              bench_program, n, k, L, S);
+              bench_program, n, k, L, o->S);
       break;
     }
     cudaError_t e = bench_fill_fp8(o->w, nw, seed);
@@ -147,7 +182,7 @@ static int run_point(const options_t *opt, const char *label, const operands_t *
                                       .k = o->k,
                                       .num_experts = o->L,
                                       .begin = o->begin,
-                                      .x_rows = o->L * o->S,
+                                      .x_rows = (int)o->rows,
                                       .num_ctas = sms,
                                       .tile_x = width,
                                       .tile_w = tile_w,
@@ -178,7 +213,7 @@ static int run_point(const options_t *opt, const char *label, const operands_t *
     kcyc[i] = us[i] * ghz[i];
   }
   cudaEventDestroy(e0), cudaEventDestroy(e1);
-  const double flops = 2.0 * o->n * o->k * (double)o->L * o->S;
+  const double flops = 2.0 * o->n * o->k * (double)o->useful;
   double min_us = us[0];
   for (int i = 1; i < opt->iters; i++) min_us = us[i] < min_us ? us[i] : min_us;
   const double med_us = median(us, opt->iters), med_ghz = median(ghz, opt->iters);
@@ -207,8 +242,11 @@ static int run(const options_t *opt) {
   unsigned long long *probe_d = NULL;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   BENCH_CUDA(cudaMalloc((void **)&probe_d, 4 * sizeof(unsigned long long)));
-  printf("# epx_moe_gemm_bench: %d SMs, %d tokens a rank, medians of %d launches, gate/up out %s\n",
-         sms, opt->tokens, opt->iters, opt->gu_fp32 ? "float32" : "BF16");
+  printf(
+      "# epx_moe_gemm_bench: %d SMs, %d tokens a rank, medians of %d launches, gate/up out %s, "
+      "rows an expert %s\n",
+      sms, opt->tokens, opt->iters, opt->gu_fp32 ? "float32" : "BF16",
+      opt->routed ? "as a draw of the routing gives them (S: their mean)" : "even");
   printf("%-17s %5s %5s %4s %4s %4s %4s %8s %8s %5s %8s %7s %6s %6s\n", "point", "n", "k", "L", "S",
          "tile", "tw", "us", "min", "GHz", "kcyc", "TFLOPS", "f/c/SM", "peak");
   fflush(stdout); /* before any error line */
@@ -228,11 +266,20 @@ static int run(const options_t *opt) {
                   bench_program, sh->name, R, C, rows);
           continue;
         }
+        /* --counts routed: one draw for both projections, as the layer's chunk has */
+        int *counts = opt->routed ? malloc(sizeof(int) * (size_t)L) : NULL;
+        if (opt->routed && !counts) {
+          rc = -1;
+          break;
+        }
+        if (counts)
+          routed_counts((long long)opt->tokens * R / C, sh->experts, sh->top_k, L,
+                        opt->seed + 1000 * (uint64_t)(R * 64 + C), counts);
         for (int p = 0; p < 2 && !rc; p++) { /* gate/up, down */
           operands_t o;
           const int n = p == 0 ? 2 * sh->intermediate : sh->hidden;
           const int k = p == 0 ? sh->hidden : sh->intermediate;
-          if (operands_make(&o, n, k, L, (int)rows, p == 0 && opt->gu_fp32,
+          if (operands_make(&o, n, k, L, (int)rows, counts, p == 0 && opt->gu_fp32,
                             opt->seed + 7 * (uint64_t)p)) {
             rc = -1;
             break;
@@ -244,6 +291,7 @@ static int run(const options_t *opt) {
               rc = run_point(opt, label, &o, opt->tiles[t], opt->tile_ws[w], sms, stream, probe_d);
           operands_free(&o);
         }
+        free(counts);
       }
   }
   cudaFree(probe_d);
@@ -253,7 +301,7 @@ static int run(const options_t *opt) {
 
 int main(int argc, char **argv) {
   bench_program = "epx_moe_gemm_bench";
-  options_t o = {{0, 1}, 2, {2, 4}, 2, {1, 2}, 2, {0}, 1, {0}, 1, 4096, 20, 1, 1};
+  options_t o = {{0, 1}, 2, {2, 4}, 2, {1, 2}, 2, {0}, 1, {0}, 1, 4096, 20, 1, 1, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     int bad = !v;
@@ -281,6 +329,9 @@ int main(int argc, char **argv) {
     } else if (v && !strcmp(a, "--gu-out")) {
       bad = strcmp(v, "bf16") != 0 && strcmp(v, "fp32") != 0;
       o.gu_fp32 = !strcmp(v, "fp32");
+    } else if (v && !strcmp(a, "--counts")) {
+      bad = strcmp(v, "even") != 0 && strcmp(v, "routed") != 0;
+      o.routed = !strcmp(v, "routed");
     } else if (v && !strcmp(a, "--tokens")) {
       bad = bench_parse_int(a, v, 1, 1 << 20, &o.tokens) != 0;
     } else if (v && !strcmp(a, "--iters")) {
@@ -297,7 +348,7 @@ int main(int argc, char **argv) {
               "usage: %s [--shape all|deepseek|qwen3] [--ranks 2,4] [--tokens 4096] "
               "[--chunks 1,2] [--tile 0 (a list of 0: the layer's pick, 64, 96, 128, 160)] "
               "[--tile-w 0 (a list of 0: the layer's pick, 128, 256)] [--gu-out fp32|bf16] "
-              "[--iters 20] [--seed 1]\n",
+              "[--iters 20] [--seed 1] [--counts even|routed]\n",
               argv[0]);
       return 2;
     }
