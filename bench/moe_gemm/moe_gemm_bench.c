@@ -17,9 +17,9 @@
  * E / R experts a rank of R holds, each with S = tokens x R x top_k / (E x chunks) rows (what a
  * uniform routing gives it, rounded up to 4 as the layer pads segments), rows of x in one
  * expert-major array. --counts routed: instead, each expert's rows as one draw of the layer's
- * routing gives them (tokens x R tokens, each to top_k distinct experts of E uniformly; rank 0's
- * experts; each segment rounded up to 4), so the tiles split the way they do in the layer: the S
- * column is then the mean, and TFLOPS, f/c/SM and peak count the routed rows only (a tile's
+ * routing gives them (tokens x R / chunks tokens, each to top_k distinct experts of E uniformly;
+ * rank 0's experts; each segment rounded up to 4), so the tiles split the way they do in the layer:
+ * the S column is then the mean, and TFLOPS, f/c/SM and peak count the routed rows only (a tile's
  * padding and its columns past its rows are work the layer pays and that counts nothing).
  * Projections: gate/up (n 2I, k H; float32 out as the layer's grouped FP8 path writes it, BF16 with
  * --gu-out bf16) and down (n H, k I, BF16 out). --tile: a list of widths, 0 (the one the layer
@@ -88,8 +88,8 @@ static void routed_counts(long long T, int E, int top_k, int L, uint64_t seed, i
   for (long long t = 0; t < T; t++) {
     int picked[64], n = 0;
     while (n < top_k) {
-      x ^= x << 13, x ^= x >> 7, x ^= x << 17; /* xorshift64 */
-      const int e = (int)(x % (uint64_t)E);
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;      /* xorshift64 */
+      const int e = (int)((x >> 32) % (uint64_t)E); /* the high bits: the low ones skew */
       int dup = 0;
       for (int i = 0; i < n; i++) dup |= picked[i] == e;
       if (!dup) picked[n++] = e;

@@ -19,9 +19,9 @@
  * Every variant is timed whole with CUDA events on each rank's stream around the call (the
  * layer waits on the host for each chunk's count exchange, so nothing is graph-captured), after
  * a group barrier; rank 0 prints median and min over --iters (the variants interleaved: each
- * iteration runs each once, the first one rotating; --sequential: variant after variant; the
- * host waits for each call, or with --host-ahead queues the next one at once). Columns:
- * lay/max = layer / max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target
+ * iteration runs each once, in a shuffled order of its own; --sequential: variant after variant;
+ * the host waits for each call, or with --host-ahead queues the next one at once). Columns: lay/max
+ * = layer / max(gemms, comm) (issue 16's target: <= 1.15), chn/lay = chain / layer (target
  * >= 1.15), cub/gem = cublas / gemms (target >= 0.70), pha/max and chn/pha the same two ratios for
  * phases; after each row a "# host" line: the median host
  * time of each variant's call (gemms: what queueing one FFN costs); ln = the plan's GEMM lanes
