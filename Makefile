@@ -126,6 +126,7 @@ MOE_PREFILL_BENCH_LINK := $(MOE_PREFILL_BENCH_OBJ) $(BUILD)/obj/tests/common/ran
 MOE_GEMM_BENCH_C := $(wildcard bench/moe_gemm/*.c)
 MOE_GEMM_BENCH_OBJ := $(patsubst %.c,$(BUILD)/obj/%.o,$(MOE_GEMM_BENCH_C))
 MOE_GEMM_BENCH_LINK := $(MOE_GEMM_BENCH_OBJ) $(BUILD)/obj/bench/experts/bench_kernels.o \
+                  $(BUILD)/obj/bench/moe/moe_common.o $(BUILD)/obj/tests/common/ranks.o \
                   $(BUILD)/obj/bench/check.o
 
 SHARED_LIB := $(BUILD)/lib/libepx.so

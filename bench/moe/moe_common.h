@@ -26,7 +26,9 @@ extern const moe_shape_t moe_shapes[2];
 int moe_cmp_float(const void *a, const void *b);
 
 /* MOE_TOP_K distinct uniform experts per token and their weights, from an LCG seeded with seed
- * (ids [T, MOE_TOP_K] of E experts, w [T, MOE_TOP_K]). */
+ * (ids [T, MOE_TOP_K] of E experts, w [T, MOE_TOP_K]). The prefill benches route rank r's tokens
+ * with seed MOE_ROUTE_SEED + r. */
+#define MOE_ROUTE_SEED 77u
 void moe_route(int64_t *ids, float *w, int T, int E, uint64_t seed);
 
 /* L experts of shape s on the current GPU, random: BF16 weights, or FP8 with 128x128 float32

@@ -16,9 +16,10 @@
  * A point is one projection of one rank's chunk in the layer of epx_moe_prefill_bench: the
  * E / R experts a rank of R holds, each with S = tokens x R x top_k / (E x chunks) rows (what a
  * uniform routing gives it, rounded up to 4 as the layer pads segments), rows of x in one
- * expert-major array. --counts routed: instead, each expert's rows as one draw of the layer's
- * routing gives them (tokens x R / chunks tokens, each to top_k distinct experts of E uniformly;
- * rank 0's experts; each segment rounded up to 4), so the tiles split the way they do in the layer:
+ * expert-major array. --counts routed: instead, each expert's rows as epx_moe_prefill_bench's
+ * routing gives them (its tokens / chunks first tokens of each of the R ranks, each to top-8
+ * distinct experts of E uniformly, moe_route with that bench's seeds; rank 0's experts; each
+ * segment rounded up to 4; --seed does not change them), so the tiles split the way they do there:
  * the S column is then the mean, and TFLOPS, f/c/SM and peak count the routed rows only (a tile's
  * padding and its columns past its rows are work the layer pays and that counts nothing).
  * Projections: gate/up (n 2I, k H; float32 out as the layer's grouped FP8 path writes it, BF16 with
@@ -39,6 +40,7 @@
 #include "epx.h"
 #include "experts/bench_kernels.h"
 #include "kernels/api.h"
+#include "moe/moe_common.h"
 #include "moe_tiles.h"
 
 enum { MAX_LIST = 8, MAX_ITERS = 1000 };
@@ -80,23 +82,21 @@ static void operands_free(operands_t *o) {
   memset(o, 0, sizeof *o);
 }
 
-/* counts[j] for j < L: the rows expert j of rank 0 gets when each of T tokens picks k distinct
- * experts of E uniformly (the layer bench's routing, drawn here with a seeded generator). */
-static void routed_counts(long long T, int E, int top_k, int L, uint64_t seed, int *counts) {
-  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+/* counts[j] for j < L: the rows rank 0's expert j gets from the first T tokens of each of R
+ * ranks, routed as epx_moe_prefill_bench routes them (moe_route, seed MOE_ROUTE_SEED + rank):
+ * that bench's chunk of T tokens a rank. Returns 0, or -1 out of host memory. */
+static int routed_counts(int T, int E, int R, int L, int *counts) {
+  int64_t *ids = malloc(sizeof(int64_t) * (size_t)T * MOE_TOP_K);
+  float *w = malloc(sizeof(float) * (size_t)T * MOE_TOP_K);
+  const int ok = ids && w;
   for (int j = 0; j < L; j++) counts[j] = 0;
-  for (long long t = 0; t < T; t++) {
-    int picked[64], n = 0;
-    while (n < top_k) {
-      x ^= x << 13, x ^= x >> 7, x ^= x << 17;      /* xorshift64 */
-      const int e = (int)((x >> 32) % (uint64_t)E); /* the high bits: the low ones skew */
-      int dup = 0;
-      for (int i = 0; i < n; i++) dup |= picked[i] == e;
-      if (!dup) picked[n++] = e;
-    }
-    for (int i = 0; i < top_k; i++)
-      if (picked[i] < L) counts[picked[i]]++;
+  for (int r = 0; r < R && ok; r++) {
+    moe_route(ids, w, T, E, MOE_ROUTE_SEED + (uint64_t)r);
+    for (size_t i = 0; i < (size_t)T * MOE_TOP_K; i++)
+      if (ids[i] < L) counts[ids[i]]++;
   }
+  free(ids), free(w);
+  return ok ? 0 : -1;
 }
 
 /* The operands of one projection: L experts with counts[j] rows each (NULL: S each), every
@@ -268,13 +268,12 @@ static int run(const options_t *opt) {
         }
         /* --counts routed: one draw for both projections, as the layer's chunk has */
         int *counts = opt->routed ? malloc(sizeof(int) * (size_t)L) : NULL;
-        if (opt->routed && !counts) {
+        if (opt->routed && (!counts || routed_counts(opt->tokens / C, sh->experts, R, L, counts))) {
+          fprintf(stderr, "%s: out of host memory\n", bench_program);
+          free(counts);
           rc = -1;
           break;
         }
-        if (counts)
-          routed_counts((long long)opt->tokens * R / C, sh->experts, sh->top_k, L,
-                        opt->seed + 1000 * (uint64_t)(R * 64 + C), counts);
         for (int p = 0; p < 2 && !rc; p++) { /* gate/up, down */
           operands_t o;
           const int n = p == 0 ? 2 * sh->intermediate : sh->hidden;

@@ -359,7 +359,7 @@ static int bench_point(ncclComm_t comm, int rank, int R, const moe_shape_t *s, i
   BENCH_EPX(epx_moe_prefill_get_info(c.plan, &info));
   int64_t *ids = malloc(sizeof(int64_t) * T * MOE_TOP_K);
   float *w = malloc(sizeof(float) * T * MOE_TOP_K);
-  moe_route(ids, w, T, s->experts, 77u + (uint64_t)rank);
+  moe_route(ids, w, T, s->experts, MOE_ROUTE_SEED + (uint64_t)rank);
   BENCH_CUDA(cudaMalloc(&c.x, (size_t)T * s->hidden * 2 + 16));
   BENCH_CUDA(cudaMalloc(&c.out, (size_t)T * s->hidden * 2 + 16));
   BENCH_CUDA(cudaMalloc(&c.ids, sizeof(int64_t) * T * MOE_TOP_K + 16));

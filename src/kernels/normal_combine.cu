@@ -687,9 +687,9 @@ __device__ __forceinline__ void combine_finish(const epx__kernel_ctx_t &ctx,
   }
 }
 
-/* epx__combine_slab_free_launch's kernel: lane p waits for peer p as combine_send's wait. */
-/* A timeout marks this call aborted (combine_wait), so its combine gives its waits up at once:
- * one budget. Only cv.call is read. */
+/* epx__combine_slab_free_launch's kernel: lane p waits for peer p as combine_send's wait. A
+ * timeout marks this call aborted (combine_wait), so its combine gives its waits up at once: one
+ * budget. Only cv.call is read. */
 __global__ void slab_free_kernel(epx__kernel_ctx_t ctx) {
   const int lane = threadIdx.x;
   CombineView cv = {};

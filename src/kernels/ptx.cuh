@@ -216,18 +216,19 @@ __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
+/* Order this thread's global-memory accesses across the generic and async proxies: earlier
+ * generic reads (an acquire of a flag) before later bulk copies of the data the flag publishes,
+ * or completed bulk writes before a later generic release (bulk_wait_done). */
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 /* Wait until at most N bulk groups are incomplete (their writes performed), then order them
  * before this thread's later generic-proxy operations (e.g. a release that signals a peer). */
 template <int N>
 __device__ __forceinline__ void bulk_wait_done() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
-/* Order this thread's earlier generic-proxy reads (an acquire of a flag) before its later
- * async-proxy operations (bulk copies of the data the flag publishes). */
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+  fence_proxy_async_global();
 }
 
 }  // namespace epx
