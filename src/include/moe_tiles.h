@@ -20,17 +20,17 @@
 #define EPX__MOE_TILE_X_WIDE 160 /* the wide one (a bigger shared-memory ring stage) */
 #define EPX__MOE_TILE_X_MIN 64   /* the narrowest: segments of a few dozen rows */
 /* Every width a launch may run at, narrowest first (each is a kernel of its own), and what a
- * column costs at it relative to the usual width: narrower tiles copy the same weights for fewer
- * columns and issue smaller wgmmas (epx__moe_pick_tile_x weighs the columns by it). Measured in
- * SM cycles on uniform segments (epx_moe_gemm_bench, 1x H200, session 19; docs/moe.md, "Tile
- * widths 64 and 96"): 64 1.18-1.25x, 96 1.03-1.08x, 160 (one weight block) 0.98-1.03x. 96 is
- * weighed above its measure: picked at 1.04, the layer at Qwen3's shape on 2 ranks ran 4%
- * slower (its chunks' segments straddle 256 rows). */
+ * column costs at it relative to the usual width (epx__moe_pick_tile_x weighs the columns by it).
+ * The usual width runs x's rows as wgmma's M, which makes its promotion read 2 scale products a
+ * thread instead of one per column (moe_gemm_fp8.cu); the others run them as N. Measured in SM
+ * cycles on even segments (epx_moe_gemm_bench, 2x H200, session 27; docs/moe.md, "x's rows as
+ * M"): a column at 64 costs 1.32-1.56x one at 128, at 96 1.15-1.32x, at 160 (one weight block)
+ * 1.10-1.23x. */
 #define EPX__MOE_TILE_X_COUNT 4
 #define EPX__MOE_TILE_X_WIDTHS \
   { 64, 96, 128, 160 }
 #define EPX__MOE_TILE_X_COST_PERMILLE \
-  { 1220, 1100, 1000, 1000 }
+  { 1400, 1200, 1000, 1150 }
 
 #define EPX__MOE_TILE_W 128      /* weight rows of a tile: one block of 128 (the block scales') */
 #define EPX__MOE_TILE_W_TALL 256 /* two blocks: at widths up to 128, n a multiple of 256 */

@@ -6,14 +6,20 @@
  * cuBLASLt call per expert: those left most SMs idle (an expert's GEMM at prefill is a few
  * dozen tiles), split K to fill them, and cost the host ~10 us each (docs/moe.md).
  *
- * Tiles: 128 weight rows (two warpgroups, one m64 each: the weights are wgmma's A, "swap AB")
- * x up to kTileX rows of x, every tile of a launch at wgmma N kTileX, 64, 96, 128 or 160 (the
- * caller picks: moe_tiles.h; the columns past a tile's rows are computed and not stored: a switch
- * over N inside the kernel made ptxas serialize its wgmmas, so the width is a template argument);
- * or, at widths up to 128, the tall tile of 256 weight rows (kHalves 2: each warpgroup one m64 in
- * each of the two weight blocks), which the caller picks where n allows it.
- * An expert's segment of S rows is cut into ceil(S / kTileX) token tiles of equal size (a
- * multiple of 8), so a segment of 260 rows is three tiles of 88 rows at 128, not 128 + 128 + 4.
+ * Tiles: 128 weight rows (one block of the block scales) by kTileX rows of x, 64, 96, 128 or 160
+ * (the caller picks: moe_tiles.h; the width is a template argument: a switch over it inside the
+ * kernel made ptxas serialize its wgmmas); or, at widths up to 128, the tall tile of 256 weight
+ * rows (kHalves 2), which the caller picks where n allows it. At the usual width (128) x's rows
+ * are wgmma's M: warpgroup wg takes rows [64 wg, 64 wg + 64) of the tile (A) against each weight
+ * block (B, N 128), and its promotion reads two scale products a thread (run_tile_rows_m). At the
+ * other widths the weights are A ("swap AB": each warpgroup one m64 of each weight block) and x's
+ * rows N, every tile at wgmma N kTileX, so a promotion reads one product per column (run_tile);
+ * those loads share the shared-memory pipe with the wgmmas' operand reads (at width 128 they took
+ * 13-21% of the kernel's cycles before its rows became M: docs/moe.md, "x's rows as M"). Rows
+ * past a tile's are computed and not stored.
+ * An expert's segment of S rows is cut into ceil(S / kTileX) token tiles: at the usual width
+ * kTileX rows each but the last (260 rows: 128, 128 and 4, each computed whole); at the others of
+ * equal size, a multiple of 8 (260 rows at 96: 88, 88 and 84).
  * Tile order: expert, then weight tile, then token tile, so the token tiles that share a weight
  * tile run at about the same time and the weights come from HBM once.
  *
@@ -94,6 +100,15 @@ struct Ring {
 /* A slot is free again once every consumer warp read it. */
 constexpr uint32_t kEmptyArrivals = kConsumers / 32;
 
+/* Which widths run with x's rows as wgmma's M (A, 64 rows a warpgroup) and the weight rows as N
+ * (B, one block of 128 a wgmma): the usual width. There a thread's accumulators cover 2 rows of x,
+ * so a promotion reads 2 of the scaler's products; with the rows of x as N (the other widths) it
+ * reads one per column, 32 at width 128, and those loads took the shared-memory pipe the wgmmas
+ * read their operands through (a probe without them: 13-18% fewer cycles; docs/moe.md, "x's rows
+ * as M"). */
+template <int kTileX>
+constexpr bool kRowsAsM = kTileX == EPX__MOE_TILE_X;
+
 /* A tile: expert e's weight rows [n0, n0 + Ring::kTileW) on its segment rows [row0, row0 + rows).
  */
 struct Tile {
@@ -109,7 +124,10 @@ __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *b
   tl.e = lo;
   tl.seg_begin = begin[lo];
   tl.seg_rows = begin[lo + 1] - begin[lo];
-  const int per = epx__moe_x_tile_rows(tl.seg_rows, kTileX); /* rows of its token tiles */
+  /* rows of its token tiles: all kTileX but the last where the rows are wgmma's M (each
+   * warpgroup's 64 rows computed only where it has some); else equal tiles (every tile is computed
+   * whole at N kTileX) */
+  const int per = kRowsAsM<kTileX> ? kTileX : epx__moe_x_tile_rows(tl.seg_rows, kTileX);
   const int x_tiles = (tl.seg_rows + per - 1) / per; /* epx__moe_x_tiles without a 2nd `per` */
   const int local = t - prefix[lo];
   tl.n0 = (local / x_tiles) * kTileW;
@@ -287,6 +305,120 @@ __device__ __forceinline__ void store_tile_bf16(__nv_bfloat16 *y, int n, const T
   }
 }
 
+/* The BF16 outputs of a tile with x's rows as M, through this warp's staging area: the warp's 16
+ * rows of x (16 (warp % 4) + lane / 4, + 8) by a weight block's 128 columns, 64 columns a pass.
+ * The accumulators' 8 x 8 blocks are stmatrix's (row lane / 4, columns 2 (lane % 4), + 1), so it
+ * writes them as the rows' 16-byte pieces (piece p of row r at 128 r + 16 (p ^ r % 8): no bank
+ * conflict either way), and the warp copies each row's 128 bytes out with 8 lanes. */
+__device__ __forceinline__ void store_rows_m_bf16(__nv_bfloat16 *y, int n, const Tile &ct, int col0,
+                                                  const float *acc, unsigned char *stage) {
+  const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
+  const uint32_t stage_addr = epx::smem_addr(stage);
+  const int mi = lane >> 3, ri = lane & 7; /* stmatrix: lane 8 m + i addresses row i of matrix m */
+  const int row_base = wg * 64 + 16 * warp4; /* the warp's first row in the tile */
+#pragma unroll
+  for (int pass = 0; pass < 2; pass++) {
+#pragma unroll
+    for (int jj = 0; jj < 8; jj += 2) { /* n8 blocks 8 pass + jj and + 1: four 8 x 8 matrices */
+      const float *a4 = acc + 4 * (8 * pass + jj);
+      uint32_t r[4];
+#pragma unroll
+      for (int m = 0; m < 4; m++) { /* matrix m: rows 8 (m & 1).., block jj + (m >> 1) */
+        const int q = 4 * (m >> 1) + 2 * (m & 1);
+        const __nv_bfloat162 v = __floats2bfloat162_rn(a4[q], a4[q + 1]);
+        r[m] = *(const uint32_t *)&v;
+      }
+      const int row = 8 * (mi & 1) + ri, piece = jj + (mi >> 1);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                       stage_addr + (uint32_t)(row * 128 + ((piece ^ (row & 7)) << 4))),
+                   "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                   : "memory");
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = lane; c < 128; c += 32) { /* 16 rows x 8 pieces */
+      const int row = c >> 3, piece = c & 7, x_row = row_base + row;
+      const uint4 v = *(const uint4 *)(stage + row * 128 + ((piece ^ (row & 7)) << 4));
+      if (x_row < ct.rows)
+        *(uint4 *)(y + (size_t)(ct.seg_begin + ct.row0 + x_row) * (size_t)n + col0 + 64 * pass +
+                   8 * piece) = v;
+    }
+    __syncwarp(); /* read before the next pass overwrites it */
+  }
+}
+
+/* The float32 outputs of a tile with x's rows as M: two adjacent columns a store. */
+__device__ __forceinline__ void store_rows_m_fp32(float *y, int n, const Tile &ct, int col0,
+                                                  const float *acc) {
+  const int tid = threadIdx.x, wg = tid / 128, warp4 = (tid / 32) % 4, lane = tid % 32;
+  const int r0 = wg * 64 + 16 * warp4 + lane / 4;
+  float *base = y + (size_t)(ct.seg_begin + ct.row0 + r0) * (size_t)n + col0 + 2 * (lane % 4);
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    if (r0 < ct.rows) *(float2 *)(base + 8 * j) = make_float2(acc[4 * j], acc[4 * j + 1]);
+    if (r0 + 8 < ct.rows)
+      *(float2 *)(base + (size_t)8 * n + 8 * j) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+  }
+}
+
+/* One tile at the usual width with x's rows as M: warpgroup wg runs the tile's rows [64 wg, 64 wg
+ * + 64) against each weight block (wgmma m64n128, A the rows, B the block's 128 weight rows), and
+ * promotes with its rows' two products (the weight block's scale x the row's). A warpgroup with no
+ * rows in the tile (a last tile of 64 rows or fewer) computes them all the same: skipping its
+ * wgmmas (a warpgroup-uniform branch) made ptxas serialize them (C7518, CUDA 13.0). */
+template <int kHalves>
+__device__ __forceinline__ void run_tile_rows_m(const epx__moe_gemm_fp8_args_t &a, const Smem &sm,
+                                                const int *prefix, const int *begin, int tile,
+                                                int s0, int k_blocks, float *acc, float *part) {
+  constexpr int kN = EPX__MOE_TILE_X, kP = kN / 2; /* weight columns a block, floats of part */
+  using R = Ring<kN, kHalves>;
+  constexpr int kStages = R::kStages;
+  unsigned char *stage = sm.out + (threadIdx.x / 32) * R::kOutWarp;
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+  const int r0 = wg * 64 + 16 * ((tid / 32) % 4) + lane / 4; /* this thread's rows: r0, r0 + 8 */
+  Tile ct;
+#pragma unroll
+  for (int i = 0; i < kHalves * kP; i++) acc[i] = 0.f;
+  for (int s = s0; s < s0 + k_blocks; s++) {
+    const int slot = s % kStages;
+    wait_phase(&sm.full[slot], (s / kStages) & 1);
+    const uint32_t a0 = epx::smem_addr(sm.x + slot * R::kXStage + wg * 64 * kRowBytes);
+#pragma unroll
+    for (int h = 0; h < kHalves; h++) {
+      const uint32_t b0 = epx::smem_addr(sm.w + slot * R::kWStage + h * kWBlock * kRowBytes);
+      fence_regs<kP>(part);
+      fence();
+      mma_stage<kN>(part, a0, b0);
+      commit();
+      /* where the tile's rows go, looked up while its first stage's wgmmas run */
+      if (h == 0 && s == s0) ct = find_tile<kN, R::kTileW>(tile, prefix, begin, a.num_experts);
+      if (h == 0) wait_phase(&sm.ready[slot], (s / kStages) & 1);
+      wait<0>();
+      fence_regs<kP>(part);
+      const float *cb = sm.comb + slot * (kHalves * kN) + h * kN;
+      const float c0 = cb[r0], c1 = cb[r0 + 8];
+      float *acc_h = acc + h * kP;
+#pragma unroll
+      for (int j = 0; j < kN / 8; j++) {
+        acc_h[4 * j + 0] += part[4 * j + 0] * c0;
+        acc_h[4 * j + 1] += part[4 * j + 1] * c0;
+        acc_h[4 * j + 2] += part[4 * j + 2] * c1;
+        acc_h[4 * j + 3] += part[4 * j + 3] * c1;
+      }
+    }
+    __syncwarp(); /* this warp is done with the slot (its wgmmas waited for): free it */
+    if (lane == 0) epx::mbarrier_arrive(&sm.empty[slot]);
+  }
+#pragma unroll
+  for (int h = 0; h < kHalves; h++) {
+    const int col0 = ct.n0 + h * kWBlock;
+    if (a.y_fp32)
+      store_rows_m_fp32((float *)a.y, a.n, ct, col0, acc + h * kP);
+    else
+      store_rows_m_bf16((__nv_bfloat16 *)a.y, a.n, ct, col0, acc + h * kP, stage);
+  }
+}
+
 /* One tile at wgmma width kN (the launch's kTileX): its k_blocks stages from stage s0 of the
  * CTA's sequence, then its rows stored (BF16 through the warp's staging area) while the producer
  * streams the next tile's first stages. With two weight blocks (kHalves 2) a warpgroup runs its m64
@@ -420,9 +552,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[kHalves * kTileX / 2], part[kTileX / 2];
 #pragma unroll
     for (int i = 0; i < kTileX / 2; i++) part[i] = 0.f;
-    for (int c = 0; c < my_tiles; c++)
-      run_tile<kTileX, kHalves>(a, sm, prefix, begin, (int)blockIdx.x + c * (int)gridDim.x,
-                                c * k_blocks, k_blocks, acc, part);
+    for (int c = 0; c < my_tiles; c++) {
+      const int tile = (int)blockIdx.x + c * (int)gridDim.x;
+      if constexpr (kRowsAsM<kTileX>)
+        run_tile_rows_m<kHalves>(a, sm, prefix, begin, tile, c * k_blocks, k_blocks, acc, part);
+      else
+        run_tile<kTileX, kHalves>(a, sm, prefix, begin, tile, c * k_blocks, k_blocks, acc, part);
+    }
     if (probe) a.clock_probe[2] = clock64(), a.clock_probe[3] = epx::globaltimer_ns();
   }
 }

@@ -201,29 +201,31 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
               per, (s + n - 1) / n);
     }
   /* The width: the fewest columns computed in all (tiles x width), each weighed by its width's
-   * cost (moe_tiles.h: 64 1.22, 96 1.10, 128 and 160 1); 128 on a tie. */
+   * cost (moe_tiles.h: 64 1.4, 96 1.2, 128 1, 160 1.15); 128 on a tie. */
   const int chunk[] = {0, 120, 264, 400, 540}; /* 120, 144, 136, 140: one tile each at 160 */
-  EXPECT_EQ_INT(epx__moe_pick_tile_x(chunk, 4), EPX__MOE_TILE_X_WIDE); /* 640 against 896 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(chunk, 4), EPX__MOE_TILE_X_WIDE); /* 640 x 1.15 against 896 */
   const int whole[] = {0, 512, 1024}; /* 512 rows twice: 4 x 128 against 4 x 160 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 2), EPX__MOE_TILE_X);
-  const int some[] = {0, 256, 256, 416}; /* 256, none, 160: 320 + 160 against 448 x 1.22 at 64 */
-  EXPECT_EQ_INT(epx__moe_pick_tile_x(some, 3), EPX__MOE_TILE_X_WIDE);
-  const int tie[] = {0, 160, 288, 416, 544}; /* 160, 128, 128, 128: 640 columns either way */
+  const int some[] = {0, 256, 256, 416}; /* 256, none, 160: 512 against (320 + 160) x 1.15 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(some, 3), EPX__MOE_TILE_X);
+  const int tie[] = {0, 160, 288, 416, 544}; /* 160, 128, 128, 128: 640 columns at 128 and 160 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(tie, 4), EPX__MOE_TILE_X);
   EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 0), EPX__MOE_TILE_X); /* no experts */
-  const int few[] = {0, 40, 76, 136}; /* 40, 36, 60: 3 x 64 x 1.22 against 3 x 128 */
+  const int few[] = {0, 40, 76, 136}; /* 40, 36, 60: 3 x 64 x 1.4 against 3 x 96 x 1.2 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(few, 3), EPX__MOE_TILE_X_MIN);
-  const int pair[] = {0, 128, 256}; /* 128 twice: 2 x 128 against 4 x 64 x 1.22 */
+  const int pair[] = {0, 128, 256}; /* 128 twice: 2 x 128 against 4 x 64 x 1.4 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(pair, 2), EPX__MOE_TILE_X);
-  const int thirds[] = {0, 264, 524, 796}; /* 264, 260, 272: 9 x 96 x 1.1 = 950 against 6 x 160 */
+  const int thirds[] = {0, 264, 524, 796}; /* 264, 260, 272: 9 x 96 x 1.2 = 1037 against
+                                               6 x 160 x 1.15 = 1104 and 9 x 128 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(thirds, 3), 96);
-  /* the weights pinned (found by a review's search): 96 below 1.1 would win the first, 64 below
-   * 1.2 the third, and 64 above 1.22 or 96 below 1.09 would lose the second to 96 or 160 */
-  const int w96[] = {0, 4, 328}; /* 4, 324: 512 columns at 128 against 480 x 1.1 at 96 */
+  /* the weights pinned, each by a case its margin flips: 160 wins "chunk" below 1.4 and loses
+   * "some" above 1.07; 96 wins "thirds" below 1.28 and loses "w96" above 1.07; 64 loses "w64" to
+   * 96 above 1.35 and "w64b" to 128 above 1.2, and wins "few" below 1.8 */
+  const int w96[] = {0, 4, 328}; /* 4, 324: 512 columns at 128 against 480 x 1.2 at 96 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(w96, 2), EPX__MOE_TILE_X);
-  const int w64[] = {0, 4, 136}; /* 4, 132: 256 x 1.22 at 64 against 288 x 1.1 and 320 */
-  EXPECT_EQ_INT(epx__moe_pick_tile_x(w64, 2), EPX__MOE_TILE_X_MIN);
-  const int w64b[] = {0, 4, 200}; /* 4, 196: 384 at 128 against 320 x 1.22 at 64 */
+  const int w64[] = {0, 4, 136}; /* 4, 132: 288 x 1.2 at 96 against 256 x 1.4 at 64 and 384 */
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(w64, 2), 96);
+  const int w64b[] = {0, 4, 200}; /* 4, 196: 384 at 128 against 320 x 1.4 at 64 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(w64b, 2), EPX__MOE_TILE_X);
   /* every width the picker may return, the launcher knows */
   static const int widths[] = EPX__MOE_TILE_X_WIDTHS;
