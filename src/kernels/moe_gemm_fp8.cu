@@ -15,7 +15,7 @@
  * other widths the weights are A ("swap AB": each warpgroup one m64 of each weight block) and x's
  * rows N, every tile at wgmma N kTileX, so a promotion reads one product per column (run_tile);
  * those loads share the shared-memory pipe with the wgmmas' operand reads (at width 128 they took
- * 13-21% of the kernel's cycles before its rows became M: docs/moe.md, "x's rows as M"). Rows
+ * 9-21% of the kernel's cycles before its rows became M: docs/moe.md, "x's rows as M"). Rows
  * past a tile's are computed and not stored.
  * An expert's segment of S rows is cut into ceil(S / kTileX) token tiles: at the usual width
  * kTileX rows each but the last (260 rows: 128, 128 and 4, each computed whole); at the others of
@@ -64,7 +64,8 @@ constexpr int kThreads = kConsumers + 128; /* and a producer warpgroup (one thre
 /* Registers per thread after setmaxnreg (2 x 128 x 232 + 128 x 40 <= 65536). At 288 threads
  * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use up to
  * about 150 (width 128) and 185 (width 160), the producer about 24 (reviews' SASS readings); the
- * tall tile's 229, with one 8-byte spill a tile, outside the stage loop (2aa6c34's SASS). */
+ * tall tile's 229 (x's rows as M, f119165's SASS: R0-R229, no spill; 2aa6c34's swap-AB tall tile
+ * had one 8-byte spill a tile, outside the stage loop). */
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 constexpr int kWBlock = 128;   /* weight rows of a scale block: one m64 of each warpgroup */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
@@ -104,7 +105,7 @@ constexpr uint32_t kEmptyArrivals = kConsumers / 32;
  * (B, one block of 128 a wgmma): the usual width. There a thread's accumulators cover 2 rows of x,
  * so a promotion reads 2 of the scaler's products; with the rows of x as N (the other widths) it
  * reads one per column, 32 at width 128, and those loads took the shared-memory pipe the wgmmas
- * read their operands through (a probe without them: 13-18% fewer cycles; docs/moe.md, "x's rows
+ * read their operands through (a probe without them: 10-19% fewer cycles; docs/moe.md, "x's rows
  * as M"). */
 template <int kTileX>
 constexpr bool kRowsAsM = kTileX == EPX__MOE_TILE_X;
