@@ -1,9 +1,11 @@
 /*
  * moe_tiles.h - how EPX's grouped FP8 GEMM (src/kernels/moe_gemm_fp8.cu) cuts an expert's
  * segment of s rows into token tiles, and which tile width and height a launch runs at. A launch
- * runs every tile at one wgmma width `cap` (64, 96, 128 or 160 rows: EPX__MOE_TILE_X_WIDTHS); a
- * segment is cut into ceil(s / cap) tiles of equal size, a multiple of 8 rows (wgmma's N steps) and
- * at most cap, the last one shorter where s is not a multiple of that size. Shared by the kernel,
+ * computes every tile at one width `cap` (64, 96, 128 or 160 rows: EPX__MOE_TILE_X_WIDTHS); a
+ * segment is cut into ceil(s / cap) tiles: at the usual width (x's rows as wgmma's M) cap rows
+ * each but the last; at the others (x's rows as wgmma's N) of equal size, a multiple of 8 rows and
+ * at most cap, the last one shorter where s is not a multiple of that size
+ * (epx__moe_x_tile_rows: the kernel's find_tile applies it only there). Shared by the kernel,
  * the layer's FFN (src/moe_ffn.c, which picks the width from the host's counts, then the height),
  * epx_moe_gemm_bench and their host test (tests/host/test_moe_prefill_plan.c). Pure.
  */

@@ -383,9 +383,10 @@ epx_status_t epx__moe_segment_scales_launch(const epx__moe_segment_scales_launch
  * begin[j] * (k / 128) + b * S_j + (r - begin[j]) (epx__moe_rows_launch's layout); w_j at
  * w + j * w_stride bytes (w_stride = n k: the weights are one [L n, k] matrix), [n, k] FP8; its
  * scales at w_scales + j * ws_stride floats, [n / 128][ws_kb] (ws_kb >= k / 128 and a multiple
- * of 4, both scale arrays 16-byte aligned: they are copied in bulk); y [rows, n] float32 (y_fp32)
- * or BF16 (16-byte aligned). n a multiple of 128 (and under 2^31 / 168: 32-bit offsets in a tile),
- * k of 128 (epx__moe_gemm_fp8_supported). num_ctas persistent CTAs (the SMs the GEMM may use). */
+ * of 4, both scale arrays 16-byte aligned: they are copied in bulk); y [rows, n] float32 (y_fp32,
+ * 8-byte aligned) or BF16 (16-byte aligned). n a multiple of 128 (and under 2^31 / 168: 32-bit
+ * offsets in a tile), k of 128 (epx__moe_gemm_fp8_supported). num_ctas persistent CTAs (the SMs the
+ * GEMM may use). */
 typedef struct epx__moe_gemm_fp8_args {
   /* Set by the launcher (TMA): the weights as one [L n, k] matrix in boxes of tile_w rows; x
    * [x_rows, k] in boxes of tile_x rows (every tile loads tile_x, whatever its rows). */
@@ -403,8 +404,9 @@ typedef struct epx__moe_gemm_fp8_args {
   const int *begin; /* device [num_experts + 1] */
   int x_rows;       /* rows x has (reads past them are zeros); 0: nothing to do */
   int num_ctas;
-  int tile_x;       /* rows of x of a tile, at most, and the wgmma width every tile runs at:
-                       one of EPX__MOE_TILE_X_WIDTHS, 64 to 160 (moe_tiles.h) */
+  int tile_x;       /* rows of x of a tile, at most, every tile computing all of them: one of
+                       EPX__MOE_TILE_X_WIDTHS, 64 to 160 (moe_tiles.h; at the usual width x's
+                       rows are wgmma's M, at the others its N) */
   int tile_w;       /* weight rows of a tile: EPX__MOE_TILE_W (also for 0) or, with tile_x at
                        most EPX__MOE_TILE_X and n a multiple of it, EPX__MOE_TILE_W_TALL */
   int early_launch; /* launched early (launch.cuh): may start while the previous kernel runs */

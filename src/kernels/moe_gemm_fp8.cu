@@ -14,8 +14,8 @@
  * block (B, N 128), and its promotion reads two scale products a thread (run_tile_rows_m). At the
  * other widths the weights are A ("swap AB": each warpgroup one m64 of each weight block) and x's
  * rows N, every tile at wgmma N kTileX, so a promotion reads one product per column (run_tile);
- * those loads share the shared-memory pipe with the wgmmas' operand reads (at width 128 they took
- * 9-21% of the kernel's cycles before its rows became M: docs/moe.md, "x's rows as M"). Rows
+ * those loads share the shared-memory pipe with the wgmmas' operand reads (at width 128, turning
+ * x's rows into M took 9-21% of the kernel's cycles away: docs/moe.md, "x's rows as M"). Rows
  * past a tile's are computed and not stored.
  * An expert's segment of S rows is cut into ceil(S / kTileX) token tiles: at the usual width
  * kTileX rows each but the last (260 rows: 128, 128 and 4, each computed whole); at the others of
@@ -62,18 +62,18 @@ using namespace epx::wgmma;
 constexpr int kConsumers = 256;            /* two warpgroups: the wgmma and the epilogue */
 constexpr int kThreads = kConsumers + 128; /* and a producer warpgroup (one thread copies) */
 /* Registers per thread after setmaxnreg (2 x 128 x 232 + 128 x 40 <= 65536). At 288 threads
- * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use up to
- * about 150 (width 128) and 185 (width 160), the producer about 24 (reviews' SASS readings); the
- * tall tile's 229 (x's rows as M, f119165's SASS: R0-R229, no spill; 2aa6c34's swap-AB tall tile
- * had one 8-byte spill a tile, outside the stage loop). */
+ * (one producer warp) ptxas spilled and serialized the wgmmas; here the consumers use about 160
+ * (width 128, one weight block), 195 (width 160) and 230 (the tall tile at 128) registers, with no
+ * spill (f119165's SASS), the producer about 24 (reviews' SASS readings). */
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;
-constexpr int kWBlock = 128;   /* weight rows of a scale block: one m64 of each warpgroup */
+constexpr int kWBlock = 128; /* weight rows of a scale block: wgmma's N at the usual width, one m64
+                                 of each warpgroup at the others */
 constexpr int kRowBytes = 128; /* K bytes of a row per stage: one scale block, one swizzle row */
 constexpr int kMaxExperts = EPX_MAX_EXPERTS;
 
-/* A launch's tile shape (moe_tiles.h): kTileX rows of x (64 to 160, every tile at wgmma N
+/* A launch's tile shape (moe_tiles.h): kTileX rows of x (64 to 160; every tile computes all
  * kTileX) by kHalves scale blocks of 128 weight rows (1, or 2 for the tall tile, where each
- * warpgroup runs an m64 in both blocks: as many wgmmas a stage for half the barriers, and a
+ * warpgroup runs its wgmmas in both blocks: as many wgmmas a stage for half the barriers, and a
  * quarter fewer bytes copied a product). It sets the ring's stage: the weight box, kTileX rows
  * of x, the x rows' scales (kTileX floats) and, per weight block, the 16 bytes of its row of
  * block scales that hold this K block's; and its depth: 6 stages of 32 KB, 5 of 36 KB or 4 of
@@ -88,7 +88,8 @@ struct Ring {
   static constexpr int kXStage = kTileX * kRowBytes;
   static constexpr int kScaleStage = kTileX * 4 + 16 * kHalves;
   static constexpr int kCombStage = kHalves * kTileX * 4; /* the scales' products */
-  /* a consumer warp's BF16 outputs of half a tile's x rows, on their way to global memory */
+  /* a consumer warp's BF16 outputs on their way to global memory: half a tile's x rows by its 16
+   * weight rows (x's rows as N), or its 16 rows of x by 64 weight columns (as M) */
   static constexpr int kOutWarp = 16 * (kTileX / 2) * 2;
   static constexpr int kSmemBytes =
       1024 /* to align the base */ +
@@ -125,9 +126,8 @@ __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *b
   tl.e = lo;
   tl.seg_begin = begin[lo];
   tl.seg_rows = begin[lo + 1] - begin[lo];
-  /* rows of its token tiles: all kTileX but the last where the rows are wgmma's M (each
-   * warpgroup's 64 rows computed only where it has some); else equal tiles (every tile is computed
-   * whole at N kTileX) */
+  /* rows of its token tiles: kTileX each but the last where the rows are wgmma's M; else equal
+   * tiles (either way every tile computes all kTileX rows) */
   const int per = kRowsAsM<kTileX> ? kTileX : epx__moe_x_tile_rows(tl.seg_rows, kTileX);
   const int x_tiles = (tl.seg_rows + per - 1) / per; /* epx__moe_x_tiles without a 2nd `per` */
   const int local = t - prefix[lo];
@@ -157,7 +157,7 @@ struct Smem {
   unsigned char *w, *x; /* [Ring::kStages][Ring::kWStage], [Ring::kStages][Ring::kXStage] */
   float *sc;            /* [Ring::kStages][Ring::kScaleStage / 4] */
   float *comb;          /* [Ring::kStages][kHalves][kTileX]: weight block's scale x row's */
-  unsigned char *out;   /* [consumer warp][Ring::kOutWarp]: store_tile_bf16's staging */
+  unsigned char *out;   /* [consumer warp][Ring::kOutWarp]: the BF16 stores' staging */
   uint64_t *full;       /* [Ring::kStages]: a stage's copies landed */
   uint64_t *ready;      /* [Ring::kStages]: and its scales' products are written */
   uint64_t *empty;      /* [Ring::kStages]: every consumer warp is done with it */
@@ -165,7 +165,7 @@ struct Smem {
 
 /* The producer (one lane): every stage of the CTA's tiles, each into slot s % depth once the
  * consumers freed it: the weight box, the x rows' box (kTileX rows whatever the tile's: every
- * tile runs at wgmma N kTileX), the x rows' scales and, per weight block, its row of block
+ * tile computes all kTileX), the x rows' scales and, per weight block, its row of block
  * scales that holds this K block's (16 bytes: ws_kb is a multiple of 4). */
 template <int kTileX, int kHalves>
 __device__ void produce(const epx__moe_gemm_fp8_args_t &a, const Smem &sm, const int *prefix,
@@ -207,9 +207,9 @@ __device__ void produce(const epx__moe_gemm_fp8_args_t &a, const Smem &sm, const
 
 /* The scaler (one warp of the producer warpgroup, idle otherwise): once a stage's copies land,
  * every (weight block, x row) product of its scales, which the consumers' promotions then read
- * as they are (at width 128, 16 loads and 64 FMAs a thread and block instead of 16 loads, 32
- * multiplies and 64 FMAs: the promotions run while the tensor cores idle). Rows past a tile's read
- * stale scales: their columns are computed and never stored. */
+ * as they are (with x's rows as N, 16 loads and 64 FMAs a thread and block at width 128 instead
+ * of 16 loads, 32 multiplies and 64 FMAs; as M, 2 loads and 64 FMAs). Rows past a tile's read
+ * stale scales: their outputs are computed and never stored. */
 template <int kTileX, int kHalves>
 __device__ void scale_products(const Smem &sm, int num_stages, int k_blocks) {
   using R = Ring<kTileX, kHalves>;
@@ -373,6 +373,8 @@ __device__ __forceinline__ void run_tile_rows_m(const epx__moe_gemm_fp8_args_t &
                                                 int s0, int k_blocks, float *acc, float *part) {
   constexpr int kN = EPX__MOE_TILE_X, kP = kN / 2; /* weight columns a block, floats of part */
   using R = Ring<kN, kHalves>;
+  static_assert(kN == kWBlock && kN == 2 * 64, "the tile's rows: two m64; a weight block: N");
+  static_assert(R::kOutWarp >= 16 * 64 * 2, "store_rows_m_bf16: 16 rows of 64 BF16 a pass");
   constexpr int kStages = R::kStages;
   unsigned char *stage = sm.out + (threadIdx.x / 32) * R::kOutWarp;
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
@@ -637,11 +639,12 @@ extern "C" epx_status_t epx__moe_gemm_fp8_launch(const epx__moe_gemm_fp8_args_t 
                           "and %p: need 16-byte alignment and rows of a multiple of 4 blocks",
                           (const void *)a->w_scales, a->ws_stride, a->ws_kb,
                           (const void *)a->x_scales);
-  if (!a->y_fp32 && (uintptr_t)a->y % 16 != 0)
+  if ((uintptr_t)a->y % (a->y_fp32 ? 8 : 16) != 0)
     return epx__set_error(EPX_ERR_INTERNAL,
-                          "epx__moe_gemm_fp8_launch: BF16 outputs at %p: need 16-byte alignment "
-                          "(stored 16 bytes a lane)",
-                          a->y);
+                          "epx__moe_gemm_fp8_launch: %s outputs at %p: need %d-byte alignment "
+                          "(stored %d bytes a lane)",
+                          a->y_fp32 ? "float32" : "BF16", a->y, a->y_fp32 ? 8 : 16,
+                          a->y_fp32 ? 8 : 16);
   const int tile_w = a->tile_w ? a->tile_w : EPX__MOE_TILE_W;
   if (!epx__moe_tile_w_fits(tile_w, a->n, a->tile_x))
     return epx__set_error(EPX_ERR_INTERNAL,

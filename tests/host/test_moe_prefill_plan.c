@@ -176,13 +176,14 @@ EPX_HOST_TEST(moe_prefill_batched_block_rows, 10) {
 /* The grouped FP8 GEMM's token tiles of a segment of s rows, for every s a prefill chunk can
  * give an expert here, at every width (cap 64, 96, 128 and 160): ceil(s / cap) tiles (the fewest of
  * at most cap rows), each a multiple of 8 rows (wgmma's N steps) and at most cap, together exactly
- * s rows, none empty, and none more than 8 rows past the even split; and the width a launch
- * picks from its segments, and the height from n and the width. */
+ * s rows, none empty, and none more than 8 rows past the even split (the kernel's tiles at every
+ * width but the usual one, where it takes cap rows a tile but the last: the same count); and the
+ * width a launch picks from its segments, and the height from n and the width. */
 EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   static const int caps[] = EPX__MOE_TILE_X_WIDTHS;
   EXPECT_EQ_INT(epx__moe_x_tiles(0, EPX__MOE_TILE_X), 0);
   EXPECT_EQ_INT(epx__moe_x_tiles(-4, EPX__MOE_TILE_X_WIDE), 0);
-  EXPECT_EQ_INT(epx__moe_x_tile_rows(257, EPX__MOE_TILE_X), 88); /* DeepSeek-V3, 2 ranks */
+  EXPECT_EQ_INT(epx__moe_x_tile_rows(257, EPX__MOE_TILE_X), 88); /* the even split of 257 */
   EXPECT_EQ_INT(epx__moe_x_tiles(257, EPX__MOE_TILE_X), 3);
   EXPECT_EQ_INT(epx__moe_x_tile_rows(257, EPX__MOE_TILE_X_WIDE), 136);
   EXPECT_EQ_INT(epx__moe_x_tiles(257, EPX__MOE_TILE_X_WIDE), 2);
@@ -208,8 +209,10 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 2), EPX__MOE_TILE_X);
   const int some[] = {0, 256, 256, 416}; /* 256, none, 160: 512 against (320 + 160) x 1.15 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(some, 3), EPX__MOE_TILE_X);
-  const int tie[] = {0, 160, 288, 416, 544}; /* 160, 128, 128, 128: 640 columns at 128 and 160 */
-  EXPECT_EQ_INT(epx__moe_pick_tile_x(tie, 4), EPX__MOE_TILE_X);
+  /* a tie with 160: 7 segments of 160 and 9 of 128, 2944 columns at 128 against 2560 x 1.15 */
+  int tie[17] = {0};
+  for (int j = 0; j < 16; j++) tie[j + 1] = tie[j] + (j < 7 ? 160 : 128);
+  EXPECT_EQ_INT(epx__moe_pick_tile_x(tie, 16), EPX__MOE_TILE_X);
   EXPECT_EQ_INT(epx__moe_pick_tile_x(whole, 0), EPX__MOE_TILE_X); /* no experts */
   const int few[] = {0, 40, 76, 136}; /* 40, 36, 60: 3 x 64 x 1.4 against 3 x 96 x 1.2 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(few, 3), EPX__MOE_TILE_X_MIN);
@@ -218,9 +221,10 @@ EPX_HOST_TEST(moe_grouped_gemm_token_tiles, 10) {
   const int thirds[] = {0, 264, 524, 796}; /* 264, 260, 272: 9 x 96 x 1.2 = 1037 against
                                                6 x 160 x 1.15 = 1104 and 9 x 128 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(thirds, 3), 96);
-  /* the weights pinned, each by a case its margin flips: 160 wins "chunk" below 1.4 and loses
-   * "some" above 1.07; 96 wins "thirds" below 1.28 and loses "w96" above 1.07; 64 loses "w64" to
-   * 96 above 1.35 and "w64b" to 128 above 1.2, and wins "few" below 1.8 */
+  /* the weights pinned, each by a case its margin flips: 160 wins "chunk" below 1.4, loses
+   * "some" above 1.07 and "thirds" (to 96) above 1.08; 96 wins "w64" below 1.245 (against 64's
+   * 1.4) and loses "w96" above 1.07; 64 loses "w64" to 96 above 1.35 and "w64b" to 128 above 1.2,
+   * and wins "few" below 1.8 */
   const int w96[] = {0, 4, 328}; /* 4, 324: 512 columns at 128 against 480 x 1.2 at 96 */
   EXPECT_EQ_INT(epx__moe_pick_tile_x(w96, 2), EPX__MOE_TILE_X);
   const int w64[] = {0, 4, 136}; /* 4, 132: 288 x 1.2 at 96 against 256 x 1.4 at 64 and 384 */
