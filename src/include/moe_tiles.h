@@ -25,9 +25,9 @@
  * column costs at it relative to the usual width (epx__moe_pick_tile_x weighs the columns by it).
  * The usual width runs x's rows as wgmma's M, which makes its promotion read 2 scale products a
  * thread instead of one per column (moe_gemm_fp8.cu); the others run them as N. Measured in SM
- * cycles on even segments (epx_moe_gemm_bench, 2x H200, session 27; docs/moe.md, "x's rows as
- * M"): a column at 64 costs 1.32-1.56x one at 128, at 96 1.15-1.32x, at 160 (one weight block)
- * 1.10-1.23x. */
+ * cycles on even segments (epx_moe_gemm_bench, 2x H200, session 27: the other widths' cycles of
+ * one call against the new 128's of another; docs/moe.md, "x's rows as M"): a column at 64 costs
+ * 1.32-1.56x one at 128, at 96 1.14-1.35x, at 160 (one weight block) 1.10-1.28x. */
 #define EPX__MOE_TILE_X_COUNT 4
 #define EPX__MOE_TILE_X_WIDTHS \
   { 64, 96, 128, 160 }
