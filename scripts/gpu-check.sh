@@ -37,6 +37,11 @@
 #        EXPERTS_COMPARE=1 (with BASELINE): epx_experts_bench of DIR and of this tree alternately
 #        (EXPERTS_COMPARE_ARGS, default "--dtype fp8 --tokens 1,8,32,128,512 --iters 20"), side
 #        by side in the summary;
+#        GEMM_COMPARE=1 (with BASELINE): epx_moe_gemm_bench (the prefill layer's grouped FP8 GEMM,
+#        one GPU) of DIR and of this tree alternately (GEMM_COMPARE_ARGS, default "--shape all
+#        --ranks 2,4 --chunks 1 --iters 8 --tile 0 --tile-w 0 --counts routed"), each point's
+#        kernel cycles side by side with new / base (compare cycles, not time: the clock follows
+#        the power; docs/bench.md);
 #        BASELINE=DIR: a source tree of another commit (e.g. `git archive <rev> | tar -x -C DIR`);
 #        its benchmark is built beside this one and both run COMPARE_ROUNDS times (default 2)
 #        alternately with COMPARE_ARGS (default: the README's benchmark), then
@@ -68,15 +73,16 @@ if [ -n "${BASELINE:-}" ]; then
   base_targets=
   [ -z "${SKIP_BENCH:-}" ] && base_targets="build/bin/epx_bench"
   [ -n "${EXPERTS_COMPARE:-}" ] && base_targets="$base_targets build/bin/epx_experts_bench"
+  [ -n "${GEMM_COMPARE:-}" ] && base_targets="$base_targets build/bin/epx_moe_gemm_bench"
   if [ -n "$base_targets" ]; then
     (make -C "$BASELINE" -j"$(nproc)" $base_targets >"$out/baseline-build.log" 2>&1) &
     baseline_pid=$!
   else
-    echo "BASELINE=$BASELINE: nothing to compare (SKIP_BENCH=1 and no EXPERTS_COMPARE=1)"
+    echo "BASELINE=$BASELINE: nothing to compare (SKIP_BENCH=1, no EXPERTS_COMPARE=1 or GEMM_COMPARE=1)"
   fi
 fi
-if [ -n "${EXPERTS_COMPARE:-}" ] && [ -z "${BASELINE:-}" ]; then
-  echo "EXPERTS_COMPARE=1 needs BASELINE=DIR: not compared"
+if [ -n "${EXPERTS_COMPARE:-}${GEMM_COMPARE:-}" ] && [ -z "${BASELINE:-}" ]; then
+  echo "EXPERTS_COMPARE=1 and GEMM_COMPARE=1 need BASELINE=DIR: not compared"
 fi
 if ! make -j"$(nproc)" $targets WGMMA_SERIALIZED=error >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
@@ -279,6 +285,34 @@ if [ -n "${BASELINE:-}" ] && [ -n "${EXPERTS_COMPARE:-}" ]; then
   )
 fi
 
+# The grouped FP8 GEMM against the baseline's: alternating runs, one row per point (shape,
+# projection, ranks, chunks, tile width and height): each run's kcyc, then the mean ratio.
+gemm_compare_lines=
+if [ -n "${BASELINE:-}" ] && [ -n "${GEMM_COMPARE:-}" ]; then
+  rm -f "$out"/gemm-compare-*.log
+  for round in $(seq 1 "${COMPARE_ROUNDS:-2}"); do
+    for side in base new; do
+      bin=build/bin/epx_moe_gemm_bench
+      [ $side = base ] && bin="$BASELINE/build/bin/epx_moe_gemm_bench"
+      log="$out/gemm-compare-$side-$round.log"
+      CUDA_VISIBLE_DEVICES=${GEMM_COMPARE_DEVICE:-0} timeout 300 "$bin" \
+        ${GEMM_COMPARE_ARGS:---shape all --ranks 2,4 --chunks 1 --iters 8 --tile 0 --tile-w 0 --counts routed} \
+        >"$log" 2>&1 || echo "moe gemm: $side round $round exited with $?" >>"$log"
+    done
+  done
+  # rows "<shape> <gu|dn> R<r> c<c> n k L S tile tw us min GHz kcyc ...": field 14 is kcyc
+  gemm_compare_lines=$(
+    for f in "$out"/gemm-compare-*-*.log; do
+      side=$(basename "$f" .log | cut -d- -f3)
+      grep -E '^(deepseek|qwen3) ' "$f" | awk -v s="$side" '{print $1"_"$2"_"$3"_"$4"_"$9"x"$10, s, $14}'
+    done | sort -k1,1 -k2,2 | awk '{k=$1
+      if (k != p) { if (p != "") print line"  new/base "(nb ? sprintf("%.3f", n / b) : "-"); line = k; p = k; n = b = nb = 0 }
+      line = line"  "$2" "$3; if ($2 == "base") { b += $3; nb++ } else n += $3 }
+      END { if (p != "") print line"  new/base "(nb ? sprintf("%.3f", n / b) : "-") }'
+    grep -h "exited with" "$out"/gemm-compare-*-*.log
+  )
+fi
+
 compare_line=
 if [ -n "${BASELINE:-}" ] && [ -z "${SKIP_BENCH:-}" ]; then
   a_json= b_json=
@@ -319,6 +353,8 @@ fi
 [ -n "$sweep_lines" ] && echo "expert-major rows per setting:$sweep_lines"
 [ -n "$experts_compare_lines" ] && echo "epx_experts_bench, median us (share of HBM), per run:
 $experts_compare_lines"
+[ -n "$gemm_compare_lines" ] && echo "epx_moe_gemm_bench, kcyc per run (point: shape_projection_ranks_chunks_width x height):
+$gemm_compare_lines"
 [ -n "$compare_line" ] && cat "$out/compare.txt"
 if [ -f "$out/bench.log" ]; then
   echo "bench: exit $bench_rc"
