@@ -137,11 +137,23 @@ __device__ __forceinline__ Tile find_tile(int t, const int *prefix, const int *b
   return tl;
 }
 
+/* A stage's four k32 wgmmas of one weight block into the partial sum p (m64 x N, A at a0, B at
+ * b0), fenced and committed; mma_stage_wait waits for them, after which p may be read. Both
+ * layouts' tiles (run_tile, run_tile_rows_m) look up their tile and wait for the scaler between
+ * the two. */
 template <int kN>
 __device__ __forceinline__ void mma_stage(float *p, uint32_t a0, uint32_t b0) {
+  fence_regs<kN / 2>(p);
+  fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ks++)
     Wgmma<kN>::run(p, smem_desc(a0 + ks * 32), smem_desc(b0 + ks * 32), ks > 0);
+  commit();
+}
+template <int kN>
+__device__ __forceinline__ void mma_stage_wait(float *p) {
+  wait<0>();
+  fence_regs<kN / 2>(p);
 }
 
 /* Bounded barrier waits (4 s, then a trap): a copy that never lands, or a slot never freed,
@@ -389,15 +401,11 @@ __device__ __forceinline__ void run_tile_rows_m(const epx__moe_gemm_fp8_args_t &
 #pragma unroll
     for (int h = 0; h < kHalves; h++) {
       const uint32_t b0 = epx::smem_addr(sm.w + slot * R::kWStage + h * kWBlock * kRowBytes);
-      fence_regs<kP>(part);
-      fence();
       mma_stage<kN>(part, a0, b0);
-      commit();
       /* where the tile's rows go, looked up while its first stage's wgmmas run */
       if (h == 0 && s == s0) ct = find_tile<kN, R::kTileW>(tile, prefix, begin, a.num_experts);
       if (h == 0) wait_phase(&sm.ready[slot], (s / kStages) & 1);
-      wait<0>();
-      fence_regs<kP>(part);
+      mma_stage_wait<kN>(part);
       const float *cb = sm.comb + slot * (kHalves * kN) + h * kN;
       const float c0 = cb[r0], c1 = cb[r0 + 8];
       float *acc_h = acc + h * kP;
@@ -451,16 +459,12 @@ __device__ __forceinline__ void run_tile(const epx__moe_gemm_fp8_args_t &a, cons
     for (int h = 0; h < kHalves; h++) {
       const uint32_t a0 =
           epx::smem_addr(sm.w + slot * R::kWStage + (h * kWBlock + wg * 64) * kRowBytes);
-      fence_regs<kN / 2>(part);
-      fence();
       mma_stage<kN>(part, a0, b0);
-      commit();
       /* where the tile's rows go, looked up while its first stage's wgmmas run (~1,000 cycles) */
       if (h == 0 && s == s0) ct = find_tile<kN, R::kTileW>(tile, prefix, begin, a.num_experts);
       /* the scaler's products of this stage (in the wgmmas' shadow once it is ahead) */
       if (h == 0) wait_phase(&sm.ready[slot], (s / kStages) & 1);
-      wait<0>();
-      fence_regs<kN / 2>(part);
+      mma_stage_wait<kN>(part);
       /* acc += part x (weight block's scale x row's scale), per column (row of x) */
       const float *cb = sm.comb + slot * (kHalves * kN) + h * kN;
       float *acc_h = acc + h * (kN / 2);
